@@ -1,0 +1,45 @@
+"""stalwart keeps PyTorch training and inference alive through faults, and explains them.
+
+The public surface is small and listed in ``__all__`` (a test keeps it honest):
+checkpoints (:class:`Checkpointer`, :class:`TrainingState`, options and retention policies)
+and the exception tree (:mod:`stalwart.errors`).
+"""
+
+from stalwart.checkpoint import (
+    AnyOf,
+    Checkpointer,
+    CheckpointOptions,
+    KeepAll,
+    KeepEvery,
+    KeepLast,
+    LoadResult,
+    SaveResult,
+    TrainingState,
+)
+from stalwart.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StalwartError,
+    StateMismatchError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnyOf",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointOptions",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "KeepAll",
+    "KeepEvery",
+    "KeepLast",
+    "LoadResult",
+    "SaveResult",
+    "StalwartError",
+    "StateMismatchError",
+    "TrainingState",
+    "__version__",
+]

@@ -1,0 +1,75 @@
+"""The few collectives a save or load needs, with errors carried across ranks.
+
+Every rank does its local part inside ``try``, then all ranks exchange outcomes with one
+``all_gather_object`` so that a failure on any rank makes every rank raise the same
+:class:`DistributedError` (instead of some ranks hanging in the next collective).
+The objects exchanged are small descriptions, never tensor data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from stalwart.errors import DistributedError
+
+__all__ = ["Group", "resolve_group"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Group:
+    """The ranks a checkpointer coordinates (a process group, or one lone process)."""
+
+    pg: Any
+    rank: int
+    world: int
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, indexed by rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
+        return box[0]
+
+    def run(self, what: str, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` on every rank and gather results; raise on all ranks if any failed."""
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except Exception as e:  # carried to every rank below, re-raised locally
+            if self.world == 1:
+                raise
+            local_error: BaseException | None = e
+            outcome = (False, f"{type(e).__name__}: {e}")
+        else:
+            local_error = None
+        outcomes = self.all_gather(outcome)
+        failed = [(r, msg) for r, (ok, msg) in enumerate(outcomes) if not ok]
+        if failed:
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+            err = DistributedError(f"{what} failed on {len(failed)} rank(s): {detail}")
+            if local_error is not None:
+                raise err from local_error
+            raise err
+        return [res for _, res in outcomes]
+
+
+def resolve_group(process_group: Any = None) -> Group:
+    """The group to coordinate: the given one, the default one if initialised, or none."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return Group(pg=None, rank=0, world=1)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return Group(pg=pg, rank=dist.get_rank(pg), world=dist.get_world_size(pg))

@@ -1,0 +1,176 @@
+"""Persist boxes as content-addressed chunks in one pack file per rank and save.
+
+Each box's row-major bytes are cut at fixed offsets into chunks of at most ``chunk_bytes``
+(so an unchanged tensor always yields the same chunks). Worker threads hash each chunk with
+BLAKE3 (which releases the GIL) and compress it if asked; chunks the store already holds are
+referenced, not written. New chunks stream, in order, into a single pack file written with
+one atomic, durable ``Storage.write``: one large sequential stream per rank, no copies of
+uncompressed tensor bytes on the way to the disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import blake3
+import torch
+
+from stalwart.checkpoint.manifest import ChunkRef, ShardEntry
+from stalwart.checkpoint.options import CheckpointOptions
+from stalwart.checkpoint.plan import BoxKey, LocalItem
+from stalwart.storage.base import Buffer, Storage
+
+__all__ = ["PersistStats", "chunk_hash", "persist_boxes", "tensor_bytes"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def chunk_hash(data: Buffer) -> str:
+    """BLAKE3-256 of ``data`` as lowercase hex: a chunk's name and checksum."""
+    return blake3.blake3(data).hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of ``t`` on the CPU, without a copy when already contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass
+class PersistStats:
+    """What one rank's persist wrote and reused (logical bytes are raw tensor bytes)."""
+
+    bytes_total: int = 0
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    chunks_written: int = 0
+    chunks_reused: int = 0
+    packs: list[str] = field(default_factory=list)
+
+
+def ordered_map(
+    pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], window: int
+) -> Iterator[R]:
+    """Like ``pool.map`` but with at most ``window`` tasks in flight (bounded memory)."""
+    pending: deque[Future[R]] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+@dataclass
+class _Chunk:
+    key: BoxKey
+    raw: memoryview
+    hash: str = ""
+    payload: Buffer | None = None  # stored bytes for a new chunk; None when reused
+    codec: str = "none"
+    ref: ChunkRef | None = None
+
+
+def persist_boxes(
+    storage: Storage,
+    items: list[LocalItem],
+    *,
+    pack_key: str,
+    known: dict[str, ChunkRef],
+    options: CheckpointOptions,
+    pool: ThreadPoolExecutor,
+) -> tuple[dict[BoxKey, ShardEntry], PersistStats]:
+    """Write the boxes of ``items`` and return their shard entries.
+
+    Args:
+        storage: the store.
+        items: boxes this rank writes.
+        pack_key: key of the pack to create for new chunks (not created when none are new).
+        known: chunks already committed in the store, by hash (read-only here).
+        options: chunk size and compression.
+        pool: worker threads for hashing and compression.
+    """
+    stats = PersistStats()
+    views: dict[BoxKey, memoryview] = {}
+    for it in items:
+        views[it.key] = tensor_bytes(it.tensor)
+    stats.bytes_total = sum(len(v) for v in views.values())
+
+    def cut() -> Iterator[_Chunk]:
+        step = options.chunk_bytes
+        for key, view in views.items():
+            for start in range(0, max(len(view), 1), step):
+                yield _Chunk(key=key, raw=view[start : start + step])
+
+    zstd_local = threading.local()
+
+    def prepare(c: _Chunk) -> _Chunk:
+        c.hash = chunk_hash(c.raw)
+        if c.hash in known:
+            c.ref = known[c.hash]
+            return c
+        c.payload = c.raw
+        if options.compression == "zstd" and len(c.raw) > 0:
+            import zstandard
+
+            comp = getattr(zstd_local, "c", None)
+            if comp is None:
+                comp = zstandard.ZstdCompressor(level=options.compression_level)
+                zstd_local.c = comp
+            packed = comp.compress(c.raw)
+            if len(packed) < len(c.raw):
+                c.payload, c.codec = packed, "zstd"
+        return c
+
+    chunks_of: dict[BoxKey, list[ChunkRef]] = {key: [] for key in views}
+    new_in_pack: dict[str, ChunkRef] = {}
+    state = {"offset": 0}
+
+    def stream() -> Iterator[Buffer]:
+        for c in ordered_map(pool, prepare, cut(), window=2 * options.io_threads + 2):
+            if c.ref is None and c.hash in new_in_pack:
+                c.ref = new_in_pack[c.hash]
+            if c.ref is not None:
+                stats.chunks_reused += 1
+                stats.bytes_reused += len(c.raw)
+            else:
+                assert c.payload is not None
+                c.ref = ChunkRef(
+                    c.hash, len(c.raw), pack_key, state["offset"], len(c.payload), c.codec
+                )
+                new_in_pack[c.hash] = c.ref
+                state["offset"] += len(c.payload)
+                stats.chunks_written += 1
+                stats.bytes_written += len(c.payload)
+                yield c.payload
+            chunks_of[c.key].append(c.ref)
+
+    # Peek: only create a pack when at least one chunk is new, so a fully deduplicated
+    # save writes nothing but its manifest.
+    gen = stream()
+    first = next(gen, None)
+    if first is not None:
+
+        def whole() -> Iterator[Buffer]:
+            yield first
+            yield from gen
+
+        storage.write(pack_key, whole())
+        stats.packs.append(pack_key)
+    by_key = {it.key: it for it in items}
+    shards = {
+        key: ShardEntry(by_key[key].offsets, by_key[key].sizes, tuple(refs))
+        for key, refs in chunks_of.items()
+    }
+    return shards, stats

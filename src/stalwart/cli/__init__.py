@@ -1,0 +1,1 @@
+"""The ``stalwart`` command line: one module per command group, assembled in ``main.py``."""

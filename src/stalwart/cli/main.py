@@ -1,0 +1,33 @@
+"""Entry point of the ``stalwart`` command: builds the typer app from the command modules."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+from rich.logging import RichHandler
+
+from stalwart.cli import demo
+
+app = typer.Typer(
+    name="stalwart",
+    help="Keep PyTorch training alive through faults, and find out why they happened.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details.")) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(show_path=False)],
+    )
+
+
+demo.register(app)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,108 @@
+"""Every exception stalwart raises, in one tree.
+
+Each class also subclasses the builtin a caller would naturally catch, so
+``except FileNotFoundError`` keeps working for code that does not know stalwart.
+Foreign errors (``OSError`` from the disk, botocore errors from S3, ...) are translated
+once, at the storage boundary, with ``raise ... from``.
+
+    StalwartError
+    ├── ConfigError (ValueError)                   bad argument or option
+    ├── StorageError (OSError)                     a byte store failed
+    │   ├── ObjectNotFoundError (FileNotFoundError)    a key is not in the store
+    │   ├── StorageFullError                           no space left on the device
+    │   ├── StoragePermissionError (PermissionError)   read-only or forbidden location
+    │   └── TransientStorageError                      worth retrying (throttled, timeout)
+    ├── CheckpointError
+    │   ├── CheckpointNotFoundError (FileNotFoundError) no such root or step
+    │   ├── CorruptCheckpointError (ValueError)         hash mismatch, truncated, missing chunk
+    │   │   └── UnsafeManifestError                     manifest points outside the store
+    │   ├── StateMismatchError (ValueError)             keys, shapes or dtypes differ
+    │   └── UnsupportedValueError (TypeError)           an object the format cannot hold
+    └── DistributedError (RuntimeError)            another rank failed or disagreed
+
+Messages say what was expected, what was found, and what to do next.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DistributedError",
+    "ObjectNotFoundError",
+    "StalwartError",
+    "StateMismatchError",
+    "StorageError",
+    "StorageFullError",
+    "StoragePermissionError",
+    "TransientStorageError",
+    "UnsafeManifestError",
+    "UnsupportedValueError",
+]
+
+
+class StalwartError(Exception):
+    """Root of every error stalwart raises."""
+
+
+class ConfigError(StalwartError, ValueError):
+    """An argument or option is invalid; the message names it and the accepted values."""
+
+
+class StorageError(StalwartError, OSError):
+    """A byte store failed to read, write, list or delete."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A key that was expected in the store is not there."""
+
+
+class StorageFullError(StorageError):
+    """The device or bucket has no space left; free space or point at another location."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The location is read-only or access was denied."""
+
+
+class TransientStorageError(StorageError):
+    """A failure that may succeed if retried (throttling, timeouts, connection resets)."""
+
+
+class CheckpointError(StalwartError):
+    """A checkpoint could not be saved, found or loaded."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The root holds no checkpoint, or not the requested step."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Stored bytes do not match their recorded hash, are truncated or missing.
+
+    Attributes:
+        damaged: human-readable descriptions of every damaged piece found (may be empty when
+            the error was raised at the first problem).
+    """
+
+    def __init__(self, message: str, damaged: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.damaged = list(damaged or [])
+
+
+class UnsafeManifestError(CorruptCheckpointError):
+    """A manifest names a location outside its store (``..``, an absolute path, a URL)."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The state given to ``load`` does not match the checkpoint (keys, shapes or dtypes)."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """The state tree holds an object the format cannot store without pickle."""
+
+
+class DistributedError(StalwartError, RuntimeError):
+    """Ranks disagreed, or another rank failed during a collective operation."""

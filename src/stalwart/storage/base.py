@@ -1,0 +1,113 @@
+"""The byte-store contract every backend implements, and the key rules they share.
+
+A backend is deliberately tiny: write a whole object, read a byte range, delete, list, close.
+Everything else (packing, content addressing, commit, retention, tiers, erasure coding) is
+written once above it, so adding a backend means implementing five methods and passing the
+contract tests in ``tests/unit/test_storage_contract.py``.
+
+Two guarantees carry the checkpoint commit protocol, so every backend must give them:
+
+* ``write`` is **atomic**: a reader sees either no object or the whole object, never a prefix
+  (temp file + rename on disks, a single PUT on object stores).
+* ``write`` is **durable** when it returns (fsync of the file and its directory on disks).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from stalwart.errors import UnsafeManifestError
+
+__all__ = ["Buffer", "ObjectInfo", "Storage", "validate_key"]
+
+# Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays.
+Buffer = bytes | bytearray | memoryview
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._=+\-]+$")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object in a store.
+
+    Attributes:
+        key: the object's key relative to the store root (``/``-separated).
+        size: its length in bytes.
+        mtime: last modification time, seconds since the epoch (0.0 when the store has none).
+    """
+
+    key: str
+    size: int
+    mtime: float
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`UnsafeManifestError`.
+
+    Keys come from manifests, which may come from an untrusted source, so they must never
+    escape the store: no absolute paths, no ``..``, no URL schemes, no backslashes, no empty
+    or dot-only parts, only a conservative character set.
+    """
+    if not isinstance(key, str) or not key:
+        raise UnsafeManifestError(f"storage key {key!r} is empty or not a string")
+    if key.startswith("/") or "\\" in key or "://" in key or ":" in key:
+        raise UnsafeManifestError(
+            f"storage key {key!r} is absolute or names a scheme; keys must be relative "
+            "paths inside the checkpoint root"
+        )
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not _KEY_PART.match(part):
+            raise UnsafeManifestError(
+                f"storage key {key!r} has an unsafe part {part!r}; keys may only contain "
+                "letters, digits and ._=+- between single slashes, and never '..'"
+            )
+    return key
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A flat namespace of immutable byte objects under one root.
+
+    Keys are relative, ``/``-separated and pass :func:`validate_key`. Backends translate
+    their native errors into :mod:`stalwart.errors` (``ObjectNotFoundError``,
+    ``StorageFullError``, ``StoragePermissionError``, ``TransientStorageError``,
+    ``StorageError``) at this boundary.
+    """
+
+    url: str
+    """Where the store lives, as a user would type it (a path or an fsspec URL)."""
+
+    def write(self, key: str, data: Iterable[Buffer]) -> int:
+        """Write the object ``key`` from consecutive buffers, atomically and durably.
+
+        Returns the number of bytes written. An existing object is replaced atomically.
+        On failure nothing is left under ``key`` (a temporary may be cleaned up later).
+        """
+        ...
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return how many were read.
+
+        Fewer bytes than asked means the object ends early (the caller decides whether that
+        is truncation). Raises ``ObjectNotFoundError`` when the key does not exist.
+        """
+        ...
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes at ``offset`` (to the end when ``None``)."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+        ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """List objects whose key starts with ``prefix`` (a folder like ``manifests/``)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and thread pools; the store must not be used afterwards."""
+        ...

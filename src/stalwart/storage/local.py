@@ -1,0 +1,313 @@
+"""A byte store on a local or network-mounted filesystem, on plain ``os`` for speed.
+
+Atomicity comes from writing a temporary file next to the target (``.tmp-<uuid>-<name>``) and
+``os.replace``-ing it into place; durability from ``fsync`` of the file before the rename and of
+the directory (and any directory created for it) after. Reads go straight into the caller's
+buffer with ``os.preadv``, so restoring a tensor does not copy through an intermediate ``bytes``.
+A crash can leave temporaries behind; they are invisible to :meth:`LocalStorage.list` and
+:meth:`LocalStorage.remove_stale_temps` deletes them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+
+from stalwart.errors import (
+    ConfigError,
+    ObjectNotFoundError,
+    StorageError,
+    StorageFullError,
+    StoragePermissionError,
+)
+from stalwart.storage.base import Buffer, ObjectInfo, validate_key
+
+__all__ = ["TEMP_PREFIX", "LocalStorage"]
+
+logger = logging.getLogger(__name__)
+
+TEMP_PREFIX = ".tmp-"
+"""Name prefix of in-flight temporaries; never a valid object name, never listed."""
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+_PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_OPEN_FLAGS_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+
+
+def translate_os_error(e: OSError, path: str, op: str) -> StorageError:
+    """Map an ``OSError`` raised while doing ``op`` on ``path`` to a stalwart storage error."""
+    if e.errno == errno.ENOENT:
+        return ObjectNotFoundError(f"no object at {path} ({op}): {e.strerror or e}")
+    if e.errno in _FULL_ERRNOS:
+        return StorageFullError(
+            f"no space left on device writing {path}; free space or choose another root "
+            "— earlier checkpoints are untouched"
+        )
+    if e.errno in _PERMISSION_ERRNOS:
+        return StoragePermissionError(
+            f"cannot {op} {path}: the location is read-only or not writable "
+            f"({e.strerror or e}); choose a writable checkpoint root"
+        )
+    return StorageError(f"{op} {path} failed: {e}")
+
+
+def _byte_view(buf: Buffer) -> memoryview:
+    """A flat unsigned-byte view of ``buf`` (no copy unless it is not contiguous)."""
+    view = memoryview(buf)
+    if not view.contiguous:
+        view = memoryview(view.tobytes())
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+class LocalStorage:
+    """Objects as files under a root directory; keys map to ``/``-separated relative paths.
+
+    Args:
+        root: the directory holding the objects.
+        create: create ``root`` (and its parents) when missing; when ``False`` a missing root
+            raises :class:`~stalwart.errors.ObjectNotFoundError`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        if not os.path.isdir(self.root):
+            if os.path.exists(self.root):
+                raise ConfigError(
+                    f"checkpoint root {self.root} exists but is not a directory; "
+                    "pass a directory path"
+                )
+            if not create:
+                raise ObjectNotFoundError(
+                    f"checkpoint root {self.root} does not exist; check the path or pass "
+                    "create=True"
+                )
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise translate_os_error(e, self.root, "create directory") from e
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *validate_key(key).split("/"))
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _make_parents(self, dirpath: str) -> list[str]:
+        """Create ``dirpath`` and missing ancestors; return the directories created."""
+        missing: list[str] = []
+        cur = dirpath
+        while cur != self.root and not os.path.isdir(cur):
+            missing.append(cur)
+            cur = os.path.dirname(cur)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+        return missing
+
+    def write(self, key: str, data: Iterable[Buffer]) -> int:
+        """Write ``key`` atomically and durably from consecutive buffers; return its size.
+
+        A failure (including an exception from ``data`` itself) leaves no object and no
+        temporary behind; an existing object under ``key`` stays as it was.
+        """
+        path = self._path(key)
+        dirpath, name = os.path.split(path)
+        tmp = os.path.join(dirpath, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name}")
+        fd = -1
+        try:
+            created = self._make_parents(dirpath)
+            fd = os.open(tmp, _OPEN_FLAGS_WRITE, 0o644)
+            total = 0
+            for buf in data:
+                view = _byte_view(buf)
+                pos, end = 0, len(view)
+                while pos < end:
+                    # os.write may write less than asked (signals, >2 GiB chunks): loop.
+                    pos += os.write(fd, view[pos:])
+                total += end
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)
+            # The rename, and every directory entry created for it, must reach the disk too.
+            for d in {dirpath, *(os.path.dirname(c) for c in created)}:
+                _fsync_dir(d)
+        except BaseException as e:
+            if fd >= 0:
+                _close_quietly(fd)
+            _unlink_quietly(tmp)
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise translate_os_error(e, path, "write") from e
+            raise
+        return total
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes at ``offset`` straight into ``out``; return the count."""
+        if offset < 0:
+            raise ConfigError(f"read offset must be >= 0, got {offset}")
+        view = _byte_view(out)
+        if view.readonly:
+            raise ConfigError("read_into needs a writable buffer, got a read-only memoryview")
+        path = self._path(key)
+        try:
+            fd = os.open(path, _OPEN_FLAGS_READ)
+        except OSError as e:
+            raise translate_os_error(e, path, "read") from e
+        try:
+            total, want = 0, len(view)
+            while total < want:
+                n = _pread_into(fd, view[total:], offset + total)
+                if n == 0:
+                    break  # end of file: a short read, the caller judges truncation
+                total += n
+            return total
+        except OSError as e:
+            raise translate_os_error(e, path, "read") from e
+        finally:
+            _close_quietly(fd)
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes at ``offset`` (to the end when ``None``)."""
+        if offset < 0 or (length is not None and length < 0):
+            raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(-1 if length is None else length)
+        except OSError as e:
+            raise translate_os_error(e, path, "read") from e
+
+    # -- deleting and listing --------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; a missing key is fine."""
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise translate_os_error(e, path, "delete") from e
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with ``prefix``, sorted by key; temporaries are skipped.
+
+        A prefix ending in ``/`` walks only that folder; otherwise the prefix's parent folder
+        is walked, descending only into entries whose name starts with the last part.
+        """
+        folder, _, stem = prefix.rpartition("/")
+        if folder:
+            validate_key(folder)
+        if stem:
+            validate_key(stem)
+        dirpath = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        key_prefix = f"{folder}/" if folder else ""
+        try:
+            infos = list(_walk(dirpath, key_prefix, stem))
+        except OSError as e:
+            raise translate_os_error(e, dirpath, "list") from e
+        infos.sort(key=lambda i: i.key)
+        return infos
+
+    def remove_stale_temps(self, older_than_s: float) -> int:
+        """Delete temporaries older than ``older_than_s`` seconds left by crashed writers.
+
+        Returns how many were removed. Use a threshold well above the longest write so that
+        an in-flight writer is never robbed of its temporary.
+        """
+        if older_than_s < 0:
+            raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for path, mtime in _walk_temps(self.root):
+            if mtime < cutoff and _unlink_quietly(path):
+                removed += 1
+        if removed:
+            logger.info("removed %d stale temporary file(s) under %s", removed, self.root)
+        return removed
+
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes its own file descriptors."""
+
+
+def _walk(dirpath: str, key_prefix: str, stem: str = "") -> Iterator[ObjectInfo]:
+    """Objects under ``dirpath`` whose top-level name starts with ``stem``."""
+    try:
+        it = os.scandir(dirpath)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with it:
+        for entry in it:
+            if not entry.name.startswith(stem):
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    yield from _walk(entry.path, f"{key_prefix}{entry.name}/")
+                elif entry.is_file() and not entry.name.startswith(TEMP_PREFIX):
+                    st = entry.stat()
+                    yield ObjectInfo(f"{key_prefix}{entry.name}", st.st_size, st.st_mtime)
+            except FileNotFoundError:
+                continue  # deleted while we looked: not listed
+
+
+def _walk_temps(dirpath: str) -> Iterator[tuple[str, float]]:
+    try:
+        it = os.scandir(dirpath)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with it:
+        for entry in it:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    yield from _walk_temps(entry.path)
+                elif entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                    yield entry.path, entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)  # pragma: no cover - platforms without preadv
+    view[: len(data)] = data  # pragma: no cover
+    return len(data)  # pragma: no cover
+
+
+def _fsync_dir(dirpath: str) -> None:
+    fd = os.open(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        logger.debug("closing fd %d failed", fd, exc_info=True)
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,287 @@
+"""The state tree: flatten to named tensor leaves plus a JSON skeleton, and back.
+
+A state tree is a nested structure of dicts, lists and tuples whose leaves are tensors
+(plain, DTensor, any dtype), numpy arrays, and small Python values (None, bool, int, float,
+str, bytes, torch.dtype). Objects with ``state_dict()`` / ``load_state_dict()`` (modules,
+optimizers, LR schedulers, :class:`stalwart.TrainingState`) are *stateful*: they are replaced
+by their ``state_dict()`` on save and handed the loaded sub-tree on load.
+
+Tensor leaves are named by their fully qualified name (FQN): the path's keys joined with
+``.`` (``model.layers.0.weight``, ``optim.state.0.exp_avg``). The skeleton records the exact
+path structure (key types, list vs tuple) so that ``unflatten(flatten(x)) == x`` even when
+keys contain dots; two paths that would produce the same FQN are rejected.
+
+The skeleton is plain JSON: loading it can never run code (no pickle anywhere).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
+
+__all__ = [
+    "FlatTree",
+    "Leaf",
+    "flatten",
+    "is_stateful",
+    "iter_skeleton_tensors",
+    "unflatten",
+]
+
+Path = tuple[Any, ...]
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the format's name for ``dtype`` (``float32``, ``bfloat16``, ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedValueError(
+            f"tensors of dtype {dtype} cannot be stored; supported dtypes: {sorted(_DTYPES)}"
+        )
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises CorruptCheckpointError for unknown names."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest") from None
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects that save and restore themselves through state_dict methods."""
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+@dataclass
+class Leaf:
+    """A tensor leaf of a flattened tree.
+
+    Attributes:
+        fqn: fully qualified name.
+        tensor: the tensor (a DTensor stays a DTensor; numpy arrays become tensors).
+        path: the exact key path from the root.
+    """
+
+    fqn: str
+    tensor: torch.Tensor
+    path: Path
+
+
+@dataclass
+class FlatTree:
+    """The result of :func:`flatten`.
+
+    Attributes:
+        skeleton: JSON-serialisable structure with tensor leaves replaced by references.
+        leaves: tensor leaves by FQN, in tree order.
+        statefuls: ``(path, object)`` for every stateful object met, outermost first.
+    """
+
+    skeleton: dict[str, Any]
+    leaves: dict[str, Leaf] = field(default_factory=dict)
+    statefuls: list[tuple[Path, Any]] = field(default_factory=list)
+
+
+def _fqn(path: Path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _encode_key(key: Any) -> list[Any]:
+    if isinstance(key, bool):
+        return ["b", key]
+    if isinstance(key, int):
+        return ["i", key]
+    if isinstance(key, str):
+        return ["s", key]
+    if key is None:
+        return ["n", None]
+    raise UnsupportedValueError(
+        f"dict key {key!r} of type {type(key).__name__} cannot be stored; "
+        "use str, int, bool or None keys"
+    )
+
+
+def _decode_key(enc: Any) -> Any:
+    if not (isinstance(enc, list) and len(enc) == 2 and enc[0] in ("b", "i", "s", "n")):
+        raise CorruptCheckpointError(f"malformed dict key {enc!r} in manifest skeleton")
+    return enc[1]
+
+
+def _encode_value(value: Any, path: Path) -> dict[str, Any]:
+    if value is None:
+        return {"k": "none"}
+    if isinstance(value, bool):
+        return {"k": "bool", "v": value}
+    if isinstance(value, int):
+        return {"k": "int", "v": str(value)}
+    if isinstance(value, float):
+        return {"k": "float", "v": repr(value) if not math.isfinite(value) else value}
+    if isinstance(value, str):
+        return {"k": "str", "v": value}
+    if isinstance(value, (bytes, bytearray)):
+        return {"k": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, torch.dtype):
+        return {"k": "dtype", "v": dtype_name(value)}
+    if isinstance(value, np.generic):
+        return _encode_value(value.item(), path)
+    raise UnsupportedValueError(
+        f"value at {_fqn(path) or '<root>'!r} has type {type(value).__name__}, which stalwart "
+        "cannot store without pickle; convert it to a tensor, a dict/list of tensors and "
+        "numbers/strings, or give it state_dict()/load_state_dict() methods"
+    )
+
+
+def flatten(state: Any) -> FlatTree:
+    """Flatten ``state`` into a JSON skeleton plus named tensor leaves.
+
+    Raises:
+        UnsupportedValueError: an object that cannot be stored without pickle, a cycle, or
+            two paths with the same FQN.
+    """
+    flat = FlatTree(skeleton={})
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: Path) -> dict[str, Any]:
+        if isinstance(obj, torch.Tensor):
+            return add_leaf(obj, path, numpy=False)
+        if isinstance(obj, np.ndarray):
+            return add_leaf(torch.from_numpy(np.ascontiguousarray(obj)), path, numpy=True)
+        if isinstance(obj, (Mapping, list, tuple)) or is_stateful(obj):
+            if id(obj) in seen:
+                raise UnsupportedValueError(f"state tree has a cycle at {_fqn(path)!r}")
+            seen.add(id(obj))
+            try:
+                if is_stateful(obj):
+                    flat.statefuls.append((path, obj))
+                    return {"k": "stateful", "v": visit(obj.state_dict(), path)}
+                if isinstance(obj, Mapping):
+                    items = [[_encode_key(k), visit(v, (*path, k))] for k, v in obj.items()]
+                    return {"k": "dict", "v": items}
+                kind = "list" if isinstance(obj, list) else "tuple"
+                return {"k": kind, "v": [visit(v, (*path, i)) for i, v in enumerate(obj)]}
+            finally:
+                seen.discard(id(obj))
+        return _encode_value(obj, path)
+
+    def add_leaf(tensor: torch.Tensor, path: Path, numpy: bool) -> dict[str, Any]:
+        fqn = _fqn(path)
+        if fqn in flat.leaves:
+            raise UnsupportedValueError(
+                f"two tensors map to the same name {fqn!r} (paths {flat.leaves[fqn].path!r} "
+                f"and {path!r}); rename one of the keys"
+            )
+        dtype_name(tensor.dtype)  # validate early, with the leaf's name in the traceback
+        flat.leaves[fqn] = Leaf(fqn=fqn, tensor=tensor, path=path)
+        node: dict[str, Any] = {"k": "tensor", "v": fqn}
+        if numpy:
+            node["numpy"] = True
+        return node
+
+    flat.skeleton = visit(state, ())
+    return flat
+
+
+def iter_skeleton_tensors(skeleton: dict[str, Any]) -> Iterator[str]:
+    """Yield the FQN of every tensor referenced by ``skeleton``."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        kind = node.get("k") if isinstance(node, dict) else None
+        if kind == "tensor":
+            yield node["v"]
+        elif kind == "dict":
+            stack.extend(item[1] for item in node["v"])
+        elif kind in ("list", "tuple"):
+            stack.extend(node["v"])
+        elif kind == "stateful":
+            stack.append(node["v"])
+
+
+def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor]) -> Any:
+    """Rebuild a tree from ``skeleton``, asking ``tensor_for(fqn)`` for each tensor leaf.
+
+    Stateful markers are dropped: the returned tree holds plain dicts where the saved tree
+    held stateful objects (the caller hands those sub-trees to ``load_state_dict``).
+
+    Raises:
+        CorruptCheckpointError: the skeleton is malformed.
+    """
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict) or "k" not in node:
+            raise CorruptCheckpointError(f"malformed skeleton node {node!r} in manifest")
+        kind, v = node["k"], node.get("v")
+        try:
+            if kind == "tensor":
+                t = tensor_for(v)
+                return t.numpy() if node.get("numpy") else t
+            if kind == "dict":
+                return {_decode_key(k): build(child) for k, child in v}
+            if kind == "list":
+                return [build(child) for child in v]
+            if kind == "tuple":
+                return tuple(build(child) for child in v)
+            if kind == "stateful":
+                return build(v)
+            if kind == "none":
+                return None
+            if kind == "bool":
+                return bool(v)
+            if kind == "int":
+                return int(v)
+            if kind == "float":
+                return float(v)
+            if kind == "str":
+                return str(v)
+            if kind == "bytes":
+                return base64.b64decode(v, validate=True)
+            if kind == "dtype":
+                return dtype_from_name(v)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"malformed {kind} node {node!r} in manifest") from e
+        raise CorruptCheckpointError(f"unknown skeleton node kind {kind!r} in manifest")
+
+    return build(skeleton)
+
+
+def get_path(tree: Any, path: Path) -> Any:
+    """Return the sub-tree at ``path`` (a tuple of keys and list indices)."""
+    for key in path:
+        tree = tree[key]
+    return tree
