@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +25,29 @@ def s3_server() -> Iterator[S3Server]:
 def s3_bucket(s3_server: S3Server) -> str:
     """A new, empty bucket on ``s3_server``; returns its name."""
     return s3_server.make_bucket(f"stalwart-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mount a tiny tmpfs (needs root / CAP_SYS_ADMIN); yields ``mount(options) -> Path``.
+
+    Used for real ENOSPC and EROFS errors instead of simulated ones.
+    """
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        target = tmp_path / f"mnt{len(mounted)}"
+        target.mkdir()
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=False)

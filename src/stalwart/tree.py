@@ -244,7 +244,8 @@ def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor
     def build(node: Any) -> Any:
         if not isinstance(node, dict) or "k" not in node:
             raise CorruptCheckpointError(f"malformed skeleton node {node!r} in manifest")
-        kind, v = node["k"], node.get("v")
+        kind = node["k"]
+        v: Any = node.get("v")
         try:
             if kind == "tensor":
                 t = tensor_for(v)

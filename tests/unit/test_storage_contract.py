@@ -264,29 +264,6 @@ def test_local_translates_errnos() -> None:
     assert type(other) is StorageError and "/ckpt/x" in str(other)
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Mount a tiny tmpfs (needs root / CAP_SYS_ADMIN); yields ``mount(options) -> Path``."""
-    mounted: list[Path] = []
-
-    def mount(options: str) -> Path:
-        target = tmp_path / f"mnt{len(mounted)}"
-        target.mkdir()
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
-        mounted.append(target)
-        return target
-
-    yield mount
-    for target in mounted:
-        subprocess.run(["umount", str(target)], check=False)
-
-
 def test_local_real_disk_full(tmpfs: Callable[[str], Path]) -> None:
     root = tmpfs("size=1m")
     store = LocalStorage(root)

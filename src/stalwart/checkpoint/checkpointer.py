@@ -136,9 +136,9 @@ class Checkpointer:
         if self._storage is not None or not isinstance(self._root, (str, os.PathLike)):
             return True
         s = os.fspath(self._root)
-        return (
-            ("://" in s and not s.startswith("file://")) or Path(s.removeprefix("file://")).is_dir()
-        )
+        return ("://" in s and not s.startswith("file://")) or Path(
+            s.removeprefix("file://")
+        ).is_dir()
 
     def _store(self, *, create: bool) -> Storage:
         if self._storage is None:

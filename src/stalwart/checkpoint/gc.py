@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stalwart.checkpoint.manifest import MANIFEST_PREFIX, Manifest, step_from_key
-from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
+from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError, StoragePermissionError
 from stalwart.storage.base import Storage
 
 __all__ = ["GCReport", "Lease", "collect_garbage", "read_leases"]
@@ -45,12 +45,22 @@ class Lease:
             "packs": sorted(set(packs)),
             "expires_unix": time.time() + lease_s,
         }
+        self.held = False
 
     def __enter__(self) -> Lease:
-        self.storage.write(self.key, [json.dumps(self.doc).encode()])
+        try:
+            self.storage.write(self.key, [json.dumps(self.doc).encode()])
+            self.held = True
+        except StoragePermissionError:
+            # A read-only location (a published checkpoint) cannot be garbage collected by
+            # us either; reading it without a lease is safe from our own GC.
+            log.info("read-only store %s: reading without a lease", self.storage.url)
+            self.held = False
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self.held:
+            return
         try:
             self.storage.delete(self.key)
         except OSError:  # an expired lease is harmless; GC removes it

@@ -35,12 +35,15 @@ def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.
     if is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        local = t.to_local()
+        dt: Any = t
+        sizes, offsets = compute_local_shape_and_global_offset(
+            dt.shape, dt.device_mesh, dt.placements
+        )
+        local = dt.to_local()
         if tuple(local.shape) != tuple(sizes):
             raise DistributedError(
                 f"DTensor local shape {tuple(local.shape)} differs from the shape "
-                f"{tuple(sizes)} its placements {t.placements} imply"
+                f"{tuple(sizes)} its placements {dt.placements} imply"
             )
         return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), local
     return (0,) * t.dim(), tuple(t.shape), t

@@ -128,7 +128,7 @@ def _copy_range(
 def _as_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data).cast("B")
 
 
 def read_box(

@@ -19,7 +19,9 @@ app = typer.Typer(
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details.")) -> None:
+def _main(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details."),
+) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
