@@ -36,11 +36,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 from torch import nn
 
-from stalwart.checkpoint import CheckpointOptions, Checkpointer, KeepLast
+from stalwart.checkpoint import Checkpointer, CheckpointOptions, KeepLast
 from stalwart.checkpoint.training_state import TrainingState
 from stalwart.errors import ConfigError
 
@@ -75,6 +76,7 @@ class DemoReport:
     chunks_written: int = 0
     chunks_reused: int = 0
     seconds_reference: float = 0.0
+    seconds_child_start: float = 0.0
     seconds_until_kill: float = 0.0
     seconds_load: float = 0.0
     seconds_resumed: float = 0.0
@@ -121,10 +123,8 @@ class DemoModel(nn.Module):
             nn.Linear(N_FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU()
         )
         self.backbone.requires_grad_(False)
-        self.head = nn.Sequential(
-            nn.Dropout(0.1), nn.Linear(HIDDEN, HEAD), nn.GELU(), nn.Dropout(0.1),
-            nn.Linear(HEAD, N_CLASSES),
-        )  # fmt: skip
+        self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(HIDDEN, HEAD), nn.GELU(),
+                                  nn.Dropout(0.1), nn.Linear(HEAD, N_CLASSES))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, N_CLASSES) for inputs of shape (batch, N_FEATURES)."""
@@ -185,17 +185,20 @@ def _update(job: _Job) -> None:
 
 @contextmanager
 def _deterministic() -> Iterator[None]:
-    """One thread and deterministic kernels; restores the caller's settings and RNGs."""
-    threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    """One intra-op thread; restores the caller's thread count and global RNGs afterwards.
+
+    A fixed thread count keeps CPU reductions in the same order in every process. The CPU
+    kernels this model uses are deterministic, so ``torch.use_deterministic_algorithms``
+    is not needed, and it would cost ~4 s per process (it imports torch._inductor).
+    """
+    threads = torch.get_num_threads()
     py_rng, np_rng = random.getstate(), np.random.get_state()
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
     try:
         with torch.random.fork_rng(devices=[]):
             yield
     finally:
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(strict)
         random.setstate(py_rng)
         np.random.set_state(np_rng)
 
@@ -204,28 +207,31 @@ def _checkpointer(run_root: Path) -> Checkpointer:
     return Checkpointer(run_root, options=CheckpointOptions(keep=KeepLast(KEEP_LAST)))
 
 
-def _record_save(stats_path: Path, result: Any) -> dict[str, int]:
-    stats = {"step": int(result.step), **{k: int(getattr(result, k)) for k in _SAVE_FIELDS}}
-    with stats_path.open("a") as f:
-        f.write(json.dumps(stats) + "\n")
-    return stats
+def _save_stats(result: Any) -> dict[str, int]:
+    return {k: int(getattr(result, k)) for k in _SAVE_FIELDS}
 
 
 def _child_main(
-    run_root: str, steps: int, every: int, kill_at: int, stats_path: str, progress: Any
+    run_root: str, steps: int, every: int, kill_at: int, stats_path: str, shared: Any
 ) -> None:
-    """Run B: train with checkpoints and SIGKILL this process during step ``kill_at``."""
+    """Run B: train with checkpoints and SIGKILL this process during step ``kill_at``.
+
+    ``shared`` is ``(steps done, wall-clock time training started)`` for the parent.
+    """
     with _deterministic():
         x, y = make_dataset()
         job = _build_job(steps)
         ckpt = _checkpointer(Path(run_root))
+        progress, started = shared
+        started.value = time.time()
         for step in range(1, steps + 1):
             _forward_backward(job, x, y)
             if step == kill_at:  # gradients computed, update not applied: a mid-step death
                 os.kill(os.getpid(), signal.SIGKILL)
             _update(job)
             if step % every == 0:
-                _record_save(Path(stats_path), ckpt.save(step, job.state))
+                with open(stats_path, "a") as f:  # the parent reads it after the kill
+                    f.write(json.dumps(_save_stats(ckpt.save(step, job.state))) + "\n")
             progress.value = step
 
 
@@ -237,27 +243,6 @@ def _snapshot(job: _Job, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     out["scheduler.last_lr"] = torch.tensor(job.scheduler.get_last_lr(), dtype=torch.float64)
     out["final_loss"] = loss.clone()
     return out
-
-
-def _mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    bad = sorted(set(ref) ^ set(got))
-    return bad + [k for k in ref if k in got and not torch.equal(ref[k], got[k])]
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console,
-    )  # fmt: skip
-
-
-def _validate(steps: int, every: int, kill_at: int) -> None:
-    if steps < 2:
-        raise ConfigError(f"steps={steps}: the demo needs at least 2 steps")
-    if not 1 <= every <= steps:
-        raise ConfigError(f"checkpoint_every={every}: use 1..steps ({steps})")
-    if not 1 <= kill_at <= steps:
-        raise ConfigError(f"kill_at={kill_at}: use 1..steps ({steps})")
 
 
 def run_demo(
@@ -288,25 +273,30 @@ def run_demo(
         ConfigError: invalid arguments, or ``root / "run"`` already holds checkpoints.
     """
     kill_at = default_kill_step(steps, checkpoint_every) if kill_at is None else kill_at
-    _validate(steps, checkpoint_every, kill_at)
+    for name, value, lo in (("steps", steps, 2), ("checkpoint_every", checkpoint_every, 1),
+                            ("kill_at", kill_at, 1)):  # fmt: skip
+        if not lo <= value <= max(steps, 2):
+            raise ConfigError(f"{name}={value}: use {lo}..{max(steps, 2)}")
     root = Path(root).absolute()
     run_root = root / "run"
     root.mkdir(parents=True, exist_ok=True)
     report = DemoReport(root, steps, checkpoint_every, kill_at)
-    (root / REPORT_NAME).write_text(json.dumps({"status": "running"}) + "\n")
     if _checkpointer(run_root).steps():
         raise ConfigError(
             f"{run_root} already holds checkpoints of an earlier demo; delete that folder "
-            "(or run `stalwart demo --fresh`) so that the demo starts clean"
+            "(`stalwart demo` does, unless given --no-fresh) so that the demo starts clean"
         )
+    (root / REPORT_NAME).write_text(json.dumps({"status": "running"}) + "\n")
     console.rule("[bold]stalwart demo[/]: SIGKILL a training run, resume it, check it bit for bit")
-    with _deterministic(), _progress(console) as progress:
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn())
+    with _deterministic(), Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         x, y = make_dataset()
         ref_loss, ref = _reference_run(report, x, y, progress)
         _killed_run(report, run_root, progress)
         res_loss, got = _resumed_run(report, run_root, x, y, progress)
     report.final_loss_reference, report.final_loss_resumed = float(ref_loss), float(res_loss)
-    report.mismatches = _mismatches(ref, got)
+    report.mismatches = sorted(set(ref) ^ set(got))
+    report.mismatches += [k for k in ref if k in got and not torch.equal(ref[k], got[k])]
     report.committed_steps = list(_checkpointer(run_root).steps())
     summary = {k: v for k, v in asdict(report).items() if k != "root"}
     summary.update(root=str(root), bit_identical=report.bit_identical, status="done")
@@ -319,8 +309,8 @@ def _reference_run(
     report: DemoReport, x: torch.Tensor, y: torch.Tensor, progress: Progress
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     task = progress.add_task("A reference run", total=report.steps)
-    start = time.perf_counter()
     job, loss = _build_job(report.steps), torch.tensor(math.nan)
+    start = time.perf_counter()
     for _ in range(report.steps):
         loss = _forward_backward(job, x, y)
         _update(job)
@@ -332,18 +322,20 @@ def _reference_run(
 def _killed_run(report: DemoReport, run_root: Path, progress: Progress) -> None:
     task = progress.add_task("B run until SIGKILL", total=report.steps)
     ctx = mp.get_context("spawn")
-    counter = ctx.RawValue("i", 0)
+    counter, started = ctx.RawValue("i", 0), ctx.RawValue("d", 0.0)
     with tempfile.TemporaryDirectory(prefix="stalwart-demo-") as tmp:
         stats_path = Path(tmp) / "saves.jsonl"
         stats_path.touch()
         args = (str(run_root), report.steps, report.checkpoint_every, report.kill_at)
-        child = ctx.Process(target=_child_main, args=(*args, str(stats_path), counter))
-        start = time.perf_counter()
+        child = ctx.Process(target=_child_main, args=(*args, str(stats_path), (counter, started)))
+        start = time.time()  # wall clock: compared with the child's
         child.start()
         while child.is_alive():
             progress.update(task, completed=counter.value)
             child.join(0.05)
-        report.seconds_until_kill = time.perf_counter() - start
+        end = time.time()
+        report.seconds_child_start = max(0.0, (started.value or end) - start)
+        report.seconds_until_kill = end - (started.value or end)
         progress.update(task, completed=counter.value)
         report.child_exitcode = child.exitcode
         for line in stats_path.read_text().splitlines():
@@ -374,56 +366,46 @@ def _resumed_run(
         loss = _forward_backward(job, x, y)
         _update(job)
         if step % report.checkpoint_every == 0:
-            _add_save(report, _record_save_result(ckpt.save(step, job.state)))
+            _add_save(report, _save_stats(ckpt.save(step, job.state)))
         progress.advance(task)
     report.seconds_resumed = time.perf_counter() - start
     return loss, _snapshot(job, loss)
 
 
-def _record_save_result(result: Any) -> dict[str, int]:
-    return {k: int(getattr(result, k)) for k in _SAVE_FIELDS}
-
-
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    exp = min(int(math.log(max(n, 1.0), 1024)), 3)
+    return f"{n / 1024**exp:.1f} {('B', 'KiB', 'MiB', 'GiB')[exp]}"
 
 
 def _print_report(r: DemoReport, console: Console) -> None:
-    every, lost_from = r.checkpoint_every, (r.resumed_from or 0) + 1
+    lost_from = (r.resumed_from or 0) + 1
     died = "SIGKILL" if r.child_killed else f"[red]exit code {r.child_exitcode}, not SIGKILL[/]"
-    phases = Table(title="phases", title_justify="left")
-    for col in ("phase", "steps", "seconds", "what happened"):
-        phases.add_column(col, justify="right" if col == "seconds" else "left")
-    phases.add_row("A reference run", f"1-{r.steps}", f"{r.seconds_reference:.2f}",
-                   "uninterrupted, no checkpoints")  # fmt: skip
-    phases.add_row("B run until kill", f"1-{r.kill_at}", f"{r.seconds_until_kill:.2f}",
-                   f"checkpoint every {every} steps; {died} during step {r.kill_at}")  # fmt: skip
-    phases.add_row("C resume: load", f"{r.resumed_from or 0}", f"{r.seconds_load:.2f}",
-                   "fresh model, optimizer, scheduler, generators; newest checkpoint")  # fmt: skip
-    phases.add_row("C resumed run", f"{lost_from}-{r.steps}", f"{r.seconds_resumed:.2f}",
-                   f"steps {lost_from}-{r.kill_at} recomputed after the kill")  # fmt: skip
+    phases = Table("phase", "steps", Column("seconds", justify="right"), "what happened")
+    for row in (
+        ("A reference run", f"1-{r.steps}", r.seconds_reference, "uninterrupted, no checkpoints"),
+        ("B run until kill", f"1-{r.kill_at}", r.seconds_until_kill,
+         f"checkpoint every {r.checkpoint_every} steps; {died} during step {r.kill_at} "
+         f"(+{r.seconds_child_start:.1f} s process start)"),
+        ("C resume: load", f"{r.resumed_from or 0}", r.seconds_load,
+         "fresh model, optimizer, scheduler, generators; newest checkpoint"),
+        ("C resumed run", f"{lost_from}-{r.steps}", r.seconds_resumed,
+         f"steps {lost_from}-{r.kill_at} recomputed after the kill"),
+    ):  # fmt: skip
+        phases.add_row(row[0], row[1], f"{row[2]:.2f}", row[3])
     console.print(phases)
     reused = r.bytes_reused / r.bytes_total if r.bytes_total else 0.0
+    shown = ", ".join(r.mismatches[:5]) + (" ..." if len(r.mismatches) > 5 else "")
+    verdict = (
+        "[bold green]✓ bit-identical[/]: every parameter, optimizer moment and the final loss "
+        f"({r.final_loss_resumed:.6f}) equal the uninterrupted run"
+        if r.bit_identical
+        else f"[bold red]✗ not bit-identical[/]: final loss {r.final_loss_resumed!r} vs "
+        f"{r.final_loss_reference!r}; differing: {shown or 'final loss'}"
+    )
     console.print(
         f"committed steps (KeepLast({KEEP_LAST})): {', '.join(map(str, r.committed_steps))}\n"
         f"{r.saves} saves: {_fmt_bytes(r.bytes_total)} logical, {_fmt_bytes(r.bytes_written)} "
         f"written, {_fmt_bytes(r.bytes_reused)} reused by dedup ({reused:.0%}; "
         f"dedup ratio {r.dedup_ratio:.2f}x; chunks {r.chunks_written} written, "
-        f"{r.chunks_reused} reused)"
+        f"{r.chunks_reused} reused)\n{verdict}\ndemo folder: {escape(str(r.root))}"
     )
-    if r.bit_identical:
-        console.print(
-            "[bold green]✓ bit-identical[/]: every parameter, optimizer moment and the final "
-            f"loss ({r.final_loss_resumed:.6f}) equal the uninterrupted run"
-        )
-    else:
-        shown = ", ".join(r.mismatches[:5]) + (" ..." if len(r.mismatches) > 5 else "")
-        console.print(
-            f"[bold red]✗ not bit-identical[/]: final loss {r.final_loss_resumed!r} vs "
-            f"{r.final_loss_reference!r}; differing: {shown or 'final loss'}"
-        )
-    console.print(f"demo folder: {r.root}")

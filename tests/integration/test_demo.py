@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from stalwart import demo as demo_mod
 from stalwart.demo import default_kill_step, run_demo
 
 pytestmark = pytest.mark.timeout(240)
@@ -20,9 +21,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def test_demo_resume_is_bit_identical(tmp_path: Path) -> None:
     out = io.StringIO()
-    report = run_demo(
-        tmp_path, steps=60, checkpoint_every=10, console=Console(file=out, width=120)
-    )
+    report = run_demo(tmp_path, steps=60, checkpoint_every=10, console=Console(file=out, width=120))
     assert report.child_killed, report.child_exitcode
     assert report.kill_at == default_kill_step(60, 10)
     assert report.kill_at % 10 != 0
@@ -38,6 +37,24 @@ def test_demo_resume_is_bit_identical(tmp_path: Path) -> None:
     assert (tmp_path / "demo-report.json").is_file()
 
 
+def test_demo_detects_a_resume_without_rng(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison has teeth: resuming without the RNG states is caught."""
+    build = demo_mod._build_job
+
+    def build_without_rng(steps: int) -> demo_mod._Job:
+        job = build(steps)
+        job.state.rng = False  # only in this process: the child still saves RNG states
+        return job
+
+    monkeypatch.setattr(demo_mod, "_build_job", build_without_rng)
+    out = io.StringIO()
+    report = run_demo(tmp_path, steps=30, checkpoint_every=10, console=Console(file=out))
+    assert report.child_killed
+    assert not report.bit_identical and not report.ok
+    assert "final_loss" in report.mismatches
+    assert "not bit-identical" in out.getvalue()
+
+
 @pytest.mark.parametrize(("steps", "every"), [(300, 25), (80, 20), (10, 3), (5, 5)])
 def test_default_kill_step(steps: int, every: int) -> None:
     kill = default_kill_step(steps, every)
@@ -47,12 +64,16 @@ def test_default_kill_step(steps: int, every: int) -> None:
         assert kill % every != 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (SRC / "stalwart" / "cli" / "main.py").exists(), reason="stalwart.cli.main not written yet"
 )
 def test_cli_demo(tmp_path: Path) -> None:
     root = tmp_path / "demo"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "stalwart.cli.main", "demo", "--root", str(root)]
     for _ in range(2):  # the second run starts fresh over the first one's folder
         proc = subprocess.run(

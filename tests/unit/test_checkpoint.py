@@ -459,3 +459,13 @@ def test_a_read_only_checkpoint_still_loads(tmp_path: Path, tmpfs: Callable[[str
 
     subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True)
     assert torch.equal(stalwart.Checkpointer(root).load(None)["x"], torch.arange(5))
+
+
+def test_a_module_missing_keys_is_refused_by_the_module_itself(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": torch.nn.Linear(3, 3, bias=False)})
+    model = torch.nn.Linear(3, 3)  # has a bias the checkpoint lacks
+    with pytest.raises(StateMismatchError, match=r"(?s)model: Linear.load_state_dict refused .*bias"):
+        ckpt.load({"model": model})
+    ckpt.load({"model": model}, strict=False)  # loads the weight, keeps its own bias
+    assert torch.equal(model.weight, ckpt.load(None)["model"]["weight"])

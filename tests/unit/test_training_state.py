@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,3 +162,60 @@ def test_missing_rank_entry_logs_and_reseeds(
     with caplog.at_level(logging.WARNING, logger=mod.__name__):
         TrainingState().load_state_dict(sd)
     assert "no saved RNG state for rank 2" in caplog.text
+
+
+def test_through_the_checkpointer_with_a_fresh_optimizer(tmp_path: Path) -> None:
+    from stalwart.checkpoint import Checkpointer
+
+    model, opt, sched = _parts(0)
+    _train(model, opt, sched, 2)
+    gen = torch.Generator().manual_seed(4)
+    extra: dict[str, Any] = {"step": 2}
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(2, {"train": TrainingState(model=model, optimizer=opt, scheduler=sched,
+                                         extra=extra, generators={"g": gen})})  # fmt: skip
+    expected = _draws(gen)
+    _train(model, opt, sched, 1)
+
+    model2, opt2, sched2 = _parts(1)
+    gen2 = torch.Generator()
+    extra2: dict[str, Any] = {}
+    ts = TrainingState(model=model2, optimizer=opt2, scheduler=sched2, extra=extra2,
+                       generators={"g": gen2})  # fmt: skip
+    ckpt.load({"train": ts})
+    assert extra2 == {"step": 2}
+    _assert_draws_equal(_draws(gen2), expected)
+    _train(model2, opt2, sched2, 1)
+    for p, q in zip(model2.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for idx, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt2.state_dict()["state"][idx][key], value), (idx, key)
+
+
+def test_grown_world_loads_and_derives_the_new_ranks_rng(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stalwart.checkpoint import Checkpointer
+    from stalwart.checkpoint import training_state as mod
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, {"train": TrainingState(extra={"a": 1})})
+    monkeypatch.setattr(mod, "_current_rank", lambda: 2)
+    ts = TrainingState(extra={})
+    ckpt.load({"train": ts})  # rank 2 has no RNG entry: TrainingState derives one
+    assert ts.extra == {"a": 1}
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(StateMismatchError, match="model"):  # TrainingState still checks parts
+        ckpt.load({"train": TrainingState(model=model)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_round_trip() -> None:
+    torch.cuda.manual_seed_all(11)
+    sd = copy.deepcopy(TrainingState().state_dict())
+    assert len(sd["rng"]["rank0"]["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(4, device="cuda")
+    torch.rand(100, device="cuda")
+    TrainingState().load_state_dict(sd)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)

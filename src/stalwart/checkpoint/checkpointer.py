@@ -10,6 +10,7 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from stalwart.errors import (
     CorruptCheckpointError,
     DistributedError,
     ObjectNotFoundError,
+    StalwartError,
     StateMismatchError,
 )
 from stalwart.storage import open_storage
@@ -427,9 +429,15 @@ class Checkpointer:
         flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
         problems: list[str] = []
         targets: dict[str, torch.Tensor] = {}
+        stateful_paths = [path for path, _ in flat.statefuls]
         for fqn, leaf in flat.leaves.items():
             e = m.tensors.get(fqn)
             t = leaf.tensor
+            if e is None and any(leaf.path[: len(p)] == p for p in stateful_paths):
+                # A stateful object decides in load_state_dict what it can do without
+                # (nn.Module raises on missing keys; TrainingState re-derives a new
+                # rank's RNG); the engine only refuses to write mismatched data.
+                continue
             if e is None:
                 problems.append(f"{fqn}: in the state but not in the checkpoint")
             elif tuple(t.shape) != e.shape:
@@ -478,7 +486,7 @@ class Checkpointer:
                     ) from None
                 problems.append(f"{'.'.join(map(str, path))}: not in the checkpoint")
                 continue
-            obj.load_state_dict(sub)
+            _restore_stateful(obj, sub, path, strict, where, problems)
         return tree, read, problems
 
     def _fill(
@@ -524,6 +532,28 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
+
+
+def _restore_stateful(
+    obj: Any, sub: Any, path: tuple[Any, ...], strict: bool, where: str, problems: list[str]
+) -> None:
+    """Hand ``sub`` to ``obj.load_state_dict``, translating a refusal into our errors."""
+    name = ".".join(map(str, path)) or "<root>"
+    try:
+        if not strict and "strict" in inspect.signature(obj.load_state_dict).parameters:
+            obj.load_state_dict(sub, strict=False)  # nn.Module: load what matches
+        else:
+            obj.load_state_dict(sub)
+    except StalwartError:
+        raise
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        msg = f"{name}: {type(obj).__name__}.load_state_dict refused {where}: {e}"
+        if strict:
+            raise StateMismatchError(
+                msg + "\npass strict=False to load what matches and leave the rest untouched"
+            ) from e
+        problems.append(msg)
+        log.warning("%s", msg)
 
 
 class _nullcontext:

@@ -28,7 +28,9 @@ own (the job restarted with more ranks), it logs a warning and *derives* its sta
 from rank 0's saved torch state and the rank number (blake2b), so the restart is
 deterministic and ranks still draw different dropout masks; the named ``generators`` are set
 to rank 0's saved states unchanged, because data-order generators are normally identical on
-every rank (a distributed sampler partitions one shared permutation).
+every rank (a distributed sampler partitions one shared permutation). The checkpointer
+leaves keys missing under a stateful object to that object's ``load_state_dict``, so this
+works with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -162,10 +164,10 @@ def _restore_generators(
         gen.set_state(_as_uint8_cpu(saved[name], f"generators.{name}"))
 
 
-def _derived_seed(rank0_torch_state: Any, rank: int, salt: str = "") -> int:
-    """A 63-bit seed that depends only on rank 0's saved torch RNG state, the rank and salt."""
+def _derived_seed(rank0_torch_state: Any, rank: int) -> int:
+    """A 63-bit seed that depends only on rank 0's saved torch RNG state and the rank."""
     data = _as_uint8_cpu(rank0_torch_state, "torch").numpy().tobytes()
-    digest = hashlib.blake2b(data + f"|stalwart-rank{rank}|{salt}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(data + f"|stalwart-rank{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 

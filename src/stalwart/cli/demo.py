@@ -1,9 +1,10 @@
-"""``stalwart demo``: SIGKILL a training run, resume it from its checkpoint, check it bit for bit."""
+"""``stalwart demo``: SIGKILL a training run, resume it from a checkpoint, check it bit for bit."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -15,21 +16,21 @@ __all__ = ["demo", "register"]
 
 
 def demo(
-    root: Path = typer.Option(
-        Path("stalwart-demo"),
-        help="Folder for the demo's checkpoints (ROOT/run) and report; created if missing.",
-    ),
-    steps: int = typer.Option(300, min=2, help="Training steps of the whole run."),
-    every: int = typer.Option(25, min=1, help="Save a checkpoint every this many steps."),
-    fresh: bool = typer.Option(
-        True, help="Delete ROOT/run from an earlier demo first, so the demo starts clean."
-    ),
+    root: Annotated[
+        Path,
+        typer.Option(help="Folder for the demo's checkpoints (ROOT/run) and its report."),
+    ] = Path("stalwart-demo"),
+    steps: Annotated[int, typer.Option(min=2, help="Training steps of the whole run.")] = 300,
+    every: Annotated[int, typer.Option(min=1, help="Checkpoint every this many steps.")] = 25,
+    fresh: Annotated[
+        bool, typer.Option(help="Delete ROOT/run of an earlier demo first, to start clean.")
+    ] = True,
 ) -> None:
     """Kill a training run with SIGKILL, resume it, and prove the resume is bit-identical.
+    Trains a small model on CPU straight through, then in a child process that checkpoints
+    every EVERY steps and is killed mid-run, then resumed from the newest checkpoint.
 
-    Trains a small model three ways on CPU: straight through; in a child process that saves
-    a checkpoint every EVERY steps and is killed mid-run; and resumed from the newest
-    checkpoint. Exits with status 1 unless the resumed run equals the uninterrupted one.
+    Exits with status 1 unless the resumed run equals the uninterrupted one.
     """
     console = Console()
     root = root.absolute()
@@ -37,8 +38,10 @@ def demo(
     if fresh and run_root.exists():
         if not (root / REPORT_NAME).is_file():
             console.print(
-                f"[red]{run_root} exists but {root} holds no {REPORT_NAME}, so it was not "
-                "made by the demo; not deleting it. Pick another --root.[/]"
+                f"{run_root} exists but {root} holds no {REPORT_NAME}, so it was not made by "
+                "the demo; not deleting it. Pick another --root.",
+                style="red",
+                markup=False,
             )
             raise typer.Exit(code=2)
         shutil.rmtree(run_root)
@@ -46,7 +49,7 @@ def demo(
     try:
         report = run_demo(root, steps=steps, checkpoint_every=every, console=console)
     except ConfigError as e:
-        console.print(f"[red]{e}[/]")
+        console.print(str(e), style="red", markup=False)
         raise typer.Exit(code=2) from e
     if not report.ok:
         raise typer.Exit(code=1)
