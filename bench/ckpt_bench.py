@@ -233,6 +233,7 @@ def machine_info(bench_dir: Path) -> dict[str, Any]:
         "dir": str(bench_dir),
         "filesystem": mount_of(bench_dir),
         "disk_free_bytes": du.free,
+        "loadavg_start": os.getloadavg(),
     }
 
 
@@ -706,14 +707,15 @@ def main(argv: list[str] | None = None) -> int:
             for k, c in composition.items()
         )
     )
-    cold_ok = drop_caches()
+    in_ram = machine["filesystem"]["fstype"] in ("tmpfs", "ramfs")
+    cold_ok = drop_caches() and not in_ram  # dropping the cache cannot evict tmpfs pages
 
     m = machine
     mem = m["memory"]
     fs = m["filesystem"]
     console.print(
         f"machine: nproc={m['nproc']} (affinity {m['affinity_cpus']}), {m['cpu']}, "
-        f"kernel {m['kernel']}\n"
+        f"kernel {m['kernel']}, load average {m['loadavg_start'][0]:.2f} at start\n"
         f"python {m['python']}, torch {m['torch']} ({m['torch_threads']} intra-op threads), "
         f"memory {fmt_bytes(mem.get('MemAvailable'))} available of "
         f"{fmt_bytes(mem.get('MemTotal'))}\n"
@@ -723,7 +725,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seed}; "
         + ", ".join(f"{c['count']} {k}" for k, c in composition.items())
         + f"\nreps={args.reps} (median shown); page cache dropped between save and load: "
-        f"{'yes -> loads are cold' if cold_ok else 'NO (drop_caches refused) -> loads are warm'}",
+        + (
+            "yes -> loads are cold"
+            if cold_ok
+            else "no: --dir is in RAM (tmpfs) -> loads read memory"
+            if in_ram
+            else "NO (drop_caches refused) -> loads are warm"
+        ),
         markup=False,
         highlight=False,
     )
@@ -756,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="left" if col in ("contender", "load cache") else "right")
     for o in outcomes:
         if o.error:
-            table.add_row(o.name, "FAILED", o.error[:60], "", "", "", "", "")
+            table.add_row(o.name, "FAILED", "-", "-", "-", "-", "-", "see below")
             continue
         s, lo = o.save_med, o.load_med
         table.add_row(
@@ -771,15 +779,24 @@ def main(argv: list[str] | None = None) -> int:
             if o.name == "copy"
             else "direct I/O"
             if o.name == "dd"
+            else "in RAM (tmpfs)"
+            if in_ram
             else ("cold" if all(o.load_cold) else "warm"),
         )
     console.print(table)
+    for o in outcomes:
+        if o.error:
+            console.print(f"{o.name} FAILED: {o.error}", markup=False, highlight=False)
     console.print(
         "ratio = contender time / stalwart time (>1: stalwart is faster).\n"
         "torch/safetensors load = read into new tensors + copy_ into preallocated; "
-        "dcp/stalwart load in place (all loads checked bit-exact, untimed).\ndd = direct I/O of "
-        f"{fmt_bytes(DirectDd.block * math.ceil(total / DirectDd.block))} from "
-        "/dev/zero (write: oflag=direct conv=fsync, read: iflag=direct).",
+        "dcp/stalwart load in place (all loads checked bit-exact, untimed)."
+        + (
+            f"\ndd = direct I/O of {fmt_bytes(DirectDd.block * math.ceil(total / DirectDd.block))}"
+            " from /dev/zero (write: oflag=direct conv=fsync, read: iflag=direct)."
+            if "dd" in names
+            else ""
+        ),
         markup=False,
         highlight=False,
     )
@@ -837,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
             itable.add_column(col, justify="left" if col == "contender" else "right")
         for r in incremental:
             if r["error"]:
-                itable.add_row(r["name"], "FAILED", r["error"][:60], "", "", "")
+                itable.add_row(r["name"], "FAILED", "-", "-", "-", "-", "-")
                 continue
             f_s, i_s, b = r["full_s_median"], r["incr_s_median"], r["incr_bytes_written_median"]
             itable.add_row(
@@ -850,6 +867,9 @@ def main(argv: list[str] | None = None) -> int:
                 fmt_bytes(r["incr_disk_growth_median"]),
             )
         console.print(itable)
+        for r in incremental:
+            if r["error"]:
+                console.print(f"incremental {r['name']} FAILED: {r['error']}", markup=False)
         if any(r.get("verified") for r in incremental):
             console.print(
                 "stalwart's second (incremental) checkpoint was loaded and matched "
@@ -858,6 +878,19 @@ def main(argv: list[str] | None = None) -> int:
                 highlight=False,
             )
 
+    machine["loadavg_end"] = os.getloadavg()
+    busy = max(machine["loadavg_start"][0], machine["loadavg_end"][0])
+    console.print(
+        f"load average {machine['loadavg_start'][0]:.2f} at start, "
+        f"{machine['loadavg_end'][0]:.2f} at end on {machine['nproc']} CPUs"
+        + (
+            " - the machine was busy with other work; expect noisy timings."
+            if busy > 0.5 * (machine["nproc"] or 1)
+            else ""
+        ),
+        markup=False,
+        highlight=False,
+    )
     with contextlib.suppress(OSError):  # only if empty: never delete a user's folder
         root.rmdir()
 

@@ -343,9 +343,11 @@ class Checkpointer:
             store.delete(manifest_key(s))
             self._manifests.pop(s, None)
             report.deleted_steps.append(s)
+        sizes = {i.key: i.size for i in store.list("packs/")}
         for p in sorted(doomed_packs - kept_packs):
             store.delete(p)
             report.deleted_packs.append(p)
+            report.bytes_freed += sizes.get(p, 0)
         log.info("retention deleted steps %s and %d packs", doomed, len(report.deleted_packs))
         return report
 
@@ -506,9 +508,17 @@ class Checkpointer:
     # -- maintenance -------------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Un-commit ``step`` (its manifest); its unshared packs go at the next gc()."""
-        self.manifest(step)
-        self._store(create=False).delete(manifest_key(step))
+        """Un-commit ``step`` (its manifest); its unshared packs go at the next gc().
+
+        Works on a step whose manifest is damaged, so that it can be cleared away.
+        """
+        store = self._store(create=False)
+        if step not in self.steps():
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
+                f"{_short(self.steps())}"
+            )
+        store.delete(manifest_key(step))
         self._manifests.pop(step, None)
 
     def gc(self, *, grace_s: float | None = None) -> GCReport:

@@ -7,7 +7,7 @@ import logging
 import typer
 from rich.logging import RichHandler
 
-from stalwart.cli import demo
+from stalwart.cli import ckpt, demo
 
 app = typer.Typer(
     name="stalwart",
@@ -30,6 +30,7 @@ def _main(
 
 
 demo.register(app)
+ckpt.register(app)
 
 if __name__ == "__main__":
     app()

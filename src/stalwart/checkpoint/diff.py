@@ -1,0 +1,332 @@
+"""Compare two committed steps tensor by tensor, reading only what the hashes cannot settle.
+
+A tensor whose shards have the same boxes and the same chunk hashes in both manifests is
+unchanged, and none of its bytes are read: chunks are named by the BLAKE3 of their bytes. Only
+the other tensors are read (whole, verified, one at a time) and compared element by element
+in float64 (complex128 for complex dtypes), in blocks so that a large tensor never needs
+more than a few MiB of float64 scratch. Non-tensor values (step counters, learning rates,
+strings) are compared from the two skeletons without reading any tensor data.
+
+``DiffReport.to_json()`` is the machine-readable form; ``write_diff_html`` renders a
+self-contained HTML page of it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.manifest import Manifest, TensorEntry
+from stalwart.checkpoint.report_html import write_diff_html
+from stalwart.checkpoint.reshard import read_box
+from stalwart.checkpoint.verify import reader_lease
+from stalwart.storage.base import Storage
+from stalwart.tree import dtype_from_name
+
+__all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps", "write_diff_html"]
+
+_BLOCK_ELEMS = 1 << 20
+"""Elements compared per block: bounds the float64 scratch to ~8 MiB per operand."""
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs between step ``a`` and step ``b``.
+
+    Attributes:
+        name: the tensor's FQN.
+        status: ``unchanged``, ``changed``, ``added`` (only in b), ``removed`` (only in a)
+            or ``reshaped`` (shape differs; values not compared).
+        dtype: dtype in b (in a when removed).
+        shape: shape in b (in a when removed).
+        numel: elements of ``shape``.
+        old_dtype: dtype in a when it differs from ``dtype``, else None.
+        old_shape: shape in a when it differs from ``shape``, else None.
+        changed_elements: elements whose values differ (NaN equals NaN); None when not
+            compared.
+        l2: L2 norm of ``b - a`` over the changed elements whose difference is finite.
+        max_abs: largest ``|b - a|`` among those.
+        relative: ``l2 / ||a||`` (``inf`` when a is all zeros and something changed).
+        nonfinite: changed elements whose difference is not finite (a NaN or inf appeared).
+        compared_by: ``hash`` when settled by chunk hashes, ``data`` when values were read,
+            ``none`` when not compared (added, removed, reshaped).
+    """
+
+    name: str
+    status: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    old_dtype: str | None = None
+    old_shape: tuple[int, ...] | None = None
+    changed_elements: int | None = None
+    l2: float | None = None
+    max_abs: float | None = None
+    relative: float | None = None
+    nonfinite: int = 0
+    compared_by: str = "none"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "numel": self.numel,
+            "old_dtype": self.old_dtype,
+            "old_shape": None if self.old_shape is None else list(self.old_shape),
+            "changed_elements": self.changed_elements,
+            "l2": _num(self.l2),
+            "max_abs": _num(self.max_abs),
+            "relative": _num(self.relative),
+            "nonfinite": self.nonfinite,
+            "compared_by": self.compared_by,
+        }
+
+
+@dataclass
+class ValueDiff:
+    """A non-tensor value (from the skeleton) that differs between the two steps.
+
+    Attributes:
+        path: the value's path, keys joined with ``.`` like tensor FQNs.
+        status: ``changed``, ``added`` or ``removed``.
+        old: a short rendering of the value in a (None when added).
+        new: a short rendering of the value in b (None when removed).
+    """
+
+    path: str
+    status: str
+    old: str | None
+    new: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "old": self.old, "new": self.new}
+
+
+@dataclass
+class DiffReport:
+    """Everything :func:`diff_steps` found.
+
+    Attributes:
+        a: the older (reference) step.
+        b: the step compared against it.
+        tensors: one row per tensor in either step, in a's order then b's new ones.
+        values: non-tensor values that differ.
+        bytes_read: stored bytes read to compare tensors (0 when the hashes settled all).
+        tensors_read: tensors whose data was read.
+        seconds: wall time.
+    """
+
+    a: int
+    b: int
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[ValueDiff] = field(default_factory=list)
+    bytes_read: int = 0
+    tensors_read: int = 0
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        """Tensors per status (every status present, zero when none)."""
+        out = dict.fromkeys(("unchanged", "changed", "added", "removed", "reshaped"), 0)
+        for row in self.tensors:
+            out[row.status] += 1
+        return out
+
+    @property
+    def identical(self) -> bool:
+        """True when no tensor and no value differs."""
+        return not self.values and all(r.status == "unchanged" for r in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (non-finite floats become the strings inf / nan)."""
+        return {
+            "a": self.a,
+            "b": self.b,
+            "identical": self.identical,
+            "counts": self.counts(),
+            "bytes_read": self.bytes_read,
+            "tensors_read": self.tensors_read,
+            "seconds": self.seconds,
+            "tensors": [r.to_json() for r in self.tensors],
+            "values": [v.to_json() for v in self.values],
+        }
+
+
+def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
+    """Compare step ``b`` with step ``a``, tensor by tensor and value by value.
+
+    Args:
+        ckpt: the checkpointer of the root holding both steps.
+        a: the reference step.
+        b: the step compared against it.
+
+    Raises:
+        CheckpointNotFoundError: either step does not exist.
+        CorruptCheckpointError: a manifest or a chunk that had to be read is damaged.
+    """
+    t0 = time.perf_counter()
+    ma, mb = ckpt.manifest(a), ckpt.manifest(b)
+    store = ckpt._store(create=False)
+    report = DiffReport(a=a, b=b)
+    to_read: list[TensorDiff] = []
+    for name, ea in ma.tensors.items():
+        eb = mb.tensors.get(name)
+        if eb is None:
+            report.tensors.append(TensorDiff(name, "removed", ea.dtype, ea.shape, _numel(ea.shape)))
+            continue
+        row = TensorDiff(name, "unchanged", eb.dtype, eb.shape, _numel(eb.shape))
+        if ea.dtype != eb.dtype:
+            row.old_dtype = ea.dtype
+        if ea.shape != eb.shape:
+            row.status, row.old_shape = "reshaped", ea.shape
+        elif ea.dtype != eb.dtype or _signature(ea) != _signature(eb):
+            to_read.append(row)
+        else:
+            row.changed_elements, row.l2, row.max_abs, row.relative = 0, 0.0, 0.0, 0.0
+            row.compared_by = "hash"
+        report.tensors.append(row)
+    for name, eb in mb.tensors.items():
+        if name not in ma.tensors:
+            report.tensors.append(TensorDiff(name, "added", eb.dtype, eb.shape, _numel(eb.shape)))
+    if to_read:
+        where = f"checkpoint {store.url}"
+        with reader_lease(
+            store, steps=[a, b], packs=ma.packs() | mb.packs(), lease_s=ckpt.options.lease_s
+        ):
+            for row in to_read:
+                ta, na = _read(ckpt, store, ma, row.name, f"{where} step {a}")
+                tb, nb = _read(ckpt, store, mb, row.name, f"{where} step {b}")
+                report.bytes_read += na + nb
+                report.tensors_read += 1
+                _compare(row, ta, tb)
+                del ta, tb  # one pair of full tensors alive at a time
+    report.values = _diff_values(ma, mb)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _signature(e: TensorEntry) -> tuple[Any, ...]:
+    return tuple((s.offsets, s.sizes, tuple(c.hash for c in s.chunks)) for s in e.shards)
+
+
+def _read(
+    ckpt: Checkpointer, store: Storage, m: Manifest, name: str, where: str
+) -> tuple[torch.Tensor, int]:
+    e = m.tensors[name]
+    dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    stats = read_box(store, e, name, (0,) * len(e.shape), dest, pool=ckpt._pool, where=where)
+    return dest, stats.bytes_read
+
+
+def _compare(row: TensorDiff, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Fill ``row``'s change statistics from the full tensors ``a`` and ``b``."""
+    row.compared_by = "data"
+    wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
+    # int64 values past 2**53 are not exact in float64: decide "changed" on the originals.
+    exact_ints = a.dtype == b.dtype == torch.int64
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    changed = nonfinite = 0
+    sq = sq_a = mx = 0.0
+    with torch.no_grad():
+        for i in range(0, fa.numel(), _BLOCK_ELEMS):
+            x, y = fa[i : i + _BLOCK_ELEMS].to(wide), fb[i : i + _BLOCK_ELEMS].to(wide)
+            if exact_ints:
+                mask = fa[i : i + _BLOCK_ELEMS] != fb[i : i + _BLOCK_ELEMS]
+            else:
+                mask = (x != y) & ~(torch.isnan(x) & torch.isnan(y))
+            xa = x[torch.isfinite(x)].abs()
+            sq_a += float((xa * xa).sum())
+            d = (y - x)[mask]
+            changed += int(mask.sum())
+            finite = torch.isfinite(d)
+            nonfinite += int((~finite).sum())
+            d = d[finite].abs()
+            if d.numel():
+                sq += float((d * d).sum())
+                mx = max(mx, float(d.max()))
+    row.changed_elements, row.nonfinite = changed, nonfinite
+    row.l2, row.max_abs = math.sqrt(sq), mx
+    norm_a = math.sqrt(sq_a)
+    if norm_a > 0:
+        row.relative = row.l2 / norm_a
+    else:
+        row.relative = math.inf if row.l2 > 0 else 0.0
+    if changed == 0 and row.old_dtype is None:
+        row.status = "unchanged"  # same values, other bytes (e.g. -0.0 vs 0.0)
+    else:
+        row.status = "changed"
+
+
+def _diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
+    va, vb = _values(ma.skeleton), _values(mb.skeleton)
+    out: list[ValueDiff] = []
+    for path, node in va.items():
+        if path not in vb:
+            out.append(ValueDiff(path, "removed", _show(node), None))
+        elif vb[path] != node:
+            out.append(ValueDiff(path, "changed", _show(node), _show(vb[path])))
+    out.extend(ValueDiff(p, "added", None, _show(n)) for p, n in vb.items() if p not in va)
+    return out
+
+
+def _values(skeleton: Any) -> dict[str, Any]:
+    """Non-tensor leaves of a skeleton (and empty containers) by dotted path."""
+    out: dict[str, Any] = {}
+
+    def visit(node: Any, path: tuple[Any, ...]) -> None:
+        kind = node.get("k") if isinstance(node, dict) else None
+        name = ".".join(str(p) for p in path) or "<root>"
+        if kind == "tensor":
+            return
+        if kind == "stateful":
+            visit(node.get("v"), path)
+        elif kind == "dict" and node.get("v"):
+            for key, child in node["v"]:
+                visit(child, (*path, key[1] if isinstance(key, list) else key))
+        elif kind in ("list", "tuple") and node.get("v"):
+            for i, child in enumerate(node["v"]):
+                visit(child, (*path, i))
+        else:
+            out.setdefault(name, node)
+
+    visit(skeleton, ())
+    return out
+
+
+def _show(node: Any) -> str:
+    """A short human rendering of a skeleton value node."""
+    kind = node.get("k") if isinstance(node, dict) else None
+    v = node.get("v") if isinstance(node, dict) else node
+    if kind == "none":
+        return "None"
+    if kind in ("int", "bool", "float"):
+        return str(v)
+    if kind == "str":
+        text = repr(v)
+        return text if len(text) <= 120 else text[:117] + "…'"
+    if kind == "bytes":
+        return f"<{len(str(v).rstrip('=')) * 3 // 4} bytes>"  # length of the base64 payload
+    if kind == "dtype":
+        return f"torch.{v}"
+    if kind in ("dict", "list", "tuple"):
+        return {"dict": "{}", "list": "[]", "tuple": "()"}[kind]
+    return repr(node)[:120]
+
+
+def _num(x: float | None) -> float | str | None:
+    if x is None or math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,329 @@
+"""Export a step to one safetensors or torch file, and import such files or a DCP checkpoint.
+
+Export writes the consolidated view (every tensor whole, as one process would load it with
+``Checkpointer.load(None, step)``) to a temporary file next to ``out``, fsyncs it and renames it
+into place, so ``out`` is either absent or complete, and an existing ``out`` is never replaced
+unless asked. A safetensors export keys tensors by FQN and keeps the whole tree structure (the
+skeleton, with every non-tensor value) in the header metadata under ``stalwart.skeleton``, so
+importing it back rebuilds the same tree.
+
+Import recognises, by content rather than by name:
+
+* a **safetensors** file (``safetensors.safe_open``; no code can run);
+* a **DCP checkpoint** folder (it has a ``.metadata`` file), read without a process group;
+* a **torch.save** file, loaded with ``torch.load(weights_only=True)``.
+
+Trust: DCP's ``.metadata`` and its non-tensor entries are pickles, so importing a DCP
+checkpoint runs whatever code that folder contains; import only DCP checkpoints you trust.
+torch.save files are loaded with ``weights_only=True``, which refuses arbitrary objects; a
+file that needs more is rejected with a hint to re-save it as plain tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import struct
+import uuid
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalwart.checkpoint.checkpointer import Checkpointer, SaveResult
+from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from stalwart.tree import flatten, unflatten
+
+__all__ = ["FORMATS", "ExportResult", "ImportResult", "export_step", "import_file"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("safetensors", "torch")
+SKELETON_KEY = "stalwart.skeleton"
+_ACCEPTED = "a safetensors file, a torch.save file, or a DCP checkpoint folder (with .metadata)"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_step` wrote.
+
+    Attributes:
+        path: the file written.
+        step: the step exported.
+        format: ``safetensors`` or ``torch``.
+        tensors: number of tensors.
+        bytes: size of the file.
+    """
+
+    path: Path
+    step: int
+    format: str
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What :func:`import_file` read and saved.
+
+    Attributes:
+        kind: ``safetensors``, ``dcp`` or ``torch``.
+        tensors: number of tensors saved.
+        save: the checkpointer's result for the new step.
+    """
+
+    kind: str
+    tensors: int
+    save: SaveResult
+
+
+def export_step(
+    ckpt: Checkpointer,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    format: str = "safetensors",
+    overwrite: bool = False,
+) -> ExportResult:
+    """Write the consolidated tensors of ``step`` to the file ``out``.
+
+    Args:
+        ckpt: the checkpointer of the root to export from.
+        out: the file to write.
+        step: the step; the newest committed one when None.
+        format: ``safetensors`` (tensors by FQN, the tree in the metadata) or ``torch``
+            (``torch.save`` of the nested tree; numpy arrays become tensors so that the file
+            loads with ``torch.load(weights_only=True)``).
+        overwrite: replace ``out`` when it exists.
+
+    Raises:
+        ConfigError: unknown format, or ``out`` exists and ``overwrite`` is False.
+        CheckpointNotFoundError: no such root or step.
+        CorruptCheckpointError: the step's data is damaged.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"export format {format!r} is not supported; use one of {FORMATS}")
+    path = Path(out)
+    if path.exists() and not overwrite:
+        raise ConfigError(
+            f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
+            "choose another path"
+        )
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder; give a file name to export to")
+    if not path.parent.is_dir():
+        raise ConfigError(f"folder {path.parent} does not exist; create it first")
+    if step is None:
+        step = ckpt.latest_step()
+        if step is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {ckpt.url}; nothing to export"
+            )
+    tree = ckpt.load(None, step)
+    flat = flatten(tree)
+    tensors = {fqn: leaf.tensor.contiguous() for fqn, leaf in flat.leaves.items()}
+    if format == "safetensors":
+        from safetensors.torch import save_file
+
+        for fqn, t in tensors.items():
+            if t.dtype == torch.complex128:
+                raise ConfigError(
+                    f"tensor {fqn!r} is complex128, which safetensors cannot hold; export with "
+                    "format='torch' (--format torch) instead"
+                )
+        meta = {
+            "format": "pt",
+            "stalwart.step": str(step),
+            SKELETON_KEY: json.dumps(flat.skeleton, separators=(",", ":")),
+        }
+        user = ckpt.manifest(step).metadata
+        if user:
+            meta["stalwart.metadata"] = json.dumps(user)
+        _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    else:
+        plain = _numpy_to_tensors(tree)
+        _atomic_write(path, lambda tmp: torch.save(plain, tmp))
+    return ExportResult(path, step, format, len(tensors), path.stat().st_size)
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp)`` for a temp file next to ``path``, fsync it, rename it onto ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def detect_kind(src: Path) -> str:
+    """``safetensors``, ``dcp`` or ``torch`` for ``src``, judged by its content.
+
+    Raises:
+        CheckpointNotFoundError: ``src`` does not exist.
+        ConfigError: it is none of the accepted kinds.
+    """
+    if not src.exists():
+        raise CheckpointNotFoundError(f"{src} does not exist; check the path to import")
+    if src.is_dir():
+        if (src / ".metadata").is_file():
+            return "dcp"
+        raise ConfigError(
+            f"{src} is a folder without a .metadata file, so not a DCP checkpoint; "
+            f"import accepts {_ACCEPTED}"
+        )
+    with open(src, "rb") as f:
+        head = f.read(9)
+    size = src.stat().st_size
+    if len(head) == 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if n > size - 8:
+            raise CorruptCheckpointError(
+                f"{src} looks like a safetensors file whose header ({n} bytes) is longer than "
+                f"the file ({size} bytes): it is truncated; copy or export it again"
+            )
+        return "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch>=1.6) or legacy pickle
+        return "torch"
+    raise ConfigError(f"{src} is not a format stalwart can import; import accepts {_ACCEPTED}")
+
+
+def import_file(
+    src: str | os.PathLike[str],
+    ckpt: Checkpointer,
+    *,
+    step: int,
+    overwrite: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> ImportResult:
+    """Read a safetensors file, a torch.save file or a DCP checkpoint and save it as ``step``.
+
+    Importing a DCP checkpoint unpickles its metadata: do it only for checkpoints you trust
+    (see the module docstring). torch.save files are loaded with ``weights_only=True``.
+
+    Args:
+        src: the file or DCP folder to import.
+        ckpt: the checkpointer of the root to save into.
+        step: the step to save as.
+        overwrite: replace ``step`` when it is already committed.
+        metadata: string metadata for the new manifest (``stalwart.source`` is added).
+
+    Raises:
+        CheckpointNotFoundError: ``src`` does not exist.
+        ConfigError: unknown format, the step exists, or a torch file needs unsafe pickle.
+        CorruptCheckpointError: ``src`` is truncated or damaged.
+    """
+    path = Path(src)
+    kind = detect_kind(path)
+    if not overwrite and step in ckpt.steps():
+        raise ConfigError(
+            f"step {step} already exists in {ckpt.url}; pick another --step or pass "
+            "overwrite=True (--overwrite) to replace it"
+        )
+    reader = {"safetensors": _read_safetensors, "dcp": _read_dcp, "torch": _read_torch}[kind]
+    tree = reader(path)
+    meta = {**(metadata or {}), "stalwart.source": f"{kind}:{path.name}"}
+    n = len(flatten(tree).leaves)
+    return ImportResult(kind, n, ckpt.save(step, tree, metadata=meta))
+
+
+def _read_safetensors(path: Path) -> Any:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{path} is not a readable safetensors file ({e}); it may be truncated — copy or "
+            "export it again"
+        ) from e
+    skeleton = meta.get(SKELETON_KEY)
+    if skeleton is None:
+        return tensors
+    try:
+        return unflatten(json.loads(skeleton), tensors.__getitem__)
+    except (ValueError, KeyError) as e:
+        raise CorruptCheckpointError(
+            f"{path}: its {SKELETON_KEY} metadata does not match its tensors ({e!r}); "
+            "remove that metadata entry to import the tensors as a flat dict"
+        ) from e
+
+
+def _read_torch(path: Path) -> Any:
+    try:
+        tree = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Weights only" in str(e):
+            raise ConfigError(
+                f"{path} holds objects that torch.load(weights_only=True) refuses, and stalwart "
+                "does not run untrusted pickle. Re-save it with plain tensors, e.g. "
+                "torch.save(model.state_dict(), path), and import that"
+            ) from e
+        raise CorruptCheckpointError(f"{path} is damaged or truncated ({e})") from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise CorruptCheckpointError(
+            f"{path} is not a readable torch.save file ({e}); it may be truncated — save or "
+            "copy it again"
+        ) from e
+    return _numpy_to_tensors(tree)
+
+
+def _read_dcp(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import (
+        _EmptyStateDictLoadPlanner,
+        _load_state_dict,
+    )
+
+    sd: dict[str, Any] = {}
+    try:
+        # The call dcp_to_torch_save makes, minus its round trip through a torch.save file:
+        # the planner rebuilds the (nested) state dict from the metadata, one process reads.
+        _load_state_dict(
+            sd,
+            storage_reader=FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        # Its message is every rank's traceback; the last line names the root cause.
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        cause = lines[-1].strip() if lines else type(e).__name__
+        raise CorruptCheckpointError(
+            f"{path} is a DCP checkpoint that could not be read ({cause[:500]}); it may be "
+            "incomplete or damaged — copy or save it again"
+        ) from e
+    return sd
+
+
+def _numpy_to_tensors(tree: Any) -> Any:
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(tree))
+    if isinstance(tree, dict):
+        return {k: _numpy_to_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_numpy_to_tensors(v) for v in tree)
+    return tree

@@ -1,0 +1,259 @@
+"""Verify committed checkpoints: read every chunk, check every hash, report all damage.
+
+Loading stops at the first bad chunk; verification does not. For one step it parses the
+manifest afresh (a damaged manifest is damage, not a traceback), checks that the shards of
+every tensor tile it exactly and that each shard's chunks hold exactly its bytes, then reads
+each distinct chunk once on the checkpointer's I/O threads and compares it with its hash.
+A chunk shared by several tensors (dedup) is read once and reported under each of them.
+
+While it reads, verification holds a lease on the step and its packs (when the store is
+writable), so retention and garbage collection running elsewhere cannot pull packs away
+mid-check and make an intact step look damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.gc import Lease
+from stalwart.checkpoint.manifest import ChunkRef, Manifest, TensorEntry, manifest_key
+from stalwart.checkpoint.reshard import verify_chunk
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
+from stalwart.storage.base import Storage
+from stalwart.tree import dtype_from_name, iter_skeleton_tensors
+
+__all__ = ["VerifyReport", "reader_lease", "verify_all", "verify_step"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(chunks_done, chunks_total)`` after each distinct chunk is checked."""
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of verifying one committed step.
+
+    Attributes:
+        step: the step verified.
+        ok: True when nothing is damaged.
+        chunks_checked: distinct chunks read and hashed.
+        bytes_checked: stored bytes read.
+        damaged: one line per damaged item: for a chunk, the tensor, shard, chunk hash, pack
+            and byte offset plus the reason; a chunk shared by several tensors appears once
+            per tensor. Also shards that do not tile their tensor and a damaged manifest.
+    """
+
+    step: int
+    ok: bool = True
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    damaged: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-serialisable dict of the report."""
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "chunks_checked": self.chunks_checked,
+            "bytes_checked": self.bytes_checked,
+            "damaged": list(self.damaged),
+        }
+
+
+@contextlib.contextmanager
+def reader_lease(
+    store: Storage, *, steps: Iterable[int], packs: Iterable[str], lease_s: float
+) -> Iterator[None]:
+    """Hold a :class:`Lease` on ``steps`` and ``packs`` when the store lets us write one.
+
+    A read-only store (a mounted snapshot, a bucket without write access) cannot hold a
+    lease; reading then proceeds unprotected, with a log message.
+    """
+    lease = Lease(store, steps=steps, packs=packs, lease_s=lease_s)
+    try:
+        lease.__enter__()
+    except StorageError as e:
+        log.info("reading without a lease (the store refused one: %s)", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lease.__exit__(None, None, None)
+
+
+def _read_manifest(ckpt: Checkpointer, store: Storage, step: int) -> Manifest:
+    """Parse ``step``'s manifest from the store, bypassing the checkpointer's cache."""
+    key = manifest_key(step)
+    try:
+        data = store.read(key)
+    except ObjectNotFoundError:
+        raise CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
+            f"{ckpt.steps()} — run `stalwart ckpt ls` to list them"
+        ) from None
+    m = Manifest.from_bytes(data, where=f"{store.url}/{key}")
+    if m.step != step:
+        raise CorruptCheckpointError(f"{store.url}/{key} claims step {m.step}, not {step}")
+    return m
+
+
+def _tiling_problems(fqn: str, e: TensorEntry) -> list[str]:
+    """What is wrong with how ``e``'s shards cover the tensor (empty when they tile it)."""
+    problems: list[str] = []
+    esize = dtype_from_name(e.dtype).itemsize
+    numel = _numel(e.shape)
+    if not e.shape:
+        if len(e.shards) != 1:
+            problems.append(f"tensor {fqn!r}: a 0-dim tensor needs 1 shard, has {len(e.shards)}")
+    else:
+        covered = sum(_numel(s.sizes) for s in e.shards)
+        if covered != numel:
+            problems.append(
+                f"tensor {fqn!r}: shards cover {covered} of {numel} elements of shape "
+                f"{list(e.shape)}; the checkpoint is incomplete"
+            )
+        boxes = [(s.offsets, s.sizes) for s in e.shards if _numel(s.sizes)]
+        for i, (oa, sa) in enumerate(boxes):
+            for ob, sb in boxes[i + 1 :]:
+                if all(
+                    max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, sa, ob, sb, strict=True)
+                ):
+                    problems.append(
+                        f"tensor {fqn!r}: shards at offsets {list(oa)} and {list(ob)} overlap"
+                    )
+    for s in e.shards:
+        want = _numel(s.sizes) * esize if e.shape else esize
+        if s.nbytes != want:
+            problems.append(
+                f"tensor {fqn!r}: shard at offsets {list(s.offsets)} sizes {list(s.sizes)} "
+                f"has chunks of {s.nbytes} bytes, its box needs {want}"
+            )
+    return problems
+
+
+def _reason(e: Exception) -> str:
+    """The short reason of a chunk error (verify_chunk prefixes messages with ``what: ``)."""
+    msg = str(e)
+    if isinstance(e, CorruptCheckpointError) and msg.startswith("chunk: "):
+        return msg.removeprefix("chunk: ").split(";")[0]
+    return f"unreadable ({msg})"
+
+
+def verify_step(
+    ckpt: Checkpointer,
+    step: int,
+    *,
+    pool: ThreadPoolExecutor | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Read and hash every chunk of ``step`` and report every damaged item.
+
+    Args:
+        ckpt: the checkpointer of the root to check.
+        step: a committed step.
+        pool: threads that read and hash chunks; the checkpointer's I/O threads by default.
+        progress: called as ``progress(done, total)`` after each distinct chunk.
+
+    Returns:
+        The report; ``ok`` is False when anything is damaged (including the manifest).
+
+    Raises:
+        CheckpointNotFoundError: the root or the step does not exist.
+    """
+    store = ckpt._store(create=False)
+    report = VerifyReport(step=step)
+    try:
+        m = _read_manifest(ckpt, store, step)
+    except CorruptCheckpointError as e:
+        report.ok = False
+        report.damaged.append(f"manifest of step {step}: {e}")
+        return report
+    for fqn, entry in m.tensors.items():
+        report.damaged.extend(_tiling_problems(fqn, entry))
+    try:
+        for fqn in iter_skeleton_tensors(m.skeleton):
+            if fqn not in m.tensors:
+                report.damaged.append(f"skeleton names tensor {fqn!r}, which has no entry")
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        report.damaged.append(f"manifest of step {step}: malformed skeleton ({e!r})")
+
+    # Each distinct chunk reference is read once; every place that uses it is remembered,
+    # in manifest order, so the report reads tensor by tensor, chunk by chunk.
+    places: list[tuple[str, ChunkRef]] = []
+    for fqn, entry in m.tensors.items():
+        for s in entry.shards:
+            for i, c in enumerate(s.chunks):
+                where = (
+                    f"tensor {fqn!r} shard at offsets {list(s.offsets)} sizes {list(s.sizes)}: "
+                    f"chunk {i + 1}/{len(s.chunks)} {c.hash[:16]}… in {c.pack} at byte {c.offset}"
+                )
+                places.append((where, c))
+    distinct = list(dict.fromkeys(c for _, c in places))
+    bad: dict[ChunkRef, str] = {}
+    run = pool or ckpt._pool
+    with reader_lease(store, steps=[step], packs=m.packs(), lease_s=ckpt.options.lease_s):
+        futures = {run.submit(verify_chunk, store, c, "chunk"): c for c in distinct}
+        for done, fut in enumerate(as_completed(futures), 1):
+            try:
+                report.bytes_checked += fut.result()
+            except (CorruptCheckpointError, StorageError) as e:
+                bad[futures[fut]] = _reason(e)
+            report.chunks_checked += 1
+            if progress is not None:
+                progress(done, len(distinct))
+    report.damaged.extend(f"{where}: {bad[c]}" for where, c in places if c in bad)
+    report.ok = not report.damaged
+    return report
+
+
+def verify_all(
+    ckpt: Checkpointer,
+    *,
+    pool: ThreadPoolExecutor | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> list[VerifyReport]:
+    """Verify every committed step, oldest first.
+
+    Args:
+        ckpt: the checkpointer of the root to check.
+        pool: threads that read and hash chunks; the checkpointer's by default.
+        progress: called as ``progress(step, done, total)`` after each distinct chunk.
+
+    Raises:
+        CheckpointNotFoundError: the root does not exist.
+    """
+    ckpt._store(create=False)  # a missing root is an error, not an empty success
+    reports = []
+    for step in ckpt.steps():
+        cb = None if progress is None else _for_step(progress, step)
+        try:
+            reports.append(verify_step(ckpt, step, pool=pool, progress=cb))
+        except CheckpointNotFoundError:
+            log.info("step %s was deleted while verifying; skipped", step)
+    return reports
+
+
+def _for_step(progress: Callable[[int, int, int], None], step: int) -> Progress:
+    def cb(done: int, total: int) -> None:
+        progress(step, done, total)
+
+    return cb
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n

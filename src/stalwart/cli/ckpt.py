@@ -1,0 +1,418 @@
+"""``stalwart ckpt``: list, inspect, verify, diff, export, import and collect checkpoints.
+
+Exit status: 0 on success; 1 when ``verify`` finds damage; 2 for any other problem (a missing
+root or step, a bad argument, damaged data met while exporting or diffing), reported as one
+short red line on stderr with what to do next, never a traceback. ``--json`` output goes to
+stdout alone (progress bars and errors go to stderr), so it can be piped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.diff import diff_steps, write_diff_html
+from stalwart.checkpoint.export import FORMATS, export_step, import_file
+from stalwart.checkpoint.options import CheckpointOptions
+from stalwart.checkpoint.policy import KeepLast
+from stalwart.checkpoint.verify import verify_all, verify_step
+from stalwart.errors import ConfigError, CorruptCheckpointError, StalwartError
+
+__all__ = ["ckpt_app", "register"]
+
+ckpt_app = typer.Typer(
+    help="Inspect, verify, compare, export and import checkpoints.", no_args_is_help=True
+)
+
+_ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
+_STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
+_JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
+_OPTS = typer.Option(
+    [],
+    "--storage-option",
+    "-o",
+    help="KEY=VALUE passed to fsspec for remote roots (repeatable; VALUE is parsed as JSON "
+    "when it can be, e.g. anon=true).",
+)
+
+_HTML = typer.Option(None, "--html", help="Also write a self-contained HTML report here.")
+_OUT_FILE = typer.Argument(..., help="File to write.")
+_SRC = typer.Argument(..., help="safetensors file, torch.save file or DCP checkpoint folder.")
+
+
+def _out() -> Console:
+    return Console()
+
+
+def _err() -> Console:
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _handled() -> Iterator[None]:
+    """Turn stalwart (and OS) errors into one red line on stderr and exit status 2."""
+    try:
+        yield
+    except (StalwartError, OSError) as e:
+        _err().print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option {pair!r}: write it as KEY=VALUE")
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    return opts or None
+
+
+def _open(
+    root: str,
+    pairs: list[str],
+    *,
+    must_exist: bool = True,
+    options: CheckpointOptions | None = None,
+) -> Checkpointer:
+    local = "://" not in root or root.startswith("file://")
+    if must_exist and local and not Path(root.removeprefix("file://")).is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist; check the path")
+    return Checkpointer(root, options, storage_options=_storage_options(pairs))
+
+
+def _step(ck: Checkpointer, step: int | None) -> int:
+    if step is not None:
+        return step
+    latest = ck.latest_step()
+    if latest is None:
+        raise ConfigError(f"no committed checkpoint under {ck.url}; save one first")
+    return latest
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else ("∞" if math.isinf(x) else f"{x:.2f}x")
+
+
+def _table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
+    """A table whose ``left`` columns are left-aligned, numbers right-aligned; only tensor
+    names wrap (they are the point of the table), other cells never do."""
+    table = Table(title=title)
+    for col in cols:
+        fold: dict[str, Any] = {"overflow": "fold"} if col == "tensor" else {"no_wrap": True}
+        table.add_column(col, justify="left" if col in left else "right", **fold)
+    return table
+
+
+def _json(obj: Any) -> None:
+    _out().out(json.dumps(obj, indent=2), highlight=False)
+
+
+@ckpt_app.command("ls")
+def ls(root: str = _ROOT, as_json: bool = _JSON, storage_option: list[str] = _OPTS) -> None:
+    """List committed steps: time, tensors, logical size, bytes written, dedup, world size."""
+    with _handled(), _open(root, storage_option) as ck:
+        rows: list[dict[str, Any]] = []
+        for s in ck.steps():
+            try:
+                m = ck.manifest(s)
+            except CorruptCheckpointError as e:
+                rows.append({"step": s, "damaged": str(e)})
+                continue
+            logical = sum(t.nbytes for t in m.tensors.values())
+            written = int(m.stats.get("bytes_written", 0))
+            rows.append(
+                {
+                    "step": s,
+                    "created_unix": m.created_unix,
+                    "tensors": len(m.tensors),
+                    "logical_bytes": logical,
+                    "bytes_written": written,
+                    "dedup_ratio": logical / written if written else None,
+                    "world_size": m.world_size,
+                }
+            )
+        if as_json:
+            _json({"root": ck.url, "steps": rows})
+            return
+        if not rows:
+            _out().print(f"no committed checkpoints under {escape(ck.url)}")
+            return
+        cols = ("step", "created", "tensors", "logical", "written", "dedup", "world")
+        table = _table(escape(ck.url), cols, left=("created",))
+        for r in rows:
+            if "damaged" in r:
+                table.add_row(str(r["step"]), "[red]damaged manifest[/]", *[""] * 5)
+                continue
+            created = datetime.fromtimestamp(r["created_unix"]).strftime("%Y-%m-%d %H:%M:%S")
+            dedup = _ratio(r["dedup_ratio"]) if r["bytes_written"] else "all reused"
+            sizes = (_size(r["logical_bytes"]), _size(r["bytes_written"]), dedup)
+            table.add_row(str(r["step"]), created, str(r["tensors"]), *sizes, str(r["world_size"]))
+        _out().print(table)
+
+
+@ckpt_app.command("inspect")
+def inspect(
+    root: str = _ROOT,
+    step: int | None = _STEP,
+    as_json: bool = _JSON,
+    limit: int = typer.Option(50, "--limit", "-n", min=0, help="Tensors shown in the table."),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Show a step's tensors (dtype, shape, shards, bytes, chunks) and its dedup ratio."""
+    with _handled(), _open(root, storage_option) as ck:
+        s = _step(ck, step)
+        m = ck.manifest(s)
+        tensors: list[dict[str, Any]] = [
+            {
+                "name": fqn,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "shards": len(e.shards),
+                "bytes": e.nbytes,
+                "chunks": sum(len(sh.chunks) for sh in e.shards),
+            }
+            for fqn, e in m.tensors.items()
+        ]
+        refs = m.chunks()
+        distinct = {(c.pack, c.offset, c.length): c for c in refs}
+        logical = sum(t["bytes"] for t in tensors)
+        stored = sum(c.length for c in distinct.values())
+        totals = {
+            "tensors": len(tensors),
+            "logical_bytes": logical,
+            "chunk_refs": len(refs),
+            "distinct_chunks": len({c.hash for c in refs}),
+            "stored_bytes": stored,
+            "dedup_ratio": logical / stored if stored else None,
+            "packs": len(m.packs()),
+        }
+        info = {"step": s, "world_size": m.world_size, "metadata": m.metadata}
+        if as_json:
+            _json({**info, "totals": totals, "tensors": tensors})
+            return
+        cols = ("tensor", "dtype", "shape", "shards", "bytes", "chunks")
+        table = _table(f"step {s} of {escape(ck.url)}", cols, left=("tensor", "dtype"))
+        for t in tensors[:limit]:
+            nums = (str(t["shards"]), _size(t["bytes"]), str(t["chunks"]))
+            table.add_row(escape(t["name"]), t["dtype"], str(tuple(t["shape"])), *nums)
+        out = _out()
+        out.print(table)
+        if len(tensors) > limit:
+            out.print(f"… {len(tensors) - limit} more tensors (use --limit or --json)")
+        out.print(
+            f"{totals['tensors']} tensors, {_size(logical)} logical in {len(refs)} chunk refs; "
+            f"{totals['distinct_chunks']} distinct chunks, {_size(stored)} stored in "
+            f"{totals['packs']} packs; dedup ratio {_ratio(totals['dedup_ratio'])}; "
+            f"world size {m.world_size}"
+        )
+        if m.metadata:
+            out.print(f"metadata: {escape(json.dumps(m.metadata))}")
+
+
+@ckpt_app.command("verify")
+def verify(
+    root: str = _ROOT,
+    step: int | None = typer.Option(None, "--step", "-s", help="Step to verify; all if omitted."),
+    as_json: bool = _JSON,
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Read and hash every chunk; exit 1 and list every damaged item when any is bad."""
+    with _handled(), _open(root, storage_option) as ck:
+        cols = (TextColumn("step {task.fields[step]}"), BarColumn(), MofNCompleteColumn())
+        with Progress(*cols, console=_err(), transient=True) as bar:
+            task = bar.add_task("verify", total=None, step="…")
+
+            def progress(s: int, done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total, step=s)
+
+            if step is None:
+                reports = verify_all(ck, progress=progress)
+                if not reports:
+                    raise ConfigError(f"no committed checkpoint under {ck.url} to verify")
+            else:
+                one = step
+                reports = [verify_step(ck, one, progress=lambda d, t: progress(one, d, t))]
+        ok = all(r.ok for r in reports)
+        if as_json:
+            _json({"ok": ok, "steps": [r.to_json() for r in reports]})
+        else:
+            out = _out()
+            for r in reports:
+                state = "[green]ok[/]" if r.ok else f"[red]DAMAGED ({len(r.damaged)} items)[/]"
+                out.print(
+                    f"step {r.step}: {state} — {r.chunks_checked} chunks, "
+                    f"{_size(r.bytes_checked)} checked"
+                )
+            if not ok:
+                table = Table(title="damaged", title_style="red")
+                table.add_column("step", justify="right")
+                table.add_column("what is damaged", overflow="fold")
+                for r in reports:
+                    for item in r.damaged:
+                        table.add_row(str(r.step), escape(item))
+                out.print(table)
+                out.print("load an older intact step, or load with fallback=True")
+        if not ok:
+            raise typer.Exit(1)
+
+
+@ckpt_app.command("diff")
+def diff(
+    root: str = _ROOT,
+    a: int = typer.Argument(..., help="Reference step."),
+    b: int = typer.Argument(..., help="Step compared with A."),
+    as_json: bool = _JSON,
+    html: Path | None = _HTML,
+    show_all: bool = typer.Option(False, "--all", help="List unchanged tensors too."),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Per tensor: unchanged / changed / added / removed, with the size of the change."""
+    with _handled(), _open(root, storage_option) as ck:
+        report = diff_steps(ck, a, b)
+        if html is not None:
+            write_diff_html(report, html)
+            _err().print(f"wrote {escape(str(html))}")
+        if as_json:
+            _json(report.to_json())
+            return
+        rows = [r for r in report.tensors if show_all or r.status != "unchanged"]
+        rows.sort(key=lambda r: -1.0 if r.relative is None else r.relative, reverse=True)
+        out = _out()
+        if rows:
+            cols = ("tensor", "status", "dtype", "shape", "changed", "L2", "max |Δ|", "rel")
+            table = _table(f"step {a} → step {b}", cols, left=("tensor", "status"))
+            for r in rows:
+                shape = str(r.shape) if r.old_shape is None else f"{r.old_shape}→{r.shape}"
+                changed = "—" if r.changed_elements is None else str(r.changed_elements)
+                table.add_row(
+                    escape(r.name),
+                    r.status,
+                    r.dtype if r.old_dtype is None else f"{r.old_dtype}→{r.dtype}",
+                    shape,
+                    changed,
+                    *(_g(x) for x in (r.l2, r.max_abs, r.relative)),
+                )
+            out.print(table)
+        c = report.counts()
+        out.print(
+            f"{c['unchanged']} unchanged, {c['changed']} changed, {c['added']} added, "
+            f"{c['removed']} removed, {c['reshaped']} reshaped; {report.tensors_read} tensors "
+            f"read ({_size(report.bytes_read)}), the rest settled by chunk hashes"
+        )
+        if report.values:
+            vt = Table(title="non-tensor values")
+            for col in ("path", "status", f"step {a}", f"step {b}"):
+                vt.add_column(col)
+            for v in report.values:
+                vt.add_row(*(escape(x or "—") for x in (v.path, v.status, v.old, v.new)))
+            out.print(vt)
+
+
+def _g(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+@ckpt_app.command("export")
+def export(
+    root: str = _ROOT,
+    out: Path = _OUT_FILE,
+    step: int | None = _STEP,
+    fmt: str = typer.Option("safetensors", "--format", "-f", help=f"One of {', '.join(FORMATS)}."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Write a step's full tensors to one safetensors or torch.save file."""
+    with _handled(), _open(root, storage_option) as ck:
+        r = export_step(ck, out, step=_step(ck, step), format=fmt, overwrite=overwrite)
+        _out().print(
+            f"exported step {r.step} ({r.tensors} tensors, {_size(r.bytes)}) to "
+            f"{escape(str(r.path))} as {r.format}"
+        )
+
+
+@ckpt_app.command("import")
+def import_(
+    src: Path = _SRC,
+    root: str = _ROOT,
+    step: int = typer.Option(..., "--step", "-s", min=0, help="Step to save it as."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace STEP if it exists."),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Save a safetensors / torch.save file or a DCP checkpoint as a step (trusts DCP pickle)."""
+    with _handled(), _open(root, storage_option, must_exist=False) as ck:
+        r = import_file(src, ck, step=step, overwrite=overwrite)
+        _out().print(
+            f"imported {escape(str(src))} ({r.kind}) as step {step} into {escape(ck.url)}: "
+            f"{r.tensors} tensors, {_size(r.save.bytes_total)} "
+            f"({_size(r.save.bytes_written)} written)"
+        )
+
+
+@ckpt_app.command("gc")
+def gc(
+    root: str = _ROOT,
+    grace_s: float | None = typer.Option(
+        None, "--grace-s", min=0, help="Keep unreferenced packs younger than this (default 3600)."
+    ),
+    keep_last: int | None = typer.Option(
+        None, "--keep-last", min=1, help="Delete all but the newest N steps first."
+    ),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Apply retention, then delete pack files no checkpoint or live lease references."""
+    with _handled():
+        options = CheckpointOptions(keep=KeepLast(keep_last)) if keep_last else None
+        with _open(root, storage_option, options=options) as ck:
+            r = ck.gc(grace_s=grace_s)
+            _out().print(
+                f"deleted {len(r.deleted_steps)} steps {r.deleted_steps or ''} and "
+                f"{len(r.deleted_packs)} packs, freed {_size(r.bytes_freed)}; "
+                f"{r.kept_packs} packs kept"
+            )
+
+
+@ckpt_app.command("rm")
+def rm(
+    root: str = _ROOT,
+    step: int = typer.Argument(..., help="The step to delete (its manifest; packs go at gc)."),
+    storage_option: list[str] = _OPTS,
+) -> None:
+    """Delete one committed step, even one whose manifest is damaged; then run gc."""
+    with _handled(), _open(root, storage_option) as ck:
+        ck.delete(step)
+        _out().print(
+            f"deleted step {step} from {escape(ck.url)}; run `stalwart ckpt gc` to free space"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``ckpt`` command group to ``app``."""
+    app.add_typer(
+        ckpt_app, name="ckpt", help="Inspect, verify, diff, export and import checkpoints."
+    )
