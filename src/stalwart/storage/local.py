@@ -25,6 +25,7 @@ from stalwart.errors import (
     StoragePermissionError,
 )
 from stalwart.storage.base import Buffer, ObjectInfo, validate_key
+from stalwart.storage.direct_io import AlignedBufferPool, write_stream
 
 __all__ = ["TEMP_PREFIX", "LocalStorage"]
 
@@ -78,6 +79,7 @@ class LocalStorage:
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self._buffers = AlignedBufferPool()
         if not os.path.isdir(self.root):
             if os.path.exists(self.root):
                 raise ConfigError(
@@ -130,14 +132,7 @@ class LocalStorage:
         try:
             created = self._make_parents(dirpath)
             fd = os.open(tmp, _OPEN_FLAGS_WRITE, 0o644)
-            total = 0
-            for buf in data:
-                view = _byte_view(buf)
-                pos, end = 0, len(view)
-                while pos < end:
-                    # os.write may write less than asked (signals, >2 GiB chunks): loop.
-                    pos += os.write(fd, view[pos:])
-                total += end
+            total = write_stream(fd, (_byte_view(b) for b in data), self._buffers)
             os.fsync(fd)
             os.close(fd)
             fd = -1
@@ -243,7 +238,8 @@ class LocalStorage:
         return removed
 
     def close(self) -> None:
-        """Nothing to release: every call opens and closes its own file descriptors."""
+        """Release the reusable write buffers (each call opens and closes its own files)."""
+        self._buffers.close()
 
 
 def _walk(dirpath: str, key_prefix: str, stem: str = "") -> Iterator[ObjectInfo]:
