@@ -1,7 +1,7 @@
 """Large sequential writes with O_DIRECT through reused, aligned host buffers.
 
 Buffered writes copy every byte into the page cache and then make ``fsync`` push it all out
-at once; on the virtual disks our users train on that was 1.5–2.5× slower than direct I/O
+at once; on the virtual disks our users train on that was 1.5-2.5x slower than direct I/O
 of the same bytes, and it evicts the page cache the training job uses. Here bytes are copied
 into page-aligned buffers that are allocated once per store and reused (fresh pages cost
 several times more than reused ones), and a writer thread issues ``pwrite`` with ``O_DIRECT``
@@ -13,6 +13,7 @@ small objects (one buffer or less) are always written buffered.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -61,10 +62,8 @@ class AlignedBufferPool:
 
 
 def _close_quietly(buf: mmap.mmap) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # a view is still alive; the GC frees it later
         buf.close()
-    except BufferError:  # a view is still alive; the GC frees it later
-        pass
 
 
 def _enable_direct(fd: int) -> bool:
