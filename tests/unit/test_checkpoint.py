@@ -470,3 +470,17 @@ def test_a_module_missing_keys_is_refused_by_the_module_itself(tmp_path: Path) -
         ckpt.load({"model": model})
     ckpt.load({"model": model}, strict=False)  # loads the weight, keeps its own bias
     assert torch.equal(model.weight, ckpt.load(None)["model"]["weight"])
+
+
+def test_verify_reports_every_damaged_chunk(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(tmp_path, stalwart.CheckpointOptions(chunk_bytes=4096))
+    ckpt.save(1, {"a": torch.randn(4096), "b": torch.randn(4096)})
+    assert ckpt.verify().ok
+    (pack,) = packs(tmp_path)
+    data = bytearray(pack.read_bytes())
+    data[10] ^= 1  # in tensor a
+    data[-10] ^= 1  # in tensor b
+    pack.write_bytes(bytes(data))
+    report = ckpt.verify(1)
+    assert not report.ok and len(report.damaged) == 2
+    assert any("'a'" in d for d in report.damaged) and any("'b'" in d for d in report.damaged)

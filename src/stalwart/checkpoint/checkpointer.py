@@ -18,7 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +47,18 @@ from stalwart.errors import (
 )
 from stalwart.storage import open_storage
 from stalwart.storage.base import Storage
-from stalwart.tree import FlatTree, dtype_from_name, dtype_name, flatten, get_path, unflatten
+from stalwart.tree import (
+    FlatTree,
+    dtype_from_name,
+    dtype_name,
+    flatten,
+    get_path,
+    iter_skeleton_tensors,
+    unflatten,
+)
+
+if TYPE_CHECKING:
+    from stalwart.checkpoint.verify import VerifyReport
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
@@ -124,6 +135,9 @@ class Checkpointer:
         self._storage: Storage | None = None
         self._group = resolve_group(process_group)
         self._pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="stalwart-io")
+        self._tensor_pool = ThreadPoolExecutor(
+            self.options.io_threads, thread_name_prefix="stalwart-tensor"
+        )
         self._manifests: dict[int, Manifest] = {}
         self.last_load: LoadResult | None = None
 
@@ -459,25 +473,23 @@ class Checkpointer:
                 + ("\n  …" if len(problems) > 20 else "")
                 + "\npass strict=False to load what matches and leave the rest untouched"
             )
-        read = 0
+        tensors = dict(targets)
+        for fqn in iter_skeleton_tensors(m.skeleton):
+            if fqn in tensors:
+                continue
+            e = m.tensors.get(fqn)
+            if e is None:
+                raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
+            tensors[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
         with Lease(store, steps=[step], packs=m.packs(), lease_s=self.options.lease_s):
-            for fqn, t in targets.items():
-                read += self._fill(store, m.tensors[fqn], fqn, t, where)
-            fresh: dict[str, torch.Tensor] = {}
-
-            def tensor_for(fqn: str) -> torch.Tensor:
-                nonlocal read
-                if fqn in targets:
-                    return targets[fqn]
-                e = m.tensors.get(fqn)
-                if e is None:
-                    raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
-                t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-                read += self._fill(store, e, fqn, t, where)
-                fresh[fqn] = t
-                return t
-
-            tree = unflatten(m.skeleton, tensor_for) if state is not None or m.skeleton else None
+            # Tensors in parallel (many small ones are latency-bound); each tensor's chunks
+            # in parallel on the I/O pool.
+            futures = [
+                self._tensor_pool.submit(self._fill, store, m.tensors[fqn], fqn, t, where)
+                for fqn, t in tensors.items()
+            ]
+            read = sum(f.result() for f in futures)
+        tree = unflatten(m.skeleton, tensors.__getitem__)
         for path, obj in reversed(flat.statefuls):
             try:
                 sub = get_path(tree, path)
@@ -507,6 +519,20 @@ class Checkpointer:
 
     # -- maintenance -------------------------------------------------------------------
 
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Read and hash every chunk of ``step`` (the newest when None); report all damage.
+
+        Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
+        every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
+        """
+        from stalwart.checkpoint.verify import verify_step
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
+        return verify_step(self, step)
+
     def delete(self, step: int) -> None:
         """Un-commit ``step`` (its manifest); its unshared packs go at the next gc().
 
@@ -530,6 +556,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release threads and connections."""
+        self._tensor_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         if self._storage is not None:
             self._storage.close()
