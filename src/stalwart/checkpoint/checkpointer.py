@@ -10,7 +10,6 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -20,10 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from stalwart.checkpoint.collective import resolve_group
-from stalwart.checkpoint.gc import GCReport, Lease, collect_garbage, read_leases
+from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.manifest import (
     MANIFEST_PREFIX,
     ChunkRef,
@@ -34,27 +31,19 @@ from stalwart.checkpoint.manifest import (
 )
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.persist import persist_boxes
-from stalwart.checkpoint.plan import local_box, local_items, merge_skeletons, plan_writes
-from stalwart.checkpoint.reshard import read_box
+from stalwart.checkpoint.plan import local_items, merge_skeletons, plan_writes
+from stalwart.checkpoint.restore import load_step
 from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     DistributedError,
     ObjectNotFoundError,
-    StalwartError,
-    StateMismatchError,
 )
 from stalwart.storage import open_storage
 from stalwart.storage.base import Storage
 from stalwart.tree import (
-    FlatTree,
-    dtype_from_name,
-    dtype_name,
     flatten,
-    get_path,
-    iter_skeleton_tensors,
-    unflatten,
 )
 
 if TYPE_CHECKING:
@@ -133,13 +122,19 @@ class Checkpointer:
         self._root = root
         self._storage_options = storage_options
         self._storage: Storage | None = None
-        self._group = resolve_group(process_group)
+        self._process_group = process_group
         self._pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="stalwart-io")
         self._tensor_pool = ThreadPoolExecutor(
             self.options.io_threads, thread_name_prefix="stalwart-tensor"
         )
         self._manifests: dict[int, Manifest] = {}
         self.last_load: LoadResult | None = None
+
+    @property
+    def _group(self) -> Group:
+        # Resolved at each call, so a checkpointer made before init_process_group still
+        # coordinates the ranks (and does not race them as independent one-rank jobs).
+        return resolve_group(self._process_group)
 
     # -- storage -----------------------------------------------------------------------
 
@@ -243,14 +238,23 @@ class Checkpointer:
             raise ConfigError("metadata must map str to str")
         t0 = time.perf_counter()
         g = self._group
-        store = self._store(create=True)
-        flat = flatten(state)
-        items = local_items(flat)
-        described = g.all_gather(([it.describe() for it in items], flat.skeleton))
+        local: dict[str, Any] = {}
+
+        def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+            # Everything that can fail on one rank alone (opening and listing the store,
+            # reading manifests, flattening the state) runs inside g.run, so that such a
+            # failure fails every rank instead of leaving the others in the next collective.
+            local["store"] = self._store(create=True)
+            flat = flatten(state)
+            local["items"] = local_items(flat)
+            local["steps"] = self.steps()
+            local["known"] = self._known_chunks(local["steps"])
+            return [it.describe() for it in local["items"]], flat.skeleton
+
+        described = g.run(f"preparing step {step}", prepare)
+        store, items, steps, known = (local[k] for k in ("store", "items", "steps", "known"))
         plan = plan_writes(items, [d[0] for d in described], g.rank)
         skeleton = merge_skeletons([d[1] for d in described])
-        steps = self.steps()
-        known = self._known_chunks(steps)
         lease = Lease(
             store, steps=steps, packs={c.pack for c in known.values()}, lease_s=self.options.lease_s
         )
@@ -338,31 +342,9 @@ class Checkpointer:
         return m
 
     def _retain(self, store: Storage) -> GCReport:
-        report = GCReport()
-        steps = self.steps()
-        keep = set(self.options.keep.keep(steps))
-        leases = read_leases(store)
-        doomed = [s for s in steps if s not in keep and s not in leases.steps]
-        if not doomed:
-            return report
-        kept_packs: set[str] = set(leases.packs)
-        doomed_packs: set[str] = set()
-        for s in steps:
-            try:
-                packs = self.manifest(s).packs()
-            except CorruptCheckpointError:
-                return report  # unknown references: delete nothing (gc() explains)
-            (doomed_packs if s in doomed else kept_packs).update(packs)
-        for s in doomed:
-            store.delete(manifest_key(s))
+        report = apply_retention(store, self.options.keep, self.steps(), self.manifest)
+        for s in report.deleted_steps:
             self._manifests.pop(s, None)
-            report.deleted_steps.append(s)
-        sizes = {i.key: i.size for i in store.list("packs/")}
-        for p in sorted(doomed_packs - kept_packs):
-            store.delete(p)
-            report.deleted_packs.append(p)
-            report.bytes_freed += sizes.get(p, 0)
-        log.info("retention deleted steps %s and %d packs", doomed, len(report.deleted_packs))
         return report
 
     # -- load --------------------------------------------------------------------------
@@ -394,7 +376,8 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         g = self._group
-        steps = g.broadcast(self.steps())
+        # Rank 0 lists; every rank learns if that failed.
+        steps = g.run("listing checkpoints", lambda: self.steps() if g.rank == 0 else [])[0]
         if not steps:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.url}; save one first or check the path"
@@ -411,23 +394,36 @@ class Checkpointer:
         if not fallback:
             candidates = candidates[:1]
         skipped: list[tuple[int, str]] = []
+        err: Exception | None = None
         for s in candidates:
+            # Outcome kinds: "ok"; "corrupt" (fallback may try an older step); "error" (any
+            # other failure, e.g. a state mismatch on one rank only: every rank stops).
             try:
                 tree, read, mismatched = self._load_step(s, state, strict)
-                ok: tuple[bool, str] = (True, "")
+                ok: tuple[str, str] = ("ok", "")
             except CorruptCheckpointError as e:
                 if not fallback and g.world == 1:
                     raise
-                ok, err = (False, str(e)), e
+                ok, err = ("corrupt", str(e)), e
+            except Exception as e:
+                if g.world == 1:
+                    raise
+                ok, err = ("error", f"{type(e).__name__}: {e}"), e
             outcomes = g.all_gather(ok)
-            bad = [msg for good, msg in outcomes if not good]
+            failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
+            if failed:
+                if ok[0] == "error" and err is not None:
+                    raise err
+                r, msg = failed[0]
+                raise DistributedError(f"loading step {s} failed on rank {r}: {msg}")
+            bad = [msg for kind, msg in outcomes if kind != "ok"]
             if not bad:
                 self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
                 if skipped:
                     log.warning("loaded step %s after skipping damaged steps %s", s, skipped)
                 return tree
             if not fallback:
-                if not ok[0]:
+                if ok[0] != "ok" and err is not None:
                     raise err
                 raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
             skipped.append((s, bad[0]))
@@ -439,83 +435,17 @@ class Checkpointer:
         )
 
     def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:
-        m = self.manifest(step)
         store = self._store(create=False)
-        where = f"checkpoint {store.url} step {step}"
-        flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
-        problems: list[str] = []
-        targets: dict[str, torch.Tensor] = {}
-        stateful_paths = [path for path, _ in flat.statefuls]
-        for fqn, leaf in flat.leaves.items():
-            e = m.tensors.get(fqn)
-            t = leaf.tensor
-            if e is None and any(leaf.path[: len(p)] == p for p in stateful_paths):
-                # A stateful object decides in load_state_dict what it can do without
-                # (nn.Module raises on missing keys; TrainingState re-derives a new
-                # rank's RNG); the engine only refuses to write mismatched data.
-                continue
-            if e is None:
-                problems.append(f"{fqn}: in the state but not in the checkpoint")
-            elif tuple(t.shape) != e.shape:
-                problems.append(
-                    f"{fqn}: shape {list(t.shape)} in the state, {list(e.shape)} in the checkpoint"
-                )
-            elif dtype_name(t.dtype) != e.dtype:
-                problems.append(
-                    f"{fqn}: dtype {dtype_name(t.dtype)} in the state, {e.dtype} in the checkpoint"
-                )
-            else:
-                targets[fqn] = t
-        if problems and strict:
-            raise StateMismatchError(
-                f"the state does not match {where} ({len(problems)} problem(s)):\n  "
-                + "\n  ".join(problems[:20])
-                + ("\n  …" if len(problems) > 20 else "")
-                + "\npass strict=False to load what matches and leave the rest untouched"
-            )
-        tensors = dict(targets)
-        for fqn in iter_skeleton_tensors(m.skeleton):
-            if fqn in tensors:
-                continue
-            e = m.tensors.get(fqn)
-            if e is None:
-                raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
-            tensors[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-        with Lease(store, steps=[step], packs=m.packs(), lease_s=self.options.lease_s):
-            # Tensors in parallel (many small ones are latency-bound); each tensor's chunks
-            # in parallel on the I/O pool.
-            futures = [
-                self._tensor_pool.submit(self._fill, store, m.tensors[fqn], fqn, t, where)
-                for fqn, t in tensors.items()
-            ]
-            read = sum(f.result() for f in futures)
-        tree = unflatten(m.skeleton, tensors.__getitem__)
-        for path, obj in reversed(flat.statefuls):
-            try:
-                sub = get_path(tree, path)
-            except (KeyError, IndexError, TypeError):
-                if strict:
-                    raise StateMismatchError(
-                        f"{'.'.join(map(str, path))}: not in {where}"
-                    ) from None
-                problems.append(f"{'.'.join(map(str, path))}: not in the checkpoint")
-                continue
-            _restore_stateful(obj, sub, path, strict, where, problems)
-        return tree, read, problems
-
-    def _fill(
-        self, store: Storage, entry: TensorEntry, fqn: str, target: torch.Tensor, where: str
-    ) -> int:
-        offsets, _sizes, local = local_box(target)
-        if local.numel() == 0:
-            return 0
-        direct = local.is_contiguous() and local.device.type == "cpu"
-        dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
-        with torch.no_grad():
-            stats = read_box(store, entry, fqn, offsets, dest, pool=self._pool, where=where)
-            if not direct:
-                local.copy_(dest)
-        return stats.bytes_read
+        return load_step(
+            self.manifest(step),
+            store,
+            state,
+            strict=strict,
+            where=f"checkpoint {store.url} step {step}",
+            io_pool=self._pool,
+            tensor_pool=self._tensor_pool,
+            lease_s=self.options.lease_s,
+        )
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -569,28 +499,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
-
-
-def _restore_stateful(
-    obj: Any, sub: Any, path: tuple[Any, ...], strict: bool, where: str, problems: list[str]
-) -> None:
-    """Hand ``sub`` to ``obj.load_state_dict``, translating a refusal into our errors."""
-    name = ".".join(map(str, path)) or "<root>"
-    try:
-        if not strict and "strict" in inspect.signature(obj.load_state_dict).parameters:
-            obj.load_state_dict(sub, strict=False)  # nn.Module: load what matches
-        else:
-            obj.load_state_dict(sub)
-    except StalwartError:
-        raise
-    except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        msg = f"{name}: {type(obj).__name__}.load_state_dict refused {where}: {e}"
-        if strict:
-            raise StateMismatchError(
-                msg + "\npass strict=False to load what matches and leave the rest untouched"
-            ) from e
-        problems.append(msg)
-        log.warning("%s", msg)
 
 
 class _nullcontext:

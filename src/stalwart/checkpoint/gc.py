@@ -18,14 +18,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from stalwart.checkpoint.manifest import MANIFEST_PREFIX, Manifest, step_from_key
+from stalwart.checkpoint.manifest import MANIFEST_PREFIX, Manifest, manifest_key, step_from_key
+from stalwart.checkpoint.policy import RetentionPolicy
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError, StoragePermissionError
 from stalwart.storage.base import Storage
 
-__all__ = ["GCReport", "Lease", "collect_garbage", "read_leases"]
+__all__ = ["GCReport", "Lease", "apply_retention", "collect_garbage", "read_leases"]
 
 log = logging.getLogger(__name__)
 LEASE_PREFIX = "leases/"
@@ -146,4 +147,42 @@ def collect_garbage(
     remove_temps = getattr(storage, "remove_stale_temps", None)
     if callable(remove_temps):
         remove_temps(grace_s)
+    return report
+
+
+def apply_retention(
+    store: Storage,
+    policy: RetentionPolicy,
+    steps: list[int],
+    manifest: Callable[[int], Manifest],
+) -> GCReport:
+    """Delete the steps ``policy`` does not keep (unless leased) and packs only they used.
+
+    Packs of deleted steps were committed, so no save in flight is writing them: they go at
+    once, without the grace period that protects never-committed packs. With a damaged
+    manifest among ``steps`` nothing is deleted (its references are unknown).
+    """
+    report = GCReport()
+    keep = set(policy.keep(steps))
+    leases = read_leases(store)
+    doomed = [s for s in steps if s not in keep and s not in leases.steps]
+    if not doomed:
+        return report
+    kept_packs: set[str] = set(leases.packs)
+    doomed_packs: set[str] = set()
+    for s in steps:
+        try:
+            packs = manifest(s).packs()
+        except CorruptCheckpointError:
+            return report  # unknown references: delete nothing (gc() explains)
+        (doomed_packs if s in doomed else kept_packs).update(packs)
+    for s in doomed:
+        store.delete(manifest_key(s))
+        report.deleted_steps.append(s)
+    sizes = {i.key: i.size for i in store.list("packs/")}
+    for p in sorted(doomed_packs - kept_packs):
+        store.delete(p)
+        report.deleted_packs.append(p)
+        report.bytes_freed += sizes.get(p, 0)
+    log.info("retention deleted steps %s and %d packs", doomed, len(report.deleted_packs))
     return report

@@ -81,18 +81,22 @@ class LocalStorage:
         self.url = self.root
         self._buffers = AlignedBufferPool()
         if not os.path.isdir(self.root):
-            if os.path.exists(self.root):
-                raise ConfigError(
-                    f"checkpoint root {self.root} exists but is not a directory; "
-                    "pass a directory path"
-                )
+            not_dir = (
+                f"checkpoint root {self.root} exists but is not a directory; pass a directory path"
+            )
             if not create:
+                if os.path.exists(self.root):
+                    raise ConfigError(not_dir)
                 raise ObjectNotFoundError(
                     f"checkpoint root {self.root} does not exist; check the path or pass "
                     "create=True"
                 )
+            # No exists() check first: another rank may be creating the root right now, and
+            # makedirs(exist_ok=True) accepts that; it fails only when a file is in the way.
             try:
                 os.makedirs(self.root, exist_ok=True)
+            except FileExistsError:
+                raise ConfigError(not_dir) from None
             except OSError as e:
                 raise translate_os_error(e, self.root, "create directory") from e
 

@@ -1,5 +1,6 @@
-"""Helpers for testing code built on stalwart: fault-injecting wrappers and fakes."""
+"""Helpers for testing code built on stalwart: fault-injecting wrappers, fakes, and gloo worlds."""
 
 from stalwart.testing.flaky import FlakyStorage
+from stalwart.testing.run_ranks import run_ranks
 
-__all__ = ["FlakyStorage"]
+__all__ = ["FlakyStorage", "run_ranks"]

@@ -1,0 +1,155 @@
+"""Load one committed checkpoint into a state tree: check, read in place, restore statefuls.
+
+The state's tensors receive their data in place (each rank reads the box it holds, whatever
+the sharding at save time); tensors the state lacks are allocated from the checkpoint; then
+stateful objects get their sub-trees through ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.gc import Lease
+from stalwart.checkpoint.manifest import Manifest, TensorEntry
+from stalwart.checkpoint.plan import local_box
+from stalwart.checkpoint.reshard import read_box
+from stalwart.errors import CorruptCheckpointError, StalwartError, StateMismatchError
+from stalwart.storage.base import Storage
+from stalwart.tree import (
+    FlatTree,
+    dtype_from_name,
+    dtype_name,
+    flatten,
+    get_path,
+    iter_skeleton_tensors,
+    unflatten,
+)
+
+__all__ = ["fill_tensor", "load_step"]
+
+log = logging.getLogger(__name__)
+
+
+def load_step(
+    m: Manifest,
+    store: Storage,
+    state: Any,
+    *,
+    strict: bool,
+    where: str,
+    io_pool: ThreadPoolExecutor,
+    tensor_pool: ThreadPoolExecutor,
+    lease_s: float,
+) -> tuple[Any, int, list[str]]:
+    """Load manifest ``m`` into ``state``; return ``(tree, bytes_read, ignored_problems)``.
+
+    Raises:
+        StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
+        CorruptCheckpointError: a chunk is missing, truncated or fails its hash.
+    """
+    flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
+    problems: list[str] = []
+    targets: dict[str, torch.Tensor] = {}
+    stateful_paths = [path for path, _ in flat.statefuls]
+    for fqn, leaf in flat.leaves.items():
+        e = m.tensors.get(fqn)
+        t = leaf.tensor
+        if e is None and any(leaf.path[: len(p)] == p for p in stateful_paths):
+            # A stateful object decides in load_state_dict what it can do without
+            # (nn.Module raises on missing keys; TrainingState re-derives a new
+            # rank's RNG); the engine only refuses to write mismatched data.
+            continue
+        if e is None:
+            problems.append(f"{fqn}: in the state but not in the checkpoint")
+        elif tuple(t.shape) != e.shape:
+            problems.append(
+                f"{fqn}: shape {list(t.shape)} in the state, {list(e.shape)} in the checkpoint"
+            )
+        elif dtype_name(t.dtype) != e.dtype:
+            problems.append(
+                f"{fqn}: dtype {dtype_name(t.dtype)} in the state, {e.dtype} in the checkpoint"
+            )
+        else:
+            targets[fqn] = t
+    if problems and strict:
+        raise StateMismatchError(
+            f"the state does not match {where} ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:20])
+            + ("\n  …" if len(problems) > 20 else "")
+            + "\npass strict=False to load what matches and leave the rest untouched"
+        )
+    tensors = dict(targets)
+    for fqn in iter_skeleton_tensors(m.skeleton):
+        if fqn in tensors:
+            continue
+        e = m.tensors.get(fqn)
+        if e is None:
+            raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
+        tensors[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s):
+        # Tensors in parallel (many small ones are latency-bound); each tensor's chunks
+        # in parallel on the I/O pool.
+        futures = [
+            tensor_pool.submit(fill_tensor, store, m.tensors[fqn], fqn, t, where, io_pool)
+            for fqn, t in tensors.items()
+        ]
+        read = sum(f.result() for f in futures)
+    tree = unflatten(m.skeleton, tensors.__getitem__)
+    for path, obj in reversed(flat.statefuls):
+        try:
+            sub = get_path(tree, path)
+        except (KeyError, IndexError, TypeError):
+            if strict:
+                raise StateMismatchError(f"{'.'.join(map(str, path))}: not in {where}") from None
+            problems.append(f"{'.'.join(map(str, path))}: not in the checkpoint")
+            continue
+        _restore_stateful(obj, sub, path, strict, where, problems)
+    return tree, read, problems
+
+
+def fill_tensor(
+    store: Storage,
+    entry: TensorEntry,
+    fqn: str,
+    target: torch.Tensor,
+    where: str,
+    pool: ThreadPoolExecutor,
+) -> int:
+    """Read ``target``'s box (local shard of a DTensor, or all of it) in place."""
+    offsets, _sizes, local = local_box(target)
+    if local.numel() == 0:
+        return 0
+    direct = local.is_contiguous() and local.device.type == "cpu"
+    dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
+    with torch.no_grad():
+        stats = read_box(store, entry, fqn, offsets, dest, pool=pool, where=where)
+        if not direct:
+            local.copy_(dest)
+    return stats.bytes_read
+
+
+def _restore_stateful(
+    obj: Any, sub: Any, path: tuple[Any, ...], strict: bool, where: str, problems: list[str]
+) -> None:
+    """Hand ``sub`` to ``obj.load_state_dict``, translating a refusal into our errors."""
+    name = ".".join(map(str, path)) or "<root>"
+    try:
+        if not strict and "strict" in inspect.signature(obj.load_state_dict).parameters:
+            obj.load_state_dict(sub, strict=False)  # nn.Module: load what matches
+        else:
+            obj.load_state_dict(sub)
+    except StalwartError:
+        raise
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        msg = f"{name}: {type(obj).__name__}.load_state_dict refused {where}: {e}"
+        if strict:
+            raise StateMismatchError(
+                msg + "\npass strict=False to load what matches and leave the rest untouched"
+            ) from e
+        problems.append(msg)
+        log.warning("%s", msg)
