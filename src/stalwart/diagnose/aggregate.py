@@ -1,0 +1,272 @@
+"""Pre-aggregation in DuckDB and counting of item-sets over the aggregate.
+
+The source is grouped by every cleaned attribute column into a temporary table holding, per
+distinct combination, its failure mass ``t`` and its total mass ``r`` (rows, or weights). DuckDB
+spills that GROUP BY to its temporary directory when it outgrows ``memory_limit``. The failure
+groups (``t > 0``) are fetched for mining; the reference masses of candidate item-sets are then
+counted in one streamed pass per round over the aggregate: each column is mapped to a small code
+(0 for values no candidate uses, 1..k otherwise) and each cuboid (set of columns) is counted with
+one ``bincount`` over its packed code, so the cost is one vector pass per cuboid, not per
+item-set. The codes are cached in memory when they fit in ``cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stalwart.diagnose.clean import CleanPlan
+from stalwart.diagnose.source import Source
+
+__all__ = ["Aggregate", "ItemCounter", "Itemset", "aggregate"]
+
+log = logging.getLogger(__name__)
+
+Itemset = tuple[tuple[int, str], ...]
+"""An item-set: (column index, value) pairs sorted by column index."""
+
+_BATCH_ROWS = 1 << 20
+_DENSE_BINS = 1 << 22
+
+
+@dataclass
+class Aggregate:
+    """The aggregate table of one analysis and its totals."""
+
+    src: Source
+    table: str
+    columns: tuple[str, ...]
+    total_target: float
+    total_reference: float
+    groups: int
+
+    def failure_groups(self) -> tuple[np.ndarray, list[list[str]], np.ndarray]:
+        """Codes (groups x columns, int32), each column's values, and the failure mass per group."""
+        cols = ", ".join(f"a{i}" for i in range(len(self.columns)))
+        table = self.src.con.sql(f"SELECT {cols}, t FROM {self.table} WHERE t > 0").to_arrow_table()
+        codes = np.empty((table.num_rows, len(self.columns)), dtype=np.int32)
+        values: list[list[str]] = []
+        for i in range(len(self.columns)):
+            enc = pc.dictionary_encode(table.column(i)).combine_chunks()
+            codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
+            values.append([str(v) for v in enc.dictionary.to_pylist()])
+        t = table.column(len(self.columns)).to_numpy().astype(np.float64)
+        return codes, values, t
+
+    def examples(self, items: Itemset, limit: int) -> list[dict[str, str]]:
+        """Up to ``limit`` failing groups matching ``items`` (most failures first)."""
+        where = " AND ".join(f"a{c} = '{v.replace(chr(39), chr(39) * 2)}'" for c, v in items)
+        cols = ", ".join(f"a{i}" for i in range(len(self.columns)))
+        rows = self.src.con.sql(
+            f"SELECT {cols}, t, r FROM {self.table} WHERE t > 0 AND {where or 'true'} "
+            f"ORDER BY t DESC LIMIT {int(limit)}"
+        ).fetchall()
+        names = [*self.columns, "failures", "rows"]
+        return [{n: _num(v) for n, v in zip(names, r, strict=False)} for r in rows]
+
+
+def _num(v: object) -> str:
+    if isinstance(v, float) and v == int(v):
+        return str(int(v))
+    return str(v)
+
+
+def aggregate(src: Source, plan: CleanPlan, *, target_sql: str, reference_sql: str) -> Aggregate:
+    """GROUP BY every cleaned attribute, summing the failure and the total mass."""
+    table = "stalwart_agg_" + uuid.uuid4().hex[:8]
+    sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
+    sel = sel + ", " if sel else ""
+    src.con.execute(
+        f"CREATE TEMP TABLE {table} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "
+        f"sum({reference_sql})::DOUBLE AS r FROM {src.name} GROUP BY ALL"
+    )
+    row = src.con.sql(f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {table}")
+    tot = row.fetchall()[0]
+    assert tot is not None
+    log.info("aggregated into %d groups", tot[2])
+    return Aggregate(src, table, plan.columns, float(tot[0]), float(tot[1]), int(tot[2]))
+
+
+class ItemCounter:
+    """Counts failure and total masses of item-sets over the aggregate, optionally on a subset
+    of its groups (``mask``, aligned with the table's scan order)."""
+
+    def __init__(
+        self, agg: Aggregate, *, cache_bytes: int = 1 << 30, sample_size: int = 1 << 16
+    ) -> None:
+        self.agg = agg
+        self.cache_bytes = cache_bytes
+        self._cache: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
+        self._sample: tuple[dict[int, np.ndarray], np.ndarray] | None = None
+        self.sample_size = sample_size
+        self._values: dict[int, list[str]] = {}
+
+    def prepare(self, values: dict[int, Sequence[str]]) -> None:
+        """Declare every (column, value) any later item-set may use."""
+        self._values = {c: list(v) for c, v in sorted(values.items()) if v}
+        self._code = {c: {v: k + 1 for k, v in enumerate(vs)} for c, vs in self._values.items()}
+        self._cache = None
+        width = sum(2 for _ in self._values) + 16
+        if self.agg.groups * width <= self.cache_bytes:
+            batches = list(self._batches())
+            if batches:
+                cols = {c: np.concatenate([b[0][c] for b in batches]) for c in self._values}
+                t = np.concatenate([b[1] for b in batches])
+                r = np.concatenate([b[2] for b in batches])
+            else:
+                cols = {c: np.zeros(0, np.uint16) for c in self._values}
+                t = r = np.zeros(0)
+            self._cache = (cols, t, r)
+            self._draw_sample(cols, r)
+
+    def _draw_sample(self, cols: dict[int, np.ndarray], r: np.ndarray) -> None:
+        # Groups drawn with probability proportional to their total mass, so a count in the
+        # sample is Binomial(size, n(X) / N) whatever the weights.
+        total = float(r.sum())
+        if len(r) <= self.sample_size or total <= 0:
+            self._sample = None
+            return
+        rng = np.random.default_rng(0)
+        pick = rng.choice(len(r), size=self.sample_size, p=r / total)
+        self._sample = ({c: v[pick] for c, v in cols.items()}, np.ones(self.sample_size))
+
+    def rows_lower_bound(self, itemsets: Sequence[Itemset], z: float) -> np.ndarray:
+        """A lower confidence bound (normal quantile ``z``) on each item-set's total mass, from
+        the mass-proportional sample; zeros when no sample was drawn (small tables)."""
+        if self._sample is None or not itemsets:
+            return np.zeros(len(itemsets))
+        cols, ones = self._sample
+        _, hits = ItemCounter._counted(itemsets, self._radix_plans(itemsets), cols, ones)
+        k = self.sample_size
+        p = hits / k
+        den = 1 + z * z / k
+        mid = (p + z * z / (2 * k)) / den
+        half = z * np.sqrt(p * (1 - p) / k + z * z / (4 * k * k)) / den
+        return np.maximum(mid - half, 0.0) * self.agg.total_reference
+
+    def _batches(self) -> Iterator[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]]:
+        exprs = []
+        for c, vs in self._values.items():
+            lits = ", ".join("'" + v.replace("'", "''") + "'" for v in vs)
+            exprs.append(f"coalesce(list_position([{lits}], a{c}), 0)::USMALLINT AS k{c}")
+        sel = ", ".join([*exprs, "t", "r"])
+        reader = self.agg.src.con.sql(f"SELECT {sel} FROM {self.agg.table}").to_arrow_reader(
+            _BATCH_ROWS
+        )
+        for batch in reader:
+            rb: pa.RecordBatch = batch
+            cols = {
+                c: rb.column(i).to_numpy(zero_copy_only=False) for i, c in enumerate(self._values)
+            }
+            n = len(self._values)
+            yield (
+                cols,
+                rb.column(n).to_numpy(zero_copy_only=False),
+                rb.column(n + 1).to_numpy(zero_copy_only=False),
+            )
+
+    def count(
+        self, itemsets: Sequence[Itemset], *, mask: np.ndarray | None = None, target: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Failure and total mass of each item-set (restricted to ``mask`` when given); the
+        failure mass is left at zero when ``target`` is false."""
+        out_t = np.zeros(len(itemsets))
+        out_r = np.zeros(len(itemsets))
+        if not itemsets:
+            return out_t, out_r
+        plans = self._radix_plans(itemsets)
+        offset = 0
+        source = [self._cache] if self._cache is not None else self._batches()
+        for cols, t, r in source:
+            n = len(t)
+            if mask is not None:
+                m = mask[offset : offset + n]
+                t, r = t * m, r * m
+            offset += n
+            self._count_batch(cols, t if target else None, r, plans, out_t, out_r)
+        return out_t, out_r
+
+    def _radix_plans(
+        self, itemsets: Sequence[Itemset]
+    ) -> list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]]:
+        by_cuboid: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, s in enumerate(itemsets):
+            by_cuboid[tuple(c for c, _ in s)].append(i)
+        plans = []
+        for cuboid, idx in by_cuboid.items():
+            radix = [len(self._values[c]) + 1 for c in cuboid]
+            keys = np.array([self._key(itemsets[i], radix) for i in idx], dtype=np.int64)
+            plans.append((cuboid, radix, np.asarray(idx), keys))
+        return plans
+
+    @staticmethod
+    def _counted(
+        itemsets: Sequence[Itemset],
+        plans: list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]],
+        cols: dict[int, np.ndarray],
+        r: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        out_t = np.zeros(len(itemsets))
+        out_r = np.zeros(len(itemsets))
+        ItemCounter._count_batch(cols, None, r, plans, out_t, out_r)
+        return out_t, out_r
+
+    def match(self, items: Itemset) -> np.ndarray:
+        """Which groups of the aggregate (in scan order) hold every item of ``items``."""
+        parts = []
+        source = [self._cache] if self._cache is not None else self._batches()
+        for cols, t, _ in source:
+            m = np.ones(len(t), dtype=bool)
+            for c, v in items:
+                m &= cols[c] == self._code[c][v]
+            parts.append(m)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+    def _key(self, items: Itemset, radix: list[int]) -> int:
+        key = 0
+        for (c, v), base in zip(items, radix, strict=False):
+            key = key * base + self._code[c][v]
+        return key
+
+    @staticmethod
+    def _count_batch(
+        cols: dict[int, np.ndarray],
+        t: np.ndarray | None,
+        r: np.ndarray,
+        plans: list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]],
+        out_t: np.ndarray,
+        out_r: np.ndarray,
+    ) -> None:
+        prefix: dict[tuple[int, ...], np.ndarray] = {}
+        for cuboid, radix, idx, keys in plans:
+            bins = int(np.prod(radix, dtype=np.int64))
+            dtype = np.int32 if bins < 2**31 else np.int64
+            head = cuboid[:-1]
+            if head in prefix:
+                key = prefix[head] * radix[-1] + cols[cuboid[-1]]
+            else:
+                key = cols[cuboid[0]].astype(dtype)
+                for c, base in zip(cuboid[1:], radix[1:], strict=False):
+                    key = key * base + cols[c]
+            if len(cuboid) < 3:
+                prefix[cuboid] = key
+            if bins <= _DENSE_BINS:
+                out_r[idx] += np.bincount(key, weights=r, minlength=bins)[keys]
+                if t is not None:
+                    out_t[idx] += np.bincount(key, weights=t, minlength=bins)[keys]
+            else:
+                order = np.argsort(keys)
+                sk = keys[order]
+                pos = np.searchsorted(sk, key)
+                pos[pos >= len(sk)] = 0
+                hit = sk[pos] == key
+                out_r[idx[order]] += np.bincount(pos[hit], weights=r[hit], minlength=len(sk))
+                if t is not None:
+                    out_t[idx[order]] += np.bincount(pos[hit], weights=t[hit], minlength=len(sk))

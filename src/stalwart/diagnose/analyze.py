@@ -1,0 +1,399 @@
+"""The two entry points, ``analyze`` (labelled events) and ``localize`` (KPI deviation), and the
+pipeline they share: open, clean, pre-aggregate, mine, count, prune, select, report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from stalwart.diagnose.aggregate import Aggregate, ItemCounter, Itemset, aggregate
+from stalwart.diagnose.clean import plan_cleaning
+from stalwart.diagnose.fpgrowth import fpgrowth
+from stalwart.diagnose.options import DiagnoseOptions
+from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
+from stalwart.diagnose.score import Scored, Tester, prune, select, wilson
+from stalwart.diagnose.source import Source, open_source, suggest
+from stalwart.diagnose.target import Masses, event_masses, kpi_masses
+from stalwart.errors import ConfigError
+
+__all__ = ["analyze", "localize"]
+
+log = logging.getLogger(__name__)
+
+_SAMPLE_Z = 6.0  # the sample's bound fails with probability ~1e-9 per item-set
+
+
+def analyze(
+    data: Any,
+    label: str,
+    *,
+    weight: str | None = None,
+    columns: Sequence[str] | None = None,
+    options: DiagnoseOptions | None = None,
+    connection: duckdb.DuckDBPyConnection | None = None,
+    skip_bad_lines: bool = False,
+    **overrides: Any,
+) -> Diagnosis:
+    """Find the combinations of attribute values that single out failing events.
+
+    Args:
+        data: a CSV or Parquet path (or glob), a SQL query, a DuckDB relation, a pandas or polars
+            DataFrame, or an Arrow table; one row per event (or per group, with ``weight``).
+        label: the failure label: a column (boolean, 0/1, or text such as ``fail``/``ok``) or a
+            SQL condition such as ``"status != 'ok'"``.
+        weight: a column counting the events each row stands for (pre-aggregated input).
+        columns: the attribute columns; all others but the label and weight when omitted.
+        options: cleaning, mining and selection settings; keyword ``overrides`` replace fields.
+        connection: a DuckDB connection to run a SQL ``data`` on (it sees your tables).
+        skip_bad_lines: drop malformed CSV lines (and report how many) instead of failing.
+
+    Returns:
+        A ``Diagnosis`` whose ``findings`` are empty, with ``message`` saying why, when there
+        are no failures, only failures, or nothing that singles them out.
+
+    Raises:
+        ConfigError: unreadable input, a missing column (with the closest names), bad options.
+    """
+    opts = _options(options, overrides)
+    with open_source(
+        data,
+        connection=connection,
+        memory_limit=opts.memory_limit,
+        temp_directory=opts.temp_directory,
+        threads=opts.threads,
+        skip_bad_lines=skip_bad_lines,
+    ) as src:
+        masses = event_masses(src, label, weight)
+        return _run(src, masses, columns, opts, mode="events")
+
+
+def localize(
+    data: Any,
+    actual: str | tuple[str, str],
+    expected: str | tuple[str, str],
+    *,
+    columns: Sequence[str] | None = None,
+    options: DiagnoseOptions | None = None,
+    connection: duckdb.DuckDBPyConnection | None = None,
+    skip_bad_lines: bool = False,
+    **overrides: Any,
+) -> Diagnosis:
+    """Find the combinations of attribute values that explain a KPI's deviation from forecast.
+
+    One row per leaf (a full combination of attribute values) with its actual and expected
+    value: single columns for an additive KPI (counts, revenue), or (numerator, denominator)
+    pairs for a ratio KPI (success rate = successes / requests). See ``analyze`` for the rest.
+    """
+    opts = _options(options, overrides)
+    with open_source(
+        data,
+        connection=connection,
+        memory_limit=opts.memory_limit,
+        temp_directory=opts.temp_directory,
+        threads=opts.threads,
+        skip_bad_lines=skip_bad_lines,
+    ) as src:
+        masses = kpi_masses(src, actual, expected)
+        mode = "kpi-additive" if isinstance(actual, str) else "kpi-ratio"
+        return _run(src, masses, columns, opts, mode=mode)
+
+
+def _options(options: DiagnoseOptions | None, overrides: dict[str, Any]) -> DiagnoseOptions:
+    opts = options or DiagnoseOptions()
+    if overrides:
+        fields = set(DiagnoseOptions.__dataclass_fields__)
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ConfigError(f"unknown option(s) {bad}.{suggest(bad[0], sorted(fields))}")
+        opts = DiagnoseOptions(**{**opts.__dict__, **overrides})
+    return opts
+
+
+def _attributes(
+    src: Source, masses: Masses, columns: Sequence[str] | None, opts: DiagnoseOptions
+) -> list[str]:
+    for name in [
+        *(columns or ()),
+        *opts.exclude,
+        *opts.keep,
+        *(c for h in opts.hierarchies for c in h),
+    ]:
+        if name not in src.columns:
+            raise ConfigError(f"no column {name!r}.{suggest(name, src.columns)}")
+    pool = list(columns) if columns else [c for c in src.columns if c not in masses.used]
+    attrs = [c for c in pool if c not in opts.exclude and c not in masses.used]
+    if not attrs:
+        raise ConfigError(
+            "no attribute columns to analyse: the input holds only the label/KPI columns "
+            f"({', '.join(src.columns)})"
+        )
+    return attrs
+
+
+def _nothing(agg: Aggregate | None, mode: str, message: str, **kw: Any) -> Diagnosis:
+    return Diagnosis(
+        [],
+        mode,
+        agg.total_target if agg else 0.0,
+        agg.total_reference if agg else 0.0,
+        agg.groups if agg else 0,
+        agg.columns if agg else (),
+        message=message,
+        **kw,
+    )
+
+
+def _run(
+    src: Source, masses: Masses, columns: Sequence[str] | None, opts: DiagnoseOptions, *, mode: str
+) -> Diagnosis:
+    clock = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 4)
+        clock = now
+
+    attrs = _attributes(src, masses, columns, opts)
+    plan = plan_cleaning(
+        src, attrs, target_sql=masses.target, weight_sql=masses.reference, options=opts
+    )
+    cleaning = [{"column": s.column, "action": s.action, "detail": s.detail} for s in plan.steps]
+    notes = list(src.notes)
+    lap("clean")
+    if not plan.columns:
+        return _nothing(
+            None,
+            mode,
+            "every attribute column was dropped by cleaning (see "
+            "cleaning); name columns to keep with keep=[...]",
+            cleaning=cleaning,
+            notes=notes,
+            timings_s=timings,
+        )
+    agg = aggregate(src, plan, target_sql=masses.target, reference_sql=masses.reference)
+    lap("aggregate")
+    kw: dict[str, Any] = {"cleaning": cleaning, "notes": notes, "timings_s": timings}
+    what = "failures" if mode == "events" else "deviation"
+    if agg.total_target <= 0:
+        return _nothing(agg, mode, f"no {what}: there is nothing to explain", **kw)
+    if mode == "events" and agg.total_target >= agg.total_reference:
+        return _nothing(
+            agg,
+            mode,
+            "every row is a failure: there is nothing to contrast the failures with",
+            **kw,
+        )
+    base = agg.total_target / agg.total_reference
+    codes, values, t = agg.failure_groups()
+    mined = _mine(codes, t, agg.total_target * opts.min_support, opts, plan.columns)
+    lap("mine")
+    index = {c: i for i, c in enumerate(plan.columns)}
+    closure = _closure_fn(
+        codes, values, [[index[c] for c in h if c in index] for h in opts.hierarchies]
+    )
+    itemsets: dict[Itemset, float] = {
+        tuple((c, values[c][v]) for c, v in s): w for s, w in mined.items()
+    }
+    counter = ItemCounter(agg)
+    used: dict[int, set[str]] = {}
+    for s in itemsets:
+        for c, v in s:
+            used.setdefault(c, set()).add(v)
+    counter.prepare({c: sorted(v) for c, v in used.items()})
+    scored = _count_levels(itemsets, counter, agg.total_reference, base, opts)
+    lap("count")
+    tester = Tester.make(opts, len(scored), counts=masses.counts)
+    survivors = prune(list(scored.values()), base, tester, opts, closure)
+    chosen, covered = select(
+        survivors,
+        total_failures=agg.total_target,
+        total_rows=agg.total_reference,
+        recount=lambda sets, mask: counter.count(sets, mask=mask),
+        match=counter.match,
+        tester=tester,
+        options=opts,
+        closure=closure,
+    )
+    lap("select")
+    z = _z(opts.confidence)
+    findings = []
+    for sel in chosen:
+        sc = sel.scored
+        lo, hi = wilson(sc.failures, sc.rows, z) if masses.counts else (sc.rate, sc.rate)
+        findings.append(
+            Finding(
+                items={plan.columns[c]: v for c, v in sc.items},
+                failures=_round(sc.failures),
+                rows=_round(sc.rows),
+                support=sc.failures / agg.total_target,
+                lift=sc.rate / base,
+                lift_low=lo / base,
+                lift_high=hi / base,
+                explained=sel.attributable / agg.total_target,
+                subsumed=tuple(_neighbours(sc, scored, plan.columns, base)),
+                examples=tuple(agg.examples(sc.items, opts.example_rows))
+                if opts.example_rows
+                else (),
+            )
+        )
+    lap("report")
+    message = (
+        ""
+        if findings
+        else (
+            f"nothing found: no combination of attribute values singles out the {what} "
+            f"(min_support={opts.min_support}, min_lift={opts.min_lift}, alpha={opts.alpha})"
+        )
+    )
+    return Diagnosis(
+        findings,
+        mode,
+        agg.total_target,
+        agg.total_reference,
+        agg.groups,
+        plan.columns,
+        candidates=len(scored),
+        covered=covered,
+        message=message,
+        **kw,
+    )
+
+
+def _z(confidence: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def _round(x: float) -> float:
+    return float(round(x)) if abs(x - round(x)) < 1e-9 else x
+
+
+def _neighbours(
+    s: Scored, scored: dict[Itemset, Scored], names: tuple[str, ...], base: float
+) -> list[Neighbour]:
+    out = []
+    for items, reason in s.subsumed[:20]:
+        o = scored[items]
+        out.append(
+            Neighbour(
+                {names[c]: v for c, v in items},
+                _round(o.failures),
+                _round(o.rows),
+                o.rate / base,
+                reason,
+            )
+        )
+    return out
+
+
+def _mine(
+    codes: np.ndarray,
+    t: np.ndarray,
+    min_weight: float,
+    opts: DiagnoseOptions,
+    columns: tuple[str, ...],
+) -> dict[tuple[tuple[int, int], ...], float]:
+    n_cols = codes.shape[1]
+    offsets = np.zeros(n_cols + 1, dtype=np.int64)
+    keepers = []
+    for c in range(n_cols):
+        counts = np.bincount(codes[:, c], weights=t)
+        keepers.append(counts >= min_weight)
+        offsets[c + 1] = offsets[c] + len(counts)
+    items = codes.astype(np.int64) + offsets[:-1]
+    frequent = np.zeros((len(codes), n_cols), dtype=bool)
+    for c in range(n_cols):
+        frequent[:, c] = keepers[c][codes[:, c]]
+    items = np.where(frequent, items, -1)
+    transactions = [tuple(x for x in row if x >= 0) for row in items.tolist()]
+    found = fpgrowth(transactions, t.tolist(), min_weight=min_weight, max_len=opts.max_len)
+    col_of = np.searchsorted(offsets, np.arange(offsets[-1]), side="right") - 1
+    groups = [set(columns.index(c) for c in h if c in columns) for h in opts.hierarchies]
+    out = {}
+    for s, w in found.items():
+        pairs = tuple((int(col_of[i]), int(i - offsets[col_of[i]])) for i in s)
+        cols = {c for c, _ in pairs}
+        if any(len(cols & g) > 1 for g in groups):
+            continue  # two levels of one hierarchy: the finer one already says it
+        out[pairs] = w
+    return out
+
+
+def _closure_fn(
+    codes: np.ndarray, values: list[list[str]], hierarchies: list[list[int]]
+) -> Callable[[Itemset], frozenset[tuple[int, str]]]:
+    """Item -> the coarser items it implies (learnt from the failure groups)."""
+    implies: dict[tuple[int, str], set[tuple[int, str]]] = {}
+    for h in hierarchies:
+        for j in range(1, len(h)):
+            child, parent = h[j], h[j - 1]
+            pairs = np.unique(codes[:, [child, parent]], axis=0)
+            kids, n = np.unique(pairs[:, 0], return_counts=True)
+            single = set(kids[n == 1].tolist())
+            for k, p in pairs.tolist():
+                if k in single:
+                    implies.setdefault((child, values[child][k]), set()).add(
+                        (parent, values[parent][p])
+                    )
+
+    def closure(items: Itemset) -> frozenset[tuple[int, str]]:
+        out = set(items)
+        todo = list(items)
+        while todo:
+            for up in implies.get(todo.pop(), ()):
+                if up not in out:
+                    out.add(up)
+                    todo.append(up)
+        return frozenset(out)
+
+    return closure
+
+
+def _count_levels(
+    itemsets: dict[Itemset, float],
+    counter: ItemCounter,
+    total: float,
+    base: float,
+    opts: DiagnoseOptions,
+) -> dict[Itemset, Scored]:
+    """Count reference masses level by level, skipping item-sets whose Bonferroni lower bound
+    n(X) >= n(X - i) + n(i) - N already caps their lift below ``min_lift``."""
+    scored: dict[Itemset, Scored] = {}
+    bound: dict[Itemset, float] = {}
+    for k in range(1, opts.max_len + 1):
+        level = [s for s in itemsets if len(s) == k]
+        todo = []
+        for s in level:
+            f = itemsets[s]
+            lb = f
+            if k > 1:
+                for i in range(k):
+                    rest, one = s[:i] + s[i + 1 :], (s[i],)
+                    n_rest = scored[rest].rows if rest in scored else bound.get(rest, 0.0)
+                    n_one = scored[one].rows if one in scored else bound.get(one, 0.0)
+                    lb = max(lb, n_rest + n_one - total)
+            bound[s] = lb
+            if lb > 0 and f / lb < opts.min_lift * base:
+                continue
+            todo.append(s)
+        # A sample bounds n(X) from below with high confidence; item-sets whose lift cannot
+        # reach min_lift are skipped before the exact count.
+        low = counter.rows_lower_bound(todo, _SAMPLE_Z)
+        exact = []
+        for s, lb in zip(todo, low.tolist(), strict=False):
+            bound[s] = max(bound[s], lb)
+            if not (lb > 0 and itemsets[s] / lb < opts.min_lift * base):
+                exact.append(s)
+        _, rows = counter.count(exact, target=False)
+        for s, r in zip(exact, rows.tolist(), strict=False):
+            scored[s] = Scored(s, itemsets[s], r)
+    return scored

@@ -1,0 +1,139 @@
+"""Weighted FP-Growth: frequent item-sets of weighted transactions, up to a maximum length.
+
+Han, Pei and Yin's FP-Growth, with a weight per transaction (the failure mass of one aggregated
+group) instead of a count of one. Items are integers; the tree is kept in flat lists (parent,
+item, weight per node) with a header list of nodes per item. Mining walks items from the least
+frequent up, collects the item's conditional pattern base (the paths above its nodes, weighted
+by the node), and either counts the base's items directly (when one more item reaches
+``max_len``, the common case) or builds the conditional tree and recurses.
+
+The support of an item-set is the summed weight of the transactions that contain it; an item-set
+is frequent when its support is at least ``min_weight``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+__all__ = ["fpgrowth"]
+
+
+class _Tree:
+    __slots__ = ("children", "header", "item", "parent", "weight")
+
+    def __init__(self) -> None:
+        self.parent: list[int] = [-1]
+        self.item: list[int] = [-1]
+        self.weight: list[float] = [0.0]
+        self.children: dict[tuple[int, int], int] = {}
+        self.header: dict[int, list[int]] = defaultdict(list)
+
+    def insert(self, path: Sequence[int], w: float) -> None:
+        node = 0
+        children, parent, item, weight = self.children, self.parent, self.item, self.weight
+        for it in path:
+            key = (node, it)
+            child = children.get(key)
+            if child is None:
+                child = len(parent)
+                children[key] = child
+                parent.append(node)
+                item.append(it)
+                weight.append(0.0)
+                self.header[it].append(child)
+            weight[child] += w
+            node = child
+
+    def base(self, it: int) -> list[tuple[list[int], float]]:
+        """The conditional pattern base of ``it``: (path above each of its nodes, node weight)."""
+        parent, item, weight = self.parent, self.item, self.weight
+        out = []
+        for node in self.header[it]:
+            path = []
+            p = parent[node]
+            while p > 0:
+                path.append(item[p])
+                p = parent[p]
+            if path:
+                path.reverse()
+                out.append((path, weight[node]))
+        return out
+
+
+def _build(paths: Iterable[tuple[Sequence[int], float]], keep: dict[int, float]) -> _Tree:
+    tree = _Tree()
+    for path, w in paths:
+        # Items are ranked so that a smaller integer is more frequent at the top level; within a
+        # conditional tree the same order is kept, which is all FP-Growth needs.
+        p = [i for i in path if i in keep]
+        if p:
+            tree.insert(p, w)
+    return tree
+
+
+def _mine(
+    tree: _Tree,
+    suffix: tuple[int, ...],
+    min_weight: float,
+    max_len: int,
+    out: dict[tuple[int, ...], float],
+) -> None:
+    for it in sorted(tree.header, reverse=True):
+        support = sum(tree.weight[n] for n in tree.header[it])
+        if support < min_weight:
+            continue
+        found = (it, *suffix)
+        out[found] = support
+        if len(found) >= max_len:
+            continue
+        base = tree.base(it)
+        counts: dict[int, float] = defaultdict(float)
+        for path, w in base:
+            for i in path:
+                counts[i] += w
+        frequent = {i: c for i, c in counts.items() if c >= min_weight}
+        if not frequent:
+            continue
+        if len(found) + 1 >= max_len:
+            for i, c in frequent.items():
+                out[(i, *found)] = c
+            continue
+        _mine(_build(base, frequent), found, min_weight, max_len, out)
+
+
+def fpgrowth(
+    transactions: Sequence[Sequence[int]],
+    weights: Sequence[float],
+    *,
+    min_weight: float,
+    max_len: int,
+) -> dict[tuple[int, ...], float]:
+    """Every item-set of at most ``max_len`` items whose supporting weight is >= ``min_weight``.
+
+    Args:
+        transactions: item lists (each item at most once per transaction).
+        weights: one non-negative weight per transaction.
+        min_weight: the smallest total weight of a frequent item-set (> 0).
+        max_len: the longest item-set reported (>= 1).
+
+    Returns:
+        item-set (items sorted ascending) -> supporting weight.
+    """
+    if len(transactions) != len(weights):
+        raise ValueError("one weight per transaction")
+    counts: dict[int, float] = defaultdict(float)
+    for t, w in zip(transactions, weights, strict=False):
+        for i in t:
+            counts[i] += w
+    order = sorted((i for i, c in counts.items() if c >= min_weight), key=lambda i: (-counts[i], i))
+    rank = {i: k for k, i in enumerate(order)}
+    merged: dict[tuple[int, ...], float] = defaultdict(float)
+    for t, w in zip(transactions, weights, strict=False):
+        path = tuple(sorted(rank[i] for i in t if i in rank))
+        if path and w > 0:
+            merged[path] += w
+    tree = _build(merged.items(), {k: 1.0 for k in range(len(order))})
+    ranked: dict[tuple[int, ...], float] = {}
+    _mine(tree, (), min_weight, max_len, ranked)
+    return {tuple(sorted(order[k] for k in s)): w for s, w in ranked.items()}

@@ -1,0 +1,98 @@
+"""Options of a root-cause analysis: one frozen, keyword-only dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stalwart.errors import ConfigError
+
+__all__ = ["DiagnoseOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnoseOptions:
+    """How ``analyze`` and ``localize`` clean, mine, score and select.
+
+    Defaults suit a fleet-sized log (10^3 to 10^8 rows, tens of attribute columns).
+    """
+
+    min_support: float = 0.05
+    """Smallest share of the failures (or of the deviation) an item-set must cover to be mined."""
+    max_len: int = 3
+    """Largest number of attribute values in one item-set."""
+    min_lift: float = 1.5
+    """Smallest lift (failure rate inside / overall failure rate) a finding may have."""
+    confidence: float = 0.95
+    """Two-sided level of the Wilson interval reported around each lift."""
+    alpha: float = 0.01
+    """Significance level of the pruning tests, before the Bonferroni correction over candidates."""
+    max_findings: int = 10
+    """At most this many findings are selected."""
+    coverage: float = 0.95
+    """Selection stops once the findings' rows hold this share of the failures (or deviation)."""
+    min_gain: float = 0.02
+    """Selection stops when the next finding would explain less than this share of them."""
+    id_share: float = 0.02
+    """A column whose distinct values exceed this share of the rows (and ``id_min_distinct``) is
+    ID-like and dropped, as in the FDA paper's variability filter."""
+    id_min_distinct: int = 100
+    """Columns with at most this many distinct values are never treated as IDs."""
+    max_values: int = 64
+    """Numeric columns with more distinct values are bucketed; categorical ones get rare values
+    folded into ``other``."""
+    buckets: int = 5
+    """Number of quantile buckets for numeric columns."""
+    rare_share: float = 0.001
+    """A value of a high-cardinality column is folded into ``other`` when it covers less than this
+    share of the rows and too few failures to ever reach ``min_support``."""
+    exclude: tuple[str, ...] = ()
+    """Columns never analysed (besides the label, weight and KPI columns)."""
+    keep: tuple[str, ...] = ()
+    """Columns never dropped as ID-like nor folded."""
+    hierarchies: tuple[tuple[str, ...], ...] = ()
+    """Nested columns, coarsest first (``("region", "rack", "host")``): an item-set never holds two
+    levels of one hierarchy, and a coarse finding explained by a finer one is pruned."""
+    memory_limit: str | None = None
+    """DuckDB memory limit (``"4GB"``); beyond it aggregation spills to ``temp_directory``."""
+    temp_directory: str | None = None
+    """Where DuckDB spills; a fresh temporary folder when omitted."""
+    threads: int | None = None
+    """DuckDB worker threads; all cores when omitted."""
+    example_rows: int = 5
+    """Example rows kept per finding for the HTML report."""
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, want: str) -> None:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected {want}")
+
+        check(0.0 < self.min_support <= 1.0, "min_support", "a share in (0, 1]")
+        check(1 <= self.max_len <= 8, "max_len", "an integer from 1 to 8")
+        check(self.min_lift >= 1.0, "min_lift", "a number >= 1")
+        check(0.5 <= self.confidence < 1.0, "confidence", "a level in [0.5, 1)")
+        check(0.0 < self.alpha < 1.0, "alpha", "a level in (0, 1)")
+        check(self.max_findings >= 1, "max_findings", "at least 1")
+        check(0.0 < self.coverage <= 1.0, "coverage", "a share in (0, 1]")
+        check(0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
+        check(0.0 < self.id_share <= 1.0, "id_share", "a share in (0, 1]")
+        check(self.max_values >= 2, "max_values", "at least 2")
+        check(2 <= self.buckets <= 50, "buckets", "2 to 50")
+        check(0.0 <= self.rare_share < 1.0, "rare_share", "a share in [0, 1)")
+        check(self.example_rows >= 0, "example_rows", "0 or more")
+        object.__setattr__(self, "exclude", _names(self.exclude, "exclude"))
+        object.__setattr__(self, "keep", _names(self.keep, "keep"))
+        hier = tuple(_names(h, "hierarchies") for h in self.hierarchies)
+        for h in hier:
+            if len(h) < 2:
+                raise ConfigError(f"hierarchies: {h!r} needs at least two columns, coarsest first")
+        object.__setattr__(self, "hierarchies", hier)
+
+
+def _names(value: Sequence[str] | str, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    out = tuple(value)
+    if not all(isinstance(v, str) for v in out):
+        raise ConfigError(f"{what}: expected column names, got {out!r}")
+    return out

@@ -1,0 +1,144 @@
+"""What an analysis returns: findings, their neighbours and examples, the cleaning applied, and
+renderings as a plain dict (JSON for bots) and a rich table for the terminal."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+__all__ = ["Diagnosis", "Finding", "Neighbour"]
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """An item-set pruned in favour of a finding, and why."""
+
+    items: dict[str, str]
+    failures: float
+    rows: float
+    lift: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One combination of attribute values that singles out failures (or a KPI's deviation).
+
+    ``failures`` and ``rows`` are masses: counts of rows (or sums of the weight column) for
+    labelled events; deviation and reference mass in KPI mode.
+    """
+
+    items: dict[str, str]
+    failures: float
+    rows: float
+    support: float
+    """Share of all failures (or of the deviation) inside the finding."""
+    lift: float
+    """Failure rate inside / overall failure rate."""
+    lift_low: float
+    lift_high: float
+    explained: float
+    """Share of all failures attributable to the finding beyond the rate of the rows left
+    unexplained by earlier findings: (failures - rows * residual rate) / all failures."""
+    subsumed: tuple[Neighbour, ...] = ()
+    examples: tuple[dict[str, str], ...] = ()
+
+    def label(self) -> str:
+        """``col=value & col=value``."""
+        return " & ".join(f"{k}={v}" for k, v in self.items.items())
+
+
+@dataclass
+class Diagnosis:
+    """Result of ``analyze`` or ``localize``."""
+
+    findings: list[Finding]
+    mode: str
+    total_failures: float
+    total_rows: float
+    groups: int
+    columns: tuple[str, ...]
+    cleaning: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    candidates: int = 0
+    covered: float = 0.0
+    timings_s: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    """Why nothing was found, when ``findings`` is empty."""
+
+    @property
+    def base_rate(self) -> float:
+        return self.total_failures / self.total_rows if self.total_rows > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"findings": [{"items": {...}, "support", "lift", "failures", "rows",
+        ...}], ...}``."""
+        findings = []
+        for f in self.findings:
+            d = asdict(f)
+            d["subsumed"] = [asdict(n) for n in f.subsumed]
+            d["examples"] = list(f.examples)
+            findings.append(d)
+        return {
+            "findings": findings,
+            "mode": self.mode,
+            "total_failures": self.total_failures,
+            "total_rows": self.total_rows,
+            "base_rate": self.base_rate,
+            "groups": self.groups,
+            "columns": list(self.columns),
+            "covered": self.covered,
+            "candidates": self.candidates,
+            "cleaning": self.cleaning,
+            "notes": self.notes,
+            "message": self.message,
+            "timings_s": self.timings_s,
+        }
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
+        """The dict as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False, default=str)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    def table(self, *, title: str | None = None) -> Table:
+        """A rich table of the findings."""
+        what = "deviation" if self.mode != "events" else "failures"
+        table = Table(title=title, title_justify="left")
+        table.add_column("#", justify="right")
+        table.add_column("finding")
+        table.add_column(what, justify="right")
+        table.add_column("rows" if self.mode == "events" else "reference", justify="right")
+        table.add_column("support", justify="right")
+        table.add_column("lift [interval]", justify="right")
+        table.add_column("explains", justify="right")
+        for i, f in enumerate(self.findings, 1):
+            table.add_row(
+                str(i),
+                f.label(),
+                _num(f.failures),
+                _num(f.rows),
+                f"{f.support:.1%}",
+                f"{f.lift:.2f} [{f.lift_low:.2f}, {f.lift_high:.2f}]",
+                f"{f.explained:.1%}",
+            )
+        return table
+
+    def write_html(self, path: str | Path, *, title: str = "stalwart root-cause report") -> Path:
+        """Write the one-file HTML report (findings, neighbours, examples, a plot)."""
+        from stalwart.diagnose.report import render_html
+
+        out = Path(path)
+        out.write_text(render_html(self, title=title), encoding="utf-8")
+        return out
+
+
+def _num(x: float) -> str:
+    if x == int(x):
+        return f"{int(x):,}"
+    return f"{x:,.2f}"

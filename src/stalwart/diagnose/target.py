@@ -1,0 +1,156 @@
+"""Turn the user's label, weight and KPI arguments into SQL for the per-row failure mass (the
+*target*) and the per-row total mass (the *reference*), with clear errors for misspelt columns.
+
+Labelled events: target = weight when the label holds, else 0; reference = weight (1 per row
+without a weight column). KPI deviation (RiskLoc/RobustSpot style, one row per leaf):
+
+- additive, ``actual=A, expected=E``: the deviation's direction s is the sign of sum(A - E);
+  target = max(s * (A - E), 0), reference = E.
+- ratio, ``actual=(An, Ad), expected=(En, Ed)``: the expected ratio of a leaf is En / Ed (the
+  overall expected ratio where Ed = 0); target = max(s * (An - Ad * En / Ed), 0), the numerator
+  mass the leaf lost or gained against its own expected ratio, and reference = Ad.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import duckdb
+
+from stalwart.diagnose.source import Source, quote, suggest
+from stalwart.errors import ConfigError
+
+__all__ = ["Masses", "event_masses", "kpi_masses"]
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\- ]*$")
+_TRUE = {"true", "t", "1", "yes", "y", "fail", "failed", "failure", "error", "bad", "crash"}
+_FALSE = {"false", "f", "0", "no", "n", "ok", "pass", "passed", "success", "good", "succeeded"}
+
+
+@dataclass(frozen=True)
+class Masses:
+    """SQL for the per-row target and reference masses, and the columns they consume."""
+
+    target: str
+    reference: str
+    used: frozenset[str]
+    counts: bool
+    """Whether the masses are counts (so binomial intervals and tests apply)."""
+
+
+def _column(src: Source, name: str, what: str) -> str:
+    if name in src.columns:
+        return name
+    raise ConfigError(f"{what}: no column {name!r}.{suggest(name, src.columns)}")
+
+
+def _check(src: Source, expr: str, what: str) -> None:
+    try:
+        src.sql(f"SELECT count(*) FILTER (WHERE {expr}) FROM {{src}}").fetchall()[0]
+    except duckdb.Error as e:
+        msg = str(e).splitlines()[0]
+        missing = re.search(r'[Cc]olumn "?([^"\s]+)"? not found', msg)
+        hint = suggest(missing.group(1), src.columns) if missing else ""
+        raise ConfigError(f"{what} {expr!r} is not a valid condition: {msg}.{hint}") from e
+
+
+def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
+    if label in src.columns:
+        q, kind = quote(label), src.types[label].upper()
+        if kind == "BOOLEAN":
+            return f"coalesce({q}, false)", {label}
+        if kind.startswith(
+            (
+                "TINYINT",
+                "SMALLINT",
+                "INTEGER",
+                "BIGINT",
+                "HUGEINT",
+                "U",
+                "DOUBLE",
+                "FLOAT",
+                "DECIMAL",
+            )
+        ):
+            return f"coalesce({q} <> 0, false)", {label}
+        values = [
+            str(r[0]).strip().lower()
+            for r in src.sql(
+                f"SELECT DISTINCT {q} FROM {{src}} WHERE {q} IS NOT NULL LIMIT 50"
+            ).fetchall()
+        ]
+        odd = [v for v in values if v not in _TRUE | _FALSE]
+        if odd:
+            raise ConfigError(
+                f"label column {label!r} holds values such as {odd[:3]}: say which rows failed "
+                f"with a condition instead, e.g. label=\"{label} != 'ok'\""
+            )
+        lits = ", ".join(f"'{v}'" for v in sorted(_TRUE))
+        return f"coalesce(lower(trim(CAST({q} AS VARCHAR))) IN ({lits}), false)", {label}
+    if _IDENT.match(label) and not any(op in label for op in (" ", "-")):
+        raise ConfigError(f"label: no column {label!r}.{suggest(label, src.columns)}")
+    _check(src, label, "label")
+    used = {
+        c
+        for c in src.columns
+        if re.search(r"(?<![\w\"])" + re.escape(c) + r"(?![\w\"])", label) or quote(c) in label
+    }
+    return f"coalesce(({label}), false)", used
+
+
+def event_masses(src: Source, label: str, weight: str | None) -> Masses:
+    """Masses of labelled events: failure weight, and weight (1 per row by default)."""
+    cond, used = _label_sql(src, label)
+    w = "1"
+    if weight is not None:
+        col = _column(src, weight, "weight")
+        kind = src.types[col].upper()
+        if kind in ("VARCHAR", "BOOLEAN", "DATE") or kind.startswith("TIMESTAMP"):
+            raise ConfigError(f"weight column {col!r} is {kind}; it must hold numbers (counts)")
+        w = f"greatest(coalesce(CAST({quote(col)} AS DOUBLE), 0), 0)"
+        used.add(col)
+    return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
+
+
+def kpi_masses(
+    src: Source, actual: str | tuple[str, str], expected: str | tuple[str, str]
+) -> Masses:
+    """Masses of a KPI's deviation; pairs of columns mean a ratio (numerator, denominator)."""
+    if isinstance(actual, str) != isinstance(expected, str):
+        raise ConfigError(
+            "actual and expected must both be single columns (additive KPI) or both "
+            "(numerator, denominator) pairs (ratio KPI)"
+        )
+    if isinstance(actual, str) and isinstance(expected, str):
+        a = quote(_column(src, actual, "actual"))
+        e = quote(_column(src, expected, "expected"))
+        a, e = f"coalesce(CAST({a} AS DOUBLE), 0)", f"coalesce(CAST({e} AS DOUBLE), 0)"
+        row = src.sql(f"SELECT sum({a} - {e}) FROM {{src}}").fetchall()[0]
+        s = 1.0 if row is None or (row[0] or 0) >= 0 else -1.0
+        return Masses(
+            f"greatest({s} * ({a} - {e}), 0)",
+            f"greatest({e}, 0)",
+            frozenset({actual, expected}),
+            False,
+        )
+    if len(actual) != 2 or len(expected) != 2:
+        raise ConfigError("a ratio KPI needs (numerator, denominator) for actual and expected")
+    an, ad = (f"coalesce(CAST({quote(_column(src, c, 'actual'))} AS DOUBLE), 0)" for c in actual)
+    en, ed = (
+        f"coalesce(CAST({quote(_column(src, c, 'expected'))} AS DOUBLE), 0)" for c in expected
+    )
+    row = src.sql(f"SELECT sum({an}), sum({ad}), sum({en}), sum({ed}) FROM {{src}}").fetchall()[0]
+    assert row is not None
+    tot_an, tot_ad, tot_en, tot_ed = (float(v or 0) for v in row)
+    if tot_ad <= 0 or tot_ed <= 0:
+        raise ConfigError("the KPI's denominators sum to zero; nothing to compare")
+    overall = tot_en / tot_ed
+    s = 1.0 if tot_an / tot_ad >= overall else -1.0
+    ratio = f"(CASE WHEN {ed} > 0 THEN {en} / {ed} ELSE {overall!r} END)"
+    return Masses(
+        f"greatest({s} * ({an} - {ad} * {ratio}), 0)",
+        f"greatest({ad}, 0)",
+        frozenset({*actual, *expected}),
+        True,
+    )
