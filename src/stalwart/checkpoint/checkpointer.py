@@ -14,25 +14,29 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from stalwart.checkpoint.async_save import AsyncSaver, PendingSave, guard
 from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.commit import build_manifest
 from stalwart.checkpoint.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.manifest import (
     MANIFEST_PREFIX,
     ChunkRef,
     Manifest,
-    TensorEntry,
     manifest_key,
     step_from_key,
 )
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.persist import persist_boxes
-from stalwart.checkpoint.plan import local_items, merge_skeletons, plan_writes
+from stalwart.checkpoint.plan import LocalItem, local_items, merge_skeletons, plan_writes
 from stalwart.checkpoint.restore import load_step
+from stalwart.checkpoint.results import LoadResult, SaveResult
 from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -52,48 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What a save did, summed over all ranks.
-
-    Attributes:
-        step: the committed step.
-        seconds: wall time of the save on this rank.
-        bytes_total: logical bytes of all tensors saved (raw, before dedup/compression).
-        bytes_written: bytes actually written to packs.
-        bytes_reused: logical bytes not written because the store already held them.
-        chunks_written: new chunks written.
-        chunks_reused: chunks deduplicated.
-    """
-
-    step: int
-    seconds: float
-    bytes_total: int
-    bytes_written: int
-    bytes_reused: int
-    chunks_written: int
-    chunks_reused: int
-
-
-@dataclass
-class LoadResult:
-    """What the last load did.
-
-    Attributes:
-        step: the step loaded.
-        seconds: wall time on this rank.
-        bytes_read: stored bytes read by this rank (all verified).
-        skipped: ``(step, reason)`` for newer steps passed over by ``fallback=True``.
-        mismatched: problems ignored because ``strict=False``.
-    """
-
-    step: int
-    seconds: float
-    bytes_read: int
-    skipped: list[tuple[int, str]] = field(default_factory=list)
-    mismatched: list[str] = field(default_factory=list)
 
 
 class Checkpointer:
@@ -129,6 +91,8 @@ class Checkpointer:
         )
         self._manifests: dict[int, Manifest] = {}
         self.last_load: LoadResult | None = None
+        self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
+        self._background: Group | None = None
 
     @property
     def _group(self) -> Group:
@@ -230,14 +194,103 @@ class Checkpointer:
             StorageError: the store failed (full, read-only, ...); earlier checkpoints stay.
             DistributedError: another rank failed; nothing was committed.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        if metadata and not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-        ):
-            raise ConfigError("metadata must map str to str")
-        t0 = time.perf_counter()
+        _check_save_args(step, metadata)
+        self._async.flush()  # saves commit in call order; earlier async errors surface here
+
+        def capture() -> tuple[list[LocalItem], dict[str, Any]]:
+            flat = flatten(state)
+            return local_items(flat), flat.skeleton
+
+        return self._write(step, capture, metadata, self._group, time.perf_counter())
+
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        *,
+        lazy: bool = False,
+        metadata: dict[str, str] | None = None,
+    ) -> PendingSave:
+        """Start saving ``state`` as ``step``; return once the state may change again.
+
+        Eager (default): returns after copying every tensor into reused host buffers.
+        Lazy: returns at once and copies in the background; install :meth:`guard` on the
+        optimizer so that ``optimizer.step()`` waits for the copy still in flight.
+        Hashing, dedup, compression, writing and the commit run in a background thread;
+        at most ``options.max_inflight_saves`` saves are in flight (a further call waits).
+
+        Returns:
+            A :class:`PendingSave`: ``done()``, ``wait()`` / ``result()`` (the SaveResult,
+            or the background error), ``wait_staged()``.
+
+        Raises:
+            CheckpointError: an earlier background save failed and nobody had waited on it.
+            UnsupportedValueError: the tree holds something that cannot be stored.
+        """
+        _check_save_args(step, metadata)
+        self._async.raise_unobserved()
+        g = self._background_group()
+        try:
+            flat = flatten(state)
+            items, skeleton, err = local_items(flat), flat.skeleton, None
+        except Exception as e:  # every rank must still meet in the background collectives
+            if g.world == 1:
+                raise
+            items, skeleton, err = [], {}, e
+
+        def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
+            def checked() -> tuple[list[LocalItem], dict[str, Any]]:
+                if err is not None:
+                    raise err
+                return capture()
+
+            return self._write(step, checked, metadata, g, time.perf_counter())
+
+        pending = self._async.submit(step, items, skeleton, lazy, write)
+        if err is not None:
+            pending._observed = True  # raised here; not again at the next call
+            raise err
+        return pending
+
+    def _background_group(self) -> Group:
+        """A gloo group of our own for background collectives.
+
+        Background saves must never issue collectives on the training's group: two threads
+        on one group interleave and deadlock. Created on the first ``save_async``, which all
+        ranks make together.
+        """
         g = self._group
+        if g.world == 1:
+            return g
+        if self._background is None:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(g.pg)
+            pg = dist.new_group(ranks=ranks, backend="gloo")
+            self._background = Group(pg=pg, rank=dist.get_rank(pg), world=len(ranks))
+        return self._background
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first failure nobody has seen."""
+        self._async.flush()
+
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its state (used by :meth:`guard`)."""
+        self._async.wait_staged()
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for lazy copies still in flight (install once)."""
+        return guard(optimizer, self)
+
+    def _write(
+        self,
+        step: int,
+        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
+        metadata: dict[str, str] | None,
+        g: Group,
+        t0: float,
+    ) -> SaveResult:
+        """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton."""
         local: dict[str, Any] = {}
 
         def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
@@ -245,11 +298,10 @@ class Checkpointer:
             # reading manifests, flattening the state) runs inside g.run, so that such a
             # failure fails every rank instead of leaving the others in the next collective.
             local["store"] = self._store(create=True)
-            flat = flatten(state)
-            local["items"] = local_items(flat)
+            local["items"], skeleton = capture()
             local["steps"] = self.steps()
             local["known"] = self._known_chunks(local["steps"])
-            return [it.describe() for it in local["items"]], flat.skeleton
+            return [it.describe() for it in local["items"]], skeleton
 
         described = g.run(f"preparing step {step}", prepare)
         store, items, steps, known = (local[k] for k in ("store", "items", "steps", "known"))
@@ -306,37 +358,7 @@ class Checkpointer:
         metadata: dict[str, str] | None,
         t0: float,
     ) -> Manifest:
-        from stalwart.checkpoint.manifest import ShardEntry
-
-        shards: dict[str, list[ShardEntry]] = {fqn: [] for fqn in tensors}
-        for rank_shards, _ in results:
-            for (fqn, _offsets, _sizes), s in rank_shards.items():
-                shards[fqn].append(
-                    ShardEntry(
-                        tuple(s["offsets"]),
-                        tuple(s["sizes"]),
-                        tuple(ChunkRef.from_json(c) for c in s["chunks"]),
-                    )
-                )
-        entries = {
-            fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
-            for fqn, (dtype, shape) in tensors.items()
-        }
-        stats = [r[1] for r in results]
-        m = Manifest(
-            step=step,
-            tensors=entries,
-            skeleton=skeleton,
-            world_size=self._group.world,
-            created_unix=time.time(),
-            metadata=dict(metadata or {}),
-            stats={
-                "bytes_total": float(sum(s.bytes_total for s in stats)),
-                "bytes_written": float(sum(s.bytes_written for s in stats)),
-                "bytes_reused": float(sum(s.bytes_reused for s in stats)),
-                "seconds": time.perf_counter() - t0,
-            },
-        )
+        m = build_manifest(step, tensors, skeleton, results, self._group.world, metadata, t0)
         self._store(create=True).write(manifest_key(step), [m.to_bytes()])
         self._manifests[step] = m
         return m
@@ -374,6 +396,7 @@ class Checkpointer:
             CorruptCheckpointError: damaged data (and no fallback left).
             StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
         """
+        self._async.raise_unobserved()
         t0 = time.perf_counter()
         g = self._group
         # Rank 0 lists; every rank learns if that failed.
@@ -485,7 +508,8 @@ class Checkpointer:
         return collect_garbage(store, grace_s=grace, report=report)
 
     def close(self) -> None:
-        """Release threads and connections."""
+        """Wait for saves in flight, then release threads and connections."""
+        self._async.close()
         self._tensor_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         if self._storage is not None:
@@ -507,6 +531,13 @@ class _nullcontext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _check_save_args(step: Any, metadata: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ConfigError("metadata must map str to str")
 
 
 def _short(steps: list[int]) -> str:

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.checkpoint.checkpointer import Checkpointer, SaveResult
+from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.results import SaveResult
 from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from stalwart.tree import flatten, unflatten
 

@@ -26,6 +26,9 @@ class CheckpointOptions:
         gc_grace_s: unreferenced pack files younger than this are never collected, so a
             save in flight in another process is safe from garbage collection.
         lease_s: how long a reader's or writer's lease protects the steps it uses.
+        max_inflight_saves: asynchronous saves that may be staged or persisting at once;
+            each holds one set of host buffers. A further ``save_async`` waits.
+        exit_flush_timeout_s: at interpreter exit, how long to wait for saves in flight.
     """
 
     chunk_bytes: int = 16 << 20
@@ -35,6 +38,8 @@ class CheckpointOptions:
     keep: RetentionPolicy = field(default_factory=KeepAll)
     gc_grace_s: float = 3600.0
     lease_s: float = 3600.0
+    max_inflight_saves: int = 2
+    exit_flush_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
@@ -47,5 +52,7 @@ class CheckpointOptions:
             raise ConfigError(f"io_threads={self.io_threads!r}: must be an int >= 1")
         if not callable(getattr(self.keep, "keep", None)):
             raise ConfigError(f"keep={self.keep!r}: must be a retention policy (KeepLast, ...)")
+        if not isinstance(self.max_inflight_saves, int) or self.max_inflight_saves < 1:
+            raise ConfigError(f"max_inflight_saves={self.max_inflight_saves!r}: must be >= 1")
         if self.gc_grace_s < 0 or self.lease_s <= 0:
             raise ConfigError("gc_grace_s must be >= 0 and lease_s > 0")

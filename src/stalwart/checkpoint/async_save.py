@@ -1,0 +1,288 @@
+"""Asynchronous saves: stage into reused host buffers, persist in the background.
+
+    save_async(step, state)
+      ├─ blocking: flatten, copy every box into host buffers   (eager mode)
+      │            flatten only; a stager thread copies          (lazy mode)
+      └─ background: plan ─► persist ─► commit ─► retain        (one writer thread)
+
+The only part that stalls training is the copy into host buffers, and in lazy mode not even
+that: parameters and optimizer state only change in ``optimizer.step()``, so the copy runs
+while the next forward and backward run, and :func:`guard` makes ``optimizer.step()`` wait
+for whatever copy is still in flight. Buffers are allocated once per in-flight slot and
+reused (fresh pages cost several times more than reused ones); on CUDA they are pinned and
+the copies run on a side stream.
+
+Errors in the background are never silent: ``PendingSave.wait()`` raises them, and so does
+the checkpointer's next ``save``, ``save_async`` or ``load`` if nobody waited. At interpreter
+exit, saves still in flight are flushed (or their steps are logged as not persisted).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stalwart.checkpoint.plan import BoxKey, LocalItem
+from stalwart.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from stalwart.checkpoint.results import SaveResult
+
+__all__ = ["AsyncSaver", "PendingSave", "StagingSlot", "guard"]
+
+log = logging.getLogger(__name__)
+
+
+class PendingSave:
+    """A save running in the background.
+
+    ``staged`` is set once every tensor has been copied (the state may change from then on);
+    the future completes when the checkpoint is committed.
+    """
+
+    def __init__(self, step: int, lazy: bool) -> None:
+        self.step = step
+        self.lazy = lazy
+        self.staged = threading.Event()
+        self.future: Future[SaveResult] = Future()
+        self.blocking_s = 0.0
+        self.staging_s = 0.0
+        self._observed = False
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self.future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until committed; return the SaveResult or raise the background error."""
+        try:
+            return self.future.result(timeout)
+        finally:
+            if self.future.done():
+                self._observed = True
+
+    result = wait
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the state has been copied (the caller may then mutate it)."""
+        return self.staged.wait(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "staged" if self.staged.is_set() else "staging"
+        return f"PendingSave(step={self.step}, {state})"
+
+
+class StagingSlot:
+    """Host buffers for one in-flight save, kept and reused across saves."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[BoxKey, torch.Tensor] = {}
+        self.reused_bytes = 0
+        self.allocated_bytes = 0
+
+    def buffer_for(self, item: LocalItem) -> torch.Tensor:
+        src = item.tensor
+        buf = self.buffers.get(item.key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            pin = src.device.type == "cuda"
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            self.buffers[item.key] = buf
+            self.allocated_bytes += buf.numel() * buf.element_size()
+        else:
+            self.reused_bytes += buf.numel() * buf.element_size()
+        return buf
+
+
+def stage(items: list[LocalItem], slot: StagingSlot) -> list[LocalItem]:
+    """Copy every box into the slot's buffers; return items that point at the copies."""
+    cuda = any(it.tensor.device.type == "cuda" for it in items)
+    stream = torch.cuda.Stream() if cuda else None
+    staged = []
+    with torch.no_grad():
+        ctx = torch.cuda.stream(stream) if stream is not None else _null()
+        with ctx:
+            for it in items:
+                buf = slot.buffer_for(it)
+                buf.copy_(it.tensor.detach(), non_blocking=stream is not None)
+                staged.append(
+                    LocalItem(it.fqn, it.dtype, it.shape, it.offsets, it.sizes, tensor=buf)
+                )
+    if stream is not None:
+        stream.synchronize()
+    return staged
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class AsyncSaver:
+    """The background half of a checkpointer: slots, a stager, one writer thread."""
+
+    def __init__(self, max_inflight: int, exit_flush_timeout_s: float) -> None:
+        self.max_inflight = max_inflight
+        self.slots = [StagingSlot() for _ in range(max_inflight)]
+        self.pending: deque[PendingSave] = deque()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-persist")
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
+        self._next_slot = 0
+        self._lock = threading.Lock()
+        self._finished: list[PendingSave] = []
+        ref = weakref.ref(self)
+        self._atexit = lambda: _flush_at_exit(ref, exit_flush_timeout_s)
+        _register_exit_flush(self._atexit)
+
+    def submit(
+        self,
+        step: int,
+        items: list[LocalItem],
+        skeleton: dict[str, Any],
+        lazy: bool,
+        write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+    ) -> PendingSave:
+        """Stage ``items`` (now, or in the stager when lazy) and persist them with ``write``."""
+        t0 = time.perf_counter()
+        self.raise_unobserved()
+        while len(self.pending) >= self.max_inflight:
+            self.pending[0].future.exception()  # wait for the oldest (errors surface later)
+            self._reap()
+        slot = self.slots[self._next_slot % self.max_inflight]
+        self._next_slot += 1
+        pending = PendingSave(step, lazy)
+        staged: dict[str, list[LocalItem]] = {}
+
+        def do_stage() -> None:
+            ts = time.perf_counter()
+            staged["items"] = stage(items, slot)
+            pending.staging_s = time.perf_counter() - ts
+            pending.staged.set()
+
+        if lazy:
+            stage_future = self._stager.submit(do_stage)
+        else:
+            do_stage()
+            stage_future = None
+
+        def capture() -> tuple[list[LocalItem], dict[str, Any]]:
+            if stage_future is not None:
+                stage_future.result()  # a staging error fails the save on every rank
+            return staged["items"], skeleton
+
+        def run() -> None:
+            if not pending.future.set_running_or_notify_cancel():
+                return
+            try:
+                pending.future.set_result(write(capture))
+            except BaseException as e:
+                pending.staged.set()  # never leave a guard waiting on a failed save
+                pending.future.set_exception(e)
+
+        self.pending.append(pending)
+        self._writer.submit(run)
+        pending.blocking_s = time.perf_counter() - t0
+        return pending
+
+    def _reap(self) -> None:
+        while self.pending and self.pending[0].done():
+            self._finished.append(self.pending.popleft())
+
+    def wait_staged(self) -> None:
+        """Block until every pending save has copied its state (the optimizer guard)."""
+        for p in list(self.pending):
+            p.staged.wait()
+
+    def raise_unobserved(self) -> None:
+        """Raise the first background failure that nobody has seen yet (once)."""
+        self._reap()
+        while self._finished:
+            p = self._finished.pop(0)
+            err = p.future.exception()
+            if err is not None and not p._observed:
+                p._observed = True
+                raise CheckpointError(
+                    f"the background save of step {p.step} failed: {err}; that step was not "
+                    "committed (earlier checkpoints are intact)"
+                ) from err
+
+    def flush(self) -> None:
+        """Wait for every pending save, then raise any failure nobody has seen."""
+        for p in list(self.pending):
+            p.future.exception()
+        self.raise_unobserved()
+
+    def close(self) -> None:
+        try:
+            for p in list(self.pending):
+                p.future.exception()
+        finally:
+            self._writer.shutdown(wait=True)
+            self._stager.shutdown(wait=True)
+            if self._atexit in _exit_flushes:
+                _exit_flushes.remove(self._atexit)
+
+
+_exit_flushes: list[Callable[[], None]] = []
+
+
+def _register_exit_flush(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at exit while thread pools still accept work.
+
+    ``atexit`` handlers run after ``concurrent.futures`` has stopped accepting new tasks, so
+    a save flushed from there fails with "cannot schedule new futures after interpreter
+    shutdown" (seen in tests/unit/test_async_save.py). ``threading``'s exit hooks run
+    earlier, newest first, so one registered after ``concurrent.futures`` is imported runs
+    before its pools shut. We register one hook for all savers, at the first saver.
+    """
+    if not _exit_flushes:
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_run_exit_flushes)
+        else:  # other Python implementations: best effort
+            atexit.register(_run_exit_flushes)
+    _exit_flushes.append(fn)
+
+
+def _run_exit_flushes() -> None:
+    for fn in list(_exit_flushes):
+        fn()
+
+
+def _flush_at_exit(ref: weakref.ref[AsyncSaver], timeout_s: float) -> None:
+    saver = ref()
+    if saver is None:
+        return
+    lost = []
+    deadline = time.monotonic() + timeout_s
+    for p in list(saver.pending):
+        try:
+            p.future.result(max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            lost.append(f"step {p.step}: {e}")
+    if lost:
+        log.error("checkpoints not persisted at exit: %s", "; ".join(lost))
+
+
+def guard(optimizer: torch.optim.Optimizer, checkpointer: Any) -> Any:
+    """Make ``optimizer.step()`` wait until ``checkpointer``'s in-flight copies are done.
+
+    Install it once; it costs nothing when no lazy save is staging. Returns the hook handle
+    (``handle.remove()`` uninstalls it).
+    """
+
+    def wait(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        checkpointer.wait_staged()
+
+    return optimizer.register_step_pre_hook(wait)

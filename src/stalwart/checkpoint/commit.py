@@ -1,0 +1,65 @@
+"""Commit: turn every rank's shard records into the manifest that makes a step exist.
+
+The manifest is written last, by one rank, after every rank reported its pack durable
+(see ``Checkpointer._write``); a single atomic ``Storage.write`` makes the step visible.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stalwart.checkpoint.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
+
+__all__ = ["build_manifest"]
+
+
+def build_manifest(
+    step: int,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    skeleton: dict[str, Any],
+    results: list[Any],
+    world_size: int,
+    metadata: dict[str, str] | None,
+    t0: float,
+) -> Manifest:
+    """The manifest of ``step`` from the plan's tensors and every rank's persist results.
+
+    Args:
+        step: the step being committed.
+        tensors: ``fqn -> (dtype, global shape)`` from the plan.
+        skeleton: the merged tree skeleton.
+        results: per rank, ``(shards by box key as JSON, PersistStats)``.
+        world_size: ranks that saved.
+        metadata: the user's string metadata.
+        t0: ``time.perf_counter()`` at the start of the save, for the stats.
+    """
+    shards: dict[str, list[ShardEntry]] = {fqn: [] for fqn in tensors}
+    for rank_shards, _ in results:
+        for (fqn, _offsets, _sizes), s in rank_shards.items():
+            shards[fqn].append(
+                ShardEntry(
+                    tuple(s["offsets"]),
+                    tuple(s["sizes"]),
+                    tuple(ChunkRef.from_json(c) for c in s["chunks"]),
+                )
+            )
+    entries = {
+        fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
+        for fqn, (dtype, shape) in tensors.items()
+    }
+    stats = [r[1] for r in results]
+    return Manifest(
+        step=step,
+        tensors=entries,
+        skeleton=skeleton,
+        world_size=world_size,
+        created_unix=time.time(),
+        metadata=dict(metadata or {}),
+        stats={
+            "bytes_total": float(sum(s.bytes_total for s in stats)),
+            "bytes_written": float(sum(s.bytes_written for s in stats)),
+            "bytes_reused": float(sum(s.bytes_reused for s in stats)),
+            "seconds": time.perf_counter() - t0,
+        },
+    )

@@ -1,0 +1,162 @@
+"""save_async: eager and lazy staging, the optimizer guard, errors that surface, exit flush."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import stalwart
+from stalwart.errors import CheckpointError, StorageFullError
+from stalwart.storage import LocalStorage
+from stalwart.testing import FlakyStorage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(16, 256)).square().mean().backward()
+    opt.step()
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_eager_returns_after_copy_so_the_state_may_change(tmp_path: Path) -> None:
+    model, opt = make_model()
+    ckpt = stalwart.Checkpointer(tmp_path)
+    before = snapshot(model)
+    pending = ckpt.save_async(1, {"model": model})
+    assert pending.staged.is_set()  # eager: copied before returning
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # mutate while the background persists
+    result = pending.wait()
+    assert result.step == 1 and pending.done() and ckpt.steps() == [1]
+    loaded = ckpt.load(None)["model"]
+    for k, v in before.items():
+        assert torch.equal(loaded[k], v)
+    ckpt.close()
+
+
+def test_lazy_with_guard_snapshots_the_pre_step_values(tmp_path: Path) -> None:
+    model, opt = make_model()
+    ckpt = stalwart.Checkpointer(tmp_path)
+    ckpt.guard(opt)
+    for step in range(1, 6):
+        before = snapshot(model) | {"exp_avg": _moment(opt)}
+        pending = ckpt.save_async(step, {"model": model, "optim": opt}, lazy=True)
+        train_step(model, opt)  # the guard makes opt.step() wait for the copy
+        pending.wait()
+        loaded = ckpt.load(None, step)
+        for k, v in before.items():
+            if k == "exp_avg":
+                if v is not None:
+                    assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], v)
+            else:
+                assert torch.equal(loaded["model"][k], v), (step, k)
+    ckpt.close()
+
+
+def _moment(opt: torch.optim.Optimizer) -> torch.Tensor | None:
+    state = opt.state_dict()["state"]
+    return state[0]["exp_avg"].clone() if state else None
+
+
+def test_background_failure_surfaces_on_wait_and_keeps_earlier_steps(tmp_path: Path) -> None:
+    store = FlakyStorage(
+        LocalStorage(tmp_path),
+        fail_on=lambda op, key: op == "write" and key.startswith("packs/step-00000000000000000002"),
+        error=StorageFullError,
+    )
+    ckpt = stalwart.Checkpointer(store)
+    ckpt.save_async(1, {"x": torch.arange(10.0)}).wait()
+    pending = ckpt.save_async(2, {"x": torch.arange(10.0) + 1})
+    with pytest.raises(StorageFullError):
+        pending.wait()
+    assert ckpt.steps() == [1]
+    assert torch.equal(ckpt.load(None)["x"], torch.arange(10.0))
+    ckpt.close()
+
+
+def test_unobserved_failure_surfaces_on_the_next_call(tmp_path: Path) -> None:
+    store = FlakyStorage(
+        LocalStorage(tmp_path),
+        fail_on=lambda op, key: op == "write" and key.startswith("packs/step-00000000000000000002"),
+        error=StorageFullError,
+    )
+    ckpt = stalwart.Checkpointer(store)
+    ckpt.save(1, {"x": torch.ones(3)})
+    pending = ckpt.save_async(2, {"x": torch.zeros(3)})
+    pending.future.exception()  # finished, but nobody called wait()
+    with pytest.raises(CheckpointError, match="background save of step 2 failed"):
+        ckpt.save_async(3, {"x": torch.zeros(3)})
+    ckpt.save_async(3, {"x": torch.full((3,), 3.0)}).wait()  # raised once, then goes on
+    assert ckpt.steps() == [1, 3]
+    ckpt.close()
+
+
+def test_in_flight_saves_are_bounded_and_buffers_reused(tmp_path: Path) -> None:
+    opts = stalwart.CheckpointOptions(max_inflight_saves=1)
+    ckpt = stalwart.Checkpointer(tmp_path, opts)
+    state = {"w": torch.randn(512, 512)}
+    first = ckpt.save_async(1, state)
+    ckpt.save_async(2, state)
+    assert first.done()  # the second call waited for the first to finish
+    ckpt.wait()
+    slot = ckpt._async.slots[0]
+    assert slot.allocated_bytes == 512 * 512 * 4  # allocated once ...
+    assert slot.reused_bytes == 512 * 512 * 4  # ... and reused by the second save
+    assert ckpt.steps() == [1, 2]
+    ckpt.close()
+
+
+def test_interpreter_exit_flushes_saves_in_flight(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import torch, stalwart
+        ckpt = stalwart.Checkpointer({str(tmp_path)!r})
+        ckpt.save_async(7, {{"w": torch.arange(1 << 20, dtype=torch.float32)}})
+        # no wait(): the atexit hook must flush it
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    ckpt = stalwart.Checkpointer(tmp_path)
+    assert ckpt.steps() == [7]
+    assert torch.equal(ckpt.load(None)["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_sync_save_waits_for_async_ones_so_steps_commit_in_order(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(tmp_path)
+    a = ckpt.save_async(1, {"x": torch.ones(100_000)})
+    ckpt.save(2, {"x": torch.zeros(100_000)})
+    assert a.done() and ckpt.steps() == [1, 2]
+    ckpt.close()
+
+
+def test_lazy_guard_on_a_large_state_verifies_bytes_not_timing(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(4096, 2048)  # 32 MiB: the copy is still running at opt.step()
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    ckpt = stalwart.Checkpointer(tmp_path)
+    ckpt.guard(opt)
+    before = layer.weight.detach().clone()
+    pending = ckpt.save_async(1, {"layer": layer}, lazy=True)
+    layer(torch.randn(4, 4096)).sum().backward()
+    opt.step()
+    assert not torch.equal(layer.weight, before)
+    pending.wait()
+    assert torch.equal(ckpt.load(None)["layer"]["weight"], before)
+    ckpt.close()
