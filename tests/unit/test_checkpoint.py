@@ -484,3 +484,26 @@ def test_verify_reports_every_damaged_chunk(tmp_path: Path) -> None:
     report = ckpt.verify(1)
     assert not report.ok and len(report.damaged) == 2
     assert any("'a'" in d for d in report.damaged) and any("'b'" in d for d in report.damaged)
+
+
+def test_unchanged_chunks_skip_the_strong_hash(tmp_path: Path, monkeypatch) -> None:
+    from stalwart.checkpoint import persist
+
+    hashed: list[int] = []
+    real = persist.chunk_hash
+
+    def counting(data) -> str:
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(persist, "chunk_hash", counting)
+    opts = stalwart.CheckpointOptions(chunk_bytes=64 * 1024)
+    ckpt = stalwart.Checkpointer(tmp_path, opts)
+    state = {"frozen": torch.randn(256, 1024), "head": torch.randn(16, 1024)}
+    ckpt.save(1, state)
+    hashed.clear()
+    state["head"][0, 0] += 1  # one chunk of the head changes
+    r = ckpt.save(2, state)
+    assert hashed == [64 * 1024]  # only the changed chunk got a BLAKE3 hash
+    assert r.bytes_written == 64 * 1024
+    assert torch.equal(stalwart.Checkpointer(tmp_path).load(None)["head"], state["head"])

@@ -33,7 +33,7 @@ from stalwart.checkpoint.manifest import (
     step_from_key,
 )
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.checkpoint.persist import persist_boxes
+from stalwart.checkpoint.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.plan import LocalItem, local_items, merge_skeletons, plan_writes
 from stalwart.checkpoint.restore import load_step
 from stalwart.checkpoint.results import LoadResult, SaveResult
@@ -93,6 +93,7 @@ class Checkpointer:
         self.last_load: LoadResult | None = None
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
         self._background: Group | None = None
+        self._fast_index: FastIndex = {}
 
     @property
     def _group(self) -> Group:
@@ -320,7 +321,9 @@ class Checkpointer:
                 known=known,
                 options=self.options,
                 pool=self._pool,
+                previous=self._fast_index,
             )
+            local["fast_index"], stats.fast_index = stats.fast_index, {}  # stays on this rank
             return {k: s.to_json() for k, s in shards.items()}, stats
 
         with lease if g.rank == 0 else _nullcontext():
@@ -337,6 +340,7 @@ class Checkpointer:
                 self._retain(store)
             except Exception:  # the checkpoint is committed; retention retries next save
                 log.warning("retention after step %s failed", step, exc_info=True)
+        self._fast_index = local["fast_index"]  # committed: valid for the next save
         stats = [r[1] for r in results]
         g.all_gather(None)  # nobody returns before retention finished on rank 0
         return SaveResult(

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import blake3
 import torch
+import xxhash
 
 from stalwart.checkpoint.manifest import ChunkRef, ShardEntry
 from stalwart.checkpoint.options import CheckpointOptions
@@ -57,6 +58,7 @@ class PersistStats:
     chunks_written: int = 0
     chunks_reused: int = 0
     packs: list[str] = field(default_factory=list)
+    fast_index: FastIndex = field(default_factory=dict, repr=False)
 
 
 def ordered_map(
@@ -72,10 +74,16 @@ def ordered_map(
         yield pending.popleft().result()
 
 
+FastIndex = dict[tuple[BoxKey, int], tuple[bytes, str]]
+"""(box, byte offset in the box) -> (XXH3-128 of the chunk, its BLAKE3 name) at the last save."""
+
+
 @dataclass
 class _Chunk:
     key: BoxKey
+    start: int
     raw: memoryview
+    fast: bytes = b""
     hash: str = ""
     payload: Buffer | None = None  # stored bytes for a new chunk; None when reused
     codec: str = "none"
@@ -90,6 +98,7 @@ def persist_boxes(
     known: dict[str, ChunkRef],
     options: CheckpointOptions,
     pool: ThreadPoolExecutor,
+    previous: FastIndex | None = None,
 ) -> tuple[dict[BoxKey, ShardEntry], PersistStats]:
     """Write the boxes of ``items`` and return their shard entries.
 
@@ -98,6 +107,8 @@ def persist_boxes(
         items: boxes this rank writes.
         pack_key: key of the pack to create for new chunks (not created when none are new).
         known: chunks already committed in the store, by hash (read-only here).
+        previous: the fast index of this rank's last committed save; ``stats.fast_index``
+            returns the one of this save.
         options: chunk size and compression.
         pool: worker threads for hashing and compression.
     """
@@ -111,11 +122,20 @@ def persist_boxes(
         step = options.chunk_bytes
         for key, view in views.items():
             for start in range(0, max(len(view), 1), step):
-                yield _Chunk(key=key, raw=view[start : start + step])
+                yield _Chunk(key=key, start=start, raw=view[start : start + step])
 
     zstd_local = threading.local()
 
     def prepare(c: _Chunk) -> _Chunk:
+        # Change detection first: XXH3-128 runs ~10x faster than BLAKE3 here, so a chunk
+        # whose bytes match what the same position held at the last save (and whose chunk
+        # is still committed) reuses that save's BLAKE3 name without hashing it again.
+        c.fast = xxhash.xxh3_128_digest(c.raw)
+        prev = previous.get((c.key, c.start)) if previous else None
+        if prev is not None and prev[0] == c.fast and prev[1] in known:
+            c.hash = prev[1]
+            c.ref = known[c.hash]
+            return c
         c.hash = chunk_hash(c.raw)
         if c.hash in known:
             c.ref = known[c.hash]
@@ -155,6 +175,7 @@ def persist_boxes(
                 stats.bytes_written += len(c.payload)
                 yield c.payload
             chunks_of[c.key].append(c.ref)
+            stats.fast_index[(c.key, c.start)] = (c.fast, c.hash)
 
     # Peek: only create a pack when at least one chunk is new, so a fully deduplicated
     # save writes nothing but its manifest.
