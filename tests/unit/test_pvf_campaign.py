@@ -1,0 +1,161 @@
+"""Campaigns: the fast engine's outcomes equal the naive copy-flip-forward loop's, PVF
+tables and intervals, criteria, activation faults, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stalwart import inject, models, vulnerability
+from stalwart.errors import ConfigError
+from stalwart.vulnerability import sample_faults
+
+
+@pytest.fixture(scope="module")
+def digits() -> models.ReferenceModel:
+    return models.load("digits-cnn")
+
+
+def _same(a: vulnerability.CampaignResult, b: vulnerability.CampaignResult) -> None:
+    for c in a.criteria:
+        assert np.array_equal(a.failed[c], b.failed[c]), c
+        assert np.array_equal(a.rate[c], b.rate[c], equal_nan=True), c
+
+
+def test_fast_engine_matches_naive_copy_loop_on_digits(digits: models.ReferenceModel) -> None:
+    x = digits.inputs[0][:120]
+    # every bit of every tensor, including exponent-MSB flips that overflow to Inf/NaN
+    faults = sample_faults(digits.model, 12, per_tensor=True, seed=3)
+    faults.faults += [
+        inject.Fault(t, i, 1 << 30) for t in ("conv1.weight", "fc1.weight") for i in range(0, 70, 7)
+    ]
+    crit = ["top1", "top5", "dev>0.05"]
+    fast = vulnerability.run_campaign(digits.model, x, faults, crit)
+    slow = vulnerability.run_campaign(digits.model, x, faults, crit, engine="copy")
+    assert fast.manifest["engine"] == "fast" and slow.manifest["engine"] == "copy"
+    _same(fast, slow)
+    assert fast.failed["top1"].sum() > 0 and not fast.failed["top1"].all()
+    assert (fast.failed["top5"] <= fast.failed["top1"]).all()  # top-5 is the looser criterion
+
+
+class Mixed(nn.Module):
+    """Embedding, LayerNorm, a shared get_attr parameter: the generic fast paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(20, 8, mode="sum")
+        self.norm = nn.LayerNorm(8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.emb(ids, offsets)) * self.scale
+        return self.head(torch.tanh(h))
+
+
+def test_generic_paths_and_rows_match_naive() -> None:
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    ids = torch.randint(0, 12, (60,))  # rows 12..19 are never read: those faults are masked
+    offsets = torch.arange(0, 60, 3)
+    faults = sample_faults(model, 150, seed=1, error=inject.MultiBitFlip(2))
+    fast = vulnerability.run_campaign(model, (ids, offsets), faults, ["top1", "dev>0.01"])
+    slow = vulnerability.run_campaign(
+        model, (ids, offsets), faults, ["top1", "dev>0.01"], engine="naive"
+    )
+    _same(fast, slow)
+    rows = inject.rows_read(ids, 20)
+    read = sample_faults(model, 50, targets="emb.weight", rows={"emb.weight": rows}, seed=2)
+    assert all(f.index // 8 in set(rows.tolist()) for f in read)
+
+
+def test_pvf_by_bit_table_and_intervals(digits: models.ReferenceModel) -> None:
+    report = vulnerability.pvf(
+        digits.model, digits.inputs[0][:100], criterion="top1", by="bit", trials=640, seed=0
+    )
+    t = report.table.to_pydict()
+    assert list(t)[:6] == ["group", "trials", "failures", "pvf", "low", "high"]
+    assert sum(t["trials"]) == 640
+    assert all(lo <= p <= hi for lo, p, hi in zip(t["low"], t["pvf"], t["high"], strict=True))
+    pvf = dict(zip(t["group"], t["pvf"], strict=True))
+    assert pvf["30"] == max(pvf.values()) > 0.2  # exponent MSB dominates
+    assert max(pvf[str(b)] for b in range(0, 16)) == 0.0  # low mantissa bits are masked
+    p, lo, hi = report.overall["top1"]
+    assert lo <= p <= hi
+    again = vulnerability.pvf(
+        digits.model, digits.inputs[0][:100], criterion="top1", by="bit", trials=640, seed=0
+    )
+    assert again.table.equals(report.table)  # seeded: reproducible
+
+
+def test_sequential_stopping_and_side_by_side(digits: models.ReferenceModel) -> None:
+    report = vulnerability.pvf(
+        digits.model,
+        digits.inputs[0][:60],
+        ["top1", "top5"],
+        by="tensor",
+        trials=160,
+        margin=0.12,
+        max_trials=2000,
+        seed=1,
+    )
+    rows = [r for r in report.rows if r.criterion == "top1"]
+    assert all((r.high - r.low) / 2 <= 0.12 for r in rows) or len(report.result) >= 2000
+    side = report.side_by_side().to_pydict()
+    assert set(side) >= {"group", "pvf_top1", "pvf_top5"}
+
+
+def test_activation_faults_one_per_sample(digits: models.ReferenceModel) -> None:
+    x = digits.inputs[0][:40]
+    faults = vulnerability.sample_activation_faults(
+        digits.model, (x,), 80, modules=["fc1", "conv2"], seed=0, error=inject.BitFlip(bit=30)
+    )
+    res = vulnerability.run_campaign(digits.model, x, faults, "top1")
+    dep = vulnerability.run_campaign(digits.model, x, faults, "top1", independent_samples=False)
+    # packing 50 faults per forward gives the same per-sample outcome as one per forward
+    assert np.array_equal(res.failed["top1"], dep.failed["top1"] & (dep.rate["top1"] > 0))
+    assert 0 < res.failed["top1"].sum() < len(faults)
+
+
+def test_user_criterion_and_set_level(digits: models.ReferenceModel) -> None:
+    x, y = digits.inputs[0][:80], digits.labels[:80]
+    faults = sample_faults(digits.model, 60, targets="fc2.*", seed=0)
+
+    def big_change(golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+        return (faulty - golden).abs().amax(-1) > 1.0
+
+    res = vulnerability.run_campaign(digits.model, x, faults, [big_change, "accuracy"], labels=y)
+    assert res.criteria == ["big_change", "acc-drop>0"]
+    assert np.isnan(res.rate["acc-drop>0"]).all()
+    table = res.table()
+    assert {"layer", "bit", "dtype", "failed", "failed_big_change"} <= set(table.column_names)
+
+
+def test_bad_input_errors(digits: models.ReferenceModel) -> None:
+    x = digits.inputs[0][:10]
+    faults = sample_faults(digits.model, 4, seed=0)
+    with pytest.raises(ConfigError, match=r"needs one logit per input.*\(10, 10\)"):
+        vulnerability.run_campaign(digits.model, x, faults, "decision")
+    with pytest.raises(ConfigError, match="needs the evaluation labels"):
+        vulnerability.run_campaign(digits.model, x, faults, "accuracy")
+    with pytest.raises(ConfigError, match="unknown criterion"):
+        vulnerability.run_campaign(digits.model, x, faults, "top-one")
+    with pytest.raises(ConfigError, match="matches no parameter"):
+        sample_faults(digits.model, 4, targets="encoder.*")
+    with pytest.raises(ConfigError, match="by must be one of"):
+        vulnerability.pvf(digits.model, x, by="neuron", trials=4)
+    digits.model.train()
+    try:
+        with pytest.raises(ConfigError, match=r"training mode.*model.eval\(\)"):
+            vulnerability.run_campaign(digits.model, x, faults, "top1")
+    finally:
+        digits.model.eval()
+
+
+def test_fault_list_save_load_roundtrip(tmp_path, digits: models.ReferenceModel) -> None:
+    faults = sample_faults(digits.model, 30, seed=4, error=inject.RandomValue())
+    faults.save(tmp_path / "f.parquet")
+    back = vulnerability.FaultList.load(tmp_path / "f.parquet")
+    assert back.faults == faults.faults and back.seed == 4 and back.population == faults.population
