@@ -4,6 +4,7 @@ pipeline they share: open, clean, pre-aggregate, mine, count, prune, select, rep
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -161,6 +162,8 @@ def _run(
         timings[name] = round(now - clock, 4)
         clock = now
 
+    if opts.min_gain is None:
+        opts = dataclasses.replace(opts, min_gain=0.02 if mode == "events" else 0.1)
     attrs = _attributes(src, masses, columns, opts)
     plan = plan_cleaning(
         src, attrs, target_sql=masses.target, weight_sql=masses.reference, options=opts
@@ -221,6 +224,7 @@ def _run(
         tester=tester,
         options=opts,
         closure=closure,
+        everything=scored,
     )
     lap("select")
     z = _z(opts.confidence)

@@ -23,6 +23,13 @@ class DiagnoseOptions:
     """Largest number of attribute values in one item-set."""
     min_lift: float = 1.5
     """Smallest lift (failure rate inside / overall failure rate) a finding may have."""
+    min_lift_gain: float = 1.25
+    """A superset must raise the failure rate at least this many times over the rest of its
+    subset (and significantly) to be kept: with millions of rows tiny, useless differences are
+    significant, so a material effect is required too."""
+    simpler: float = 0.8
+    """Selection takes a subset of the best candidate instead when the subset explains at least
+    this share of what the best one does (the simpler explanation wins near-ties)."""
     confidence: float = 0.95
     """Two-sided level of the Wilson interval reported around each lift."""
     alpha: float = 0.01
@@ -31,8 +38,10 @@ class DiagnoseOptions:
     """At most this many findings are selected."""
     coverage: float = 0.95
     """Selection stops once the findings' rows hold this share of the failures (or deviation)."""
-    min_gain: float = 0.02
-    """Selection stops when the next finding would explain less than this share of them."""
+    min_gain: float | None = None
+    """Selection stops when the next finding would explain less than this share of the failures
+    (or of the deviation). Default 0.02 for events, whose failures include a background rate
+    spread over every row, and 0.1 for a KPI, whose deviation is all excess already."""
     id_share: float = 0.02
     """A column whose distinct values exceed this share of the rows (and ``id_min_distinct``) is
     ID-like and dropped, as in the FDA paper's variability filter."""
@@ -70,11 +79,13 @@ class DiagnoseOptions:
         check(0.0 < self.min_support <= 1.0, "min_support", "a share in (0, 1]")
         check(1 <= self.max_len <= 8, "max_len", "an integer from 1 to 8")
         check(self.min_lift >= 1.0, "min_lift", "a number >= 1")
+        check(self.min_lift_gain >= 1.0, "min_lift_gain", "a number >= 1")
+        check(0.0 < self.simpler <= 1.0, "simpler", "a share in (0, 1]")
         check(0.5 <= self.confidence < 1.0, "confidence", "a level in [0.5, 1)")
         check(0.0 < self.alpha < 1.0, "alpha", "a level in (0, 1)")
         check(self.max_findings >= 1, "max_findings", "at least 1")
         check(0.0 < self.coverage <= 1.0, "coverage", "a share in (0, 1]")
-        check(0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
+        check(self.min_gain is None or 0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
         check(0.0 < self.id_share <= 1.0, "id_share", "a share in (0, 1]")
         check(self.max_values >= 2, "max_values", "at least 2")
         check(2 <= self.buckets <= 50, "buckets", "2 to 50")

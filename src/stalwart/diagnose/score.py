@@ -68,11 +68,12 @@ class Tester:
 
     z: float
     counts: bool
+    ratio: float = _RATIO
 
     @classmethod
     def make(cls, options: DiagnoseOptions, tests: int, *, counts: bool) -> Tester:
         level = options.alpha / max(tests, 1)
-        return cls(NormalDist().inv_cdf(1 - level), counts)
+        return cls(NormalDist().inv_cdf(1 - level), counts, options.min_lift_gain)
 
     def above(self, f: float, n: float, rate: float) -> bool:
         """Is the rate f / n significantly above ``rate``?"""
@@ -89,8 +90,10 @@ class Tester:
         if n2 <= 0:
             return False
         p1, p2 = min(f1 / n1, 1.0), min(max(f2 / n2, 0.0), 1.0)
+        if p1 <= p2 * self.ratio:
+            return False
         if not self.counts:
-            return p1 > p2 * _RATIO
+            return True
         p = min((f1 + f2) / (n1 + n2), 1.0)
         se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / n1 + 1 / n2))
         return (p1 - p2) / se > self.z
@@ -176,6 +179,7 @@ def select(
     tester: Tester,
     options: DiagnoseOptions,
     closure: Callable[[Itemset], frozenset[tuple[int, str]]],
+    everything: dict[Itemset, Scored] | None = None,
 ) -> tuple[list[Selected], float]:
     """Greedy cover; returns the selection and the share of the failures its rows hold."""
     chosen: list[Selected] = []
@@ -188,25 +192,32 @@ def select(
         rate = f_res / n_res if n_res > 0 else 0.0
         gain = f - n * rate
         order = np.argsort(-gain)
-        pick = -1
-        for i in order:
-            if gain[i] < options.min_gain * total_failures:
-                break
-            if f[i] >= options.min_lift * rate * n[i] and tester.above(f[i], n[i], rate):
-                pick = int(i)
-                break
-        if pick < 0:
+        ok = [
+            int(i)
+            for i in order
+            if gain[i] >= (options.min_gain or 0.0) * total_failures
+            and f[i] >= options.min_lift * rate * n[i]
+            and tester.above(f[i], n[i], rate)
+        ]
+        if not ok:
             break
-        best = pool[pick]
-        chosen.append(Selected(best, float(gain[pick]), rate))
+        pick = ok[0]
+        best, best_f, best_n = pool[pick], float(f[pick]), float(n[pick])
+        simpler = _simpler(
+            best, best_f, best_n, rate, everything, chosen, recount, mask, tester, options
+        )
+        if simpler is not None:
+            best, best_f, best_n = simpler
+        chosen.append(Selected(best, best_f - best_n * rate, rate))
         m = ~match(best.items)
         mask = m if mask is None else mask & m
-        f_res, n_res = f_res - float(f[pick]), n_res - float(n[pick])
+        f_res, n_res = f_res - best_f, n_res - best_n
         picked_closure = closure(best.items)
         pool = [
             c
             for k, c in enumerate(pool)
             if k != pick
+            and c.items != best.items
             and not (closure(c.items) <= picked_closure)
             and not (picked_closure <= closure(c.items))
         ]
@@ -217,3 +228,44 @@ def select(
             break
     covered = (total_failures - f_res) / total_failures if total_failures > 0 else 0.0
     return chosen, covered
+
+
+def _simpler(
+    best: Scored,
+    f_best: float,
+    n_best: float,
+    rate: float,
+    everything: dict[Itemset, Scored] | None,
+    chosen: list[Selected],
+    recount: Callable[[list[Itemset], np.ndarray | None], tuple[np.ndarray, np.ndarray]],
+    mask: np.ndarray | None,
+    tester: Tester,
+    options: DiagnoseOptions,
+) -> tuple[Scored, float, float] | None:
+    """A subset of ``best`` that explains nearly as much, nearly as sharply: the simpler
+    explanation wins near-ties (its extra items only split the same rows)."""
+    if not everything or len(best.items) < 2:
+        return None
+    subs = [
+        s
+        for k in range(1, len(best.items))
+        for s in combinations(best.items, k)
+        if s in everything and not any(set(c.scored.items) <= set(s) for c in chosen)
+    ]
+    if not subs:
+        return None
+    f, n = recount(subs, mask)
+    gain_best = f_best - n_best * rate
+    rate_best = f_best / n_best
+    fits = [
+        (len(s), -(f[i] - n[i] * rate), i)
+        for i, s in enumerate(subs)
+        if n[i] > 0
+        and f[i] - n[i] * rate >= options.simpler * gain_best
+        and f[i] / n[i] >= options.simpler * rate_best
+        and tester.above(f[i], n[i], rate)
+    ]
+    if not fits:
+        return None
+    i = min(fits)[2]
+    return everything[subs[i]], float(f[i]), float(n[i])

@@ -202,7 +202,11 @@ def _register_file(
 def _register_csv(
     con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, notes: list[str], skip: bool
 ) -> None:
-    opts = ", ignore_errors=true, null_padding=true" if skip else ""
+    opts = ", ignore_errors=true" if skip else ""
+    delim = _delimiter(path)
+    if delim:
+        # Without a hint a single bad line can make the sniffer settle on one column.
+        opts += f", delim='{delim}'"
     attempts = [("", None), (", encoding='latin-1'", "decoded as Latin-1 (it is not valid UTF-8)")]
     last: duckdb.Error | None = None
     for enc, note in attempts:
@@ -224,7 +228,7 @@ def _register_csv(
         if skip:
             total = _count_lines(path)
             kept = con.sql(f"SELECT count(*) FROM {name}").fetchall()[0]
-            if total is not None and kept is not None and total - 1 > kept[0]:
+            if total is not None and total - 1 > kept[0]:
                 notes.append(f"skipped {total - 1 - kept[0]} malformed line(s) of {path}")
         return
     raise ConfigError(f"{path}: could not decode the text: {_first_line(last or Exception())}")
@@ -236,3 +240,17 @@ def _count_lines(path: str) -> int | None:
             return sum(1 for line in f if line.strip())
     except OSError:
         return None
+
+
+def _delimiter(path: str) -> str | None:
+    """The delimiter of the header line, when one stands out (None for globs and gzip)."""
+    if any(ch in path for ch in "*?[") or not path.lower().endswith((".csv", ".tsv", ".txt")):
+        return None
+    try:
+        with open(path, encoding="latin-1") as f:
+            header = f.readline()
+    except OSError:
+        return None
+    counts = {d: header.count(d) for d in (",", "\t", ";", "|")}
+    best = max(counts, key=lambda d: counts[d])
+    return best if counts[best] else None

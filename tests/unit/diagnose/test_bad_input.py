@@ -1,0 +1,126 @@
+"""Bad input gives a clear ConfigError or a clear 'nothing found', never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from stalwart.diagnose import analyze, localize
+from stalwart.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _table(n: int = 400, fail_every: int = 10) -> pa.Table:
+    return pa.table(
+        {
+            "rack": [f"r{i % 4}" for i in range(n)],
+            "kernel": [f"k{i % 3}" for i in range(n)],
+            "outcome": ["fail" if i % fail_every == 0 else "ok" for i in range(n)],
+        }
+    )
+
+
+def test_misspelt_label_column_suggests_the_closest_name() -> None:
+    with pytest.raises(ConfigError, match=r"no column 'outcme'.*Did you mean 'outcome'"):
+        analyze(_table(), "outcme")
+
+
+def test_misspelt_column_inside_a_predicate_suggests_too() -> None:
+    with pytest.raises(ConfigError, match=r"Did you mean 'outcome'"):
+        analyze(_table(), "outcme != 'ok'")
+
+
+def test_text_label_with_unknown_values_asks_for_a_predicate() -> None:
+    t = _table().append_column("status", pa.array(["timeout", "ok"] * 200))
+    with pytest.raises(ConfigError, match=r"status != 'ok'"):
+        analyze(t, "status")
+
+
+def test_no_failures_is_a_clear_nothing_found() -> None:
+    d = analyze(
+        _table(fail_every=10**9)
+        .drop(["outcome"])
+        .append_column("outcome", pa.array([False] * 400)),
+        "outcome",
+    )
+    assert d.findings == [] and "no failures" in d.message
+
+
+def test_every_row_failing_is_a_clear_nothing_found() -> None:
+    d = analyze(_table(fail_every=1), "outcome")
+    assert d.findings == [] and "every row is a failure" in d.message
+
+
+def test_single_attribute_column_still_works() -> None:
+    n = 2000
+    t = pa.table(
+        {
+            "rack": [f"r{i % 5}" for i in range(n)],
+            "failed": [(i % 5 == 2 and i % 3 != 0) or i % 97 == 0 for i in range(n)],
+        }
+    )
+    d = analyze(t, "failed")
+    assert [f.items for f in d.findings] == [{"rack": "r2"}]
+
+
+def test_only_label_columns_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="no attribute columns"):
+        analyze(pa.table({"failed": [True, False]}), "failed")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    (tmp_path / "e.csv").write_bytes(b"")
+    with pytest.raises(ConfigError, match="empty"):
+        analyze(tmp_path / "e.csv", "failed")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        analyze(tmp_path / "nope.csv", "failed")
+
+
+def test_non_utf8_text_is_decoded_and_reported(tmp_path: Path) -> None:
+    rows = ["site,failed"] + [
+        f"{'Zürich' if i % 4 == 0 else 'Genève'},{str(i % 4 == 0 and i % 8 != 4).lower()}"
+        for i in range(400)
+    ]
+    (tmp_path / "l1.csv").write_bytes("\n".join(rows).encode("latin-1"))
+    d = analyze(tmp_path / "l1.csv", "failed")
+    assert any("Latin-1" in n for n in d.notes)
+    assert [f.items for f in d.findings] == [{"site": "Zürich"}]
+
+
+def test_malformed_csv_line_names_the_line_and_can_be_skipped(tmp_path: Path) -> None:
+    rows = ["rack,kernel,failed"] + [
+        f"r{i % 4},k{i % 3},{str(i % 4 == 1).lower()}" for i in range(300)
+    ]
+    rows.insert(50, "r1,k1,true,unexpected,extra")
+    (tmp_path / "bad.csv").write_text("\n".join(rows))
+    with pytest.raises(ConfigError, match=r"malformed CSV.*skip_bad_lines"):
+        analyze(tmp_path / "bad.csv", "failed")
+    d = analyze(tmp_path / "bad.csv", "failed", skip_bad_lines=True)
+    assert any("skipped 1 malformed" in n for n in d.notes)
+    assert [f.items for f in d.findings] == [{"rack": "r1"}]
+
+
+def test_unknown_option_and_bad_values() -> None:
+    with pytest.raises(ConfigError, match="min_suport"):
+        analyze(_table(), "outcome", min_suport=0.1)
+    with pytest.raises(ConfigError, match="max_len"):
+        analyze(_table(), "outcome", max_len=0)
+
+
+def test_unsupported_data_type() -> None:
+    with pytest.raises(ConfigError, match="cannot analyse a int"):
+        analyze(42, "failed")
+
+
+def test_kpi_pairs_must_match() -> None:
+    t = pa.table({"a": ["x", "y"], "real": [1.0, 2.0], "pred": [1.0, 1.0], "den": [1.0, 1.0]})
+    with pytest.raises(ConfigError, match="both"):
+        localize(t, actual=("real", "den"), expected="pred")
+    with pytest.raises(ConfigError, match="Did you mean 'real'"):
+        localize(t, actual="reel", expected="pred")
