@@ -1,0 +1,170 @@
+"""``stalwart rca``: which combinations of attribute values single out the failures in a log
+(``--label``), or explain a KPI's deviation from its forecast (``--actual``/``--expected``).
+
+Exit status: 0 when the analysis ran (with findings, or with a clear "nothing found"); 2 for bad
+input (a missing or misspelt column, an unreadable file, a bad option), reported as one short
+red line on stderr with what to do next, never a traceback. ``--json -`` prints JSON alone on
+stdout so it can be piped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from stalwart.errors import StalwartError
+
+__all__ = ["rca", "register"]
+
+
+def _pair(value: str | None, what: str) -> str | tuple[str, str] | None:
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2 and all(parts):
+        return (parts[0], parts[1])
+    raise typer.BadParameter(f"{what}: one column, or NUMERATOR,DENOMINATOR")
+
+
+def _names(values: list[str]) -> list[str]:
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
+
+
+def rca(
+    data: Annotated[str, typer.Argument(help="CSV or Parquet file (or glob), or a SQL query.")],
+    label: Annotated[
+        str | None,
+        typer.Option(
+            "--label",
+            "-l",
+            help="Failure label: a column or a SQL condition such as \"status != 'ok'\".",
+        ),
+    ] = None,
+    weight: Annotated[
+        str | None, typer.Option(help="Column counting the events each row stands for.")
+    ] = None,
+    actual: Annotated[
+        str | None, typer.Option(help="KPI mode: actual value column, or NUM,DEN of a ratio.")
+    ] = None,
+    expected: Annotated[
+        str | None, typer.Option(help="KPI mode: expected value column, or NUM,DEN.")
+    ] = None,
+    columns: Annotated[
+        list[str], typer.Option("--columns", "-c", help="Attribute columns (default: all).")
+    ] = [],  # noqa: B006 - typer reads the default
+    exclude: Annotated[list[str], typer.Option("--exclude", "-x", help="Columns to skip.")] = [],  # noqa: B006
+    keep: Annotated[
+        list[str], typer.Option(help="Columns never dropped as ID-like nor folded.")
+    ] = [],  # noqa: B006
+    hierarchy: Annotated[
+        list[str], typer.Option(help="Nested columns, coarsest first: region,rack,host.")
+    ] = [],  # noqa: B006
+    min_support: Annotated[float, typer.Option(help="Share of failures a set must cover.")] = 0.05,
+    max_len: Annotated[int, typer.Option(help="Most attribute values in one finding.")] = 3,
+    min_lift: Annotated[float, typer.Option(help="Smallest lift of a finding.")] = 1.5,
+    max_findings: Annotated[int, typer.Option(help="Most findings reported.")] = 10,
+    memory_limit: Annotated[
+        str | None, typer.Option(help="DuckDB memory limit, e.g. 4GB; spills beyond it.")
+    ] = None,
+    engine: Annotated[str, typer.Option(help="duckdb (default) or spark.")] = "duckdb",
+    skip_bad_lines: Annotated[bool, typer.Option(help="Skip malformed CSV lines.")] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write JSON here ('-' for stdout).")
+    ] = None,
+    html_out: Annotated[Path | None, typer.Option("--html", help="Write an HTML report.")] = None,
+) -> None:
+    """Find the attribute combinations that single out failures, or explain a KPI deviation."""
+    out = Console(stderr=json_out == "-")
+    err = Console(stderr=True)
+    try:
+        d = _analyse(
+            data,
+            label,
+            weight,
+            _pair(actual, "--actual"),
+            _pair(expected, "--expected"),
+            engine,
+            skip_bad_lines,
+            {
+                "columns": _names(columns) or None,
+                "exclude": tuple(_names(exclude)),
+                "keep": tuple(_names(keep)),
+                "hierarchies": tuple(tuple(_names([h])) for h in hierarchy),
+                "min_support": min_support,
+                "max_len": max_len,
+                "min_lift": min_lift,
+                "max_findings": max_findings,
+                "memory_limit": memory_limit,
+            },
+        )
+        if json_out == "-":
+            typer.echo(d.to_json())
+        elif json_out:
+            d.to_json(json_out)
+        if html_out is not None:
+            d.write_html(html_out)
+    except (StalwartError, OSError) as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    what = "failures" if d.mode == "events" else "deviation"
+    out.print(
+        f"{d.total_failures:,.0f} {what} in {d.total_rows:,.0f} rows "
+        f"({d.groups:,} groups, {d.candidates:,} item-sets scored)"
+    )
+    for step in d.cleaning:
+        if step["action"] != "nulls":
+            out.print(
+                f"[dim]cleaning: {escape(step['column'])} {step['action']}: "
+                f"{escape(step['detail'])}[/]"
+            )
+    for note in d.notes:
+        out.print(f"[dim]{escape(note)}[/]")
+    if d.findings:
+        out.print(d.table())
+    else:
+        out.print(f"[yellow]{escape(d.message)}[/]")
+    if html_out is not None:
+        out.print(f"report: {html_out}")
+
+
+def _analyse(
+    data: str,
+    label: str | None,
+    weight: str | None,
+    actual: Any,
+    expected: Any,
+    engine: str,
+    skip_bad_lines: bool,
+    kw: dict[str, Any],
+) -> Any:
+    from stalwart.diagnose import analyze, localize
+    from stalwart.errors import ConfigError
+
+    if engine not in ("duckdb", "spark"):
+        raise ConfigError(f"--engine {engine!r}: use duckdb or spark")
+    kpi = actual is not None or expected is not None
+    if kpi and (actual is None or expected is None):
+        raise ConfigError("KPI mode needs both --actual and --expected")
+    if kpi == (label is not None):
+        raise ConfigError("give --label (labelled events) or --actual and --expected (a KPI)")
+    if kpi:
+        if engine == "spark":
+            raise ConfigError("the spark engine analyses labelled events; drop --engine spark")
+        return localize(data, actual, expected, skip_bad_lines=skip_bad_lines, **kw)
+    assert label is not None
+    if engine == "spark":
+        from stalwart.diagnose.spark import analyze_spark
+
+        return analyze_spark(data, label, weight=weight, **kw)
+    return analyze(data, label, weight=weight, skip_bad_lines=skip_bad_lines, **kw)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``rca`` command to ``app``."""
+    app.command("rca")(rca)
