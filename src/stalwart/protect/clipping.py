@@ -1,0 +1,96 @@
+"""Activation clipping (range restriction): clamp module outputs to per-module bounds
+profiled on clean data; NaN becomes 0. Cheap, and it stops a flipped exponent from
+carrying a 1e38 value through the rest of the network (Ranger; Terrorch)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stalwart.inject import select_modules
+from stalwart.inject.targets import Pattern
+from stalwart.vulnerability import FaultList
+
+__all__ = ["ActivationClipping"]
+
+_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.EmbeddingBag, nn.Embedding)
+
+
+class ActivationClipping:
+    """Clamp outputs of the matching modules to bounds seen on clean inputs.
+
+    Args:
+        model: the model to profile.
+        inputs: clean inputs (a tuple of ``model``'s positional arguments).
+        modules: module-name glob(s); default every Linear/Conv2d/Embedding(Bag) but the
+            last module (the output itself is not clipped).
+        margin: widen bounds by this share of their range.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Sequence[Any],
+        modules: Pattern | None = None,
+        *,
+        margin: float = 0.0,
+    ) -> None:
+        self.name = "clip"
+        if modules is None:
+            names = [n for n, m in model.named_modules() if isinstance(m, _TYPES)]
+            names = names[:-1]
+        else:
+            names = list(select_modules(model, modules))
+        self.bounds: dict[str, tuple[float, float]] = {}
+        mods = dict(model.named_modules())
+        seen: dict[str, list[float]] = {}
+
+        def grab(name: str) -> Any:
+            def hook(m: nn.Module, a: Any, out: Any) -> None:
+                if isinstance(out, torch.Tensor):
+                    lo, hi = float(out.min()), float(out.max())
+                    old = seen.get(name, [lo, hi])
+                    seen[name] = [min(old[0], lo), max(old[1], hi)]
+
+            return hook
+
+        handles = [mods[n].register_forward_hook(grab(n)) for n in names]
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        for n, (lo, hi) in seen.items():
+            pad = (hi - lo) * margin
+            self.bounds[n] = (lo - pad, hi + pad)
+
+    @contextlib.contextmanager
+    def attach(self, model: nn.Module) -> Iterator[None]:
+        mods = dict(model.named_modules())
+
+        def clip(lo: float, hi: float) -> Any:
+            def hook(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+                return torch.nan_to_num(out, nan=0.0).clamp(lo, hi)
+
+            return hook
+
+        handles = [mods[n].register_forward_hook(clip(*b)) for n, b in self.bounds.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
+        return faults
+
+    def after_fault(self, model: nn.Module) -> None:
+        return None
+
+    def cost(self, model: nn.Module) -> dict[str, float]:
+        return {"extra_bytes": 8.0 * len(self.bounds), "clipped_modules": float(len(self.bounds))}
