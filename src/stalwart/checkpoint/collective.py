@@ -34,7 +34,14 @@ class Group:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.pg)
+        try:
+            dist.all_gather_object(out, obj, group=self.pg)
+        except RuntimeError as e:  # gloo: a peer died ("Connection closed by peer"), timeout
+            raise DistributedError(
+                f"a collective with the other {self.world - 1} rank(s) failed ({e}); another "
+                "rank probably died or hung. Nothing was committed by this operation; restart "
+                "the job and recover from the latest checkpoint"
+            ) from e
         return out
 
     def broadcast(self, obj: T, src: int = 0) -> T:
@@ -42,7 +49,12 @@ class Group:
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
+        try:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
+        except RuntimeError as e:
+            raise DistributedError(
+                f"a broadcast from rank {src} failed ({e}); another rank probably died or hung"
+            ) from e
         return box[0]
 
     def run(self, what: str, fn: Callable[[], T]) -> list[T]:

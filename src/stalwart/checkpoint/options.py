@@ -25,7 +25,9 @@ class CheckpointOptions:
         keep: which committed steps survive after each save (default: all).
         gc_grace_s: unreferenced pack files younger than this are never collected, so a
             save in flight in another process is safe from garbage collection.
-        lease_s: how long a reader's or writer's lease protects the steps it uses.
+        lease_s: how long a reader's or writer's lease protects the steps it uses. A process
+            killed mid-save leaves its lease behind, which holds back retention of the
+            steps it named until it expires; keep it above your longest save or load.
         max_inflight_saves: asynchronous saves that may be staged or persisting at once;
             each holds one set of host buffers. A further ``save_async`` waits.
         exit_flush_timeout_s: at interpreter exit, how long to wait for saves in flight.
@@ -37,7 +39,7 @@ class CheckpointOptions:
     io_threads: int = 4
     keep: RetentionPolicy = field(default_factory=KeepAll)
     gc_grace_s: float = 3600.0
-    lease_s: float = 3600.0
+    lease_s: float = 900.0
     max_inflight_saves: int = 2
     exit_flush_timeout_s: float = 600.0
 

@@ -250,7 +250,10 @@ def _collect(
             else:
                 # The process ended; a message it sent first is still in the pipe.
                 conn = conns[r]
-                outcomes[r] = _receive(conn) if conn.poll() else ("exit", None)
+                try:
+                    outcomes[r] = _receive(conn) if conn.poll() else ("exit", None)
+                except (EOFError, OSError):  # killed while (not) writing its result
+                    outcomes[r] = ("exit", None)
                 waiting.pop(conn, None)
     # A rank that answered must also exit; give stragglers until the deadline.
     for p in procs:
