@@ -61,3 +61,47 @@ def test_ber_sweep_and_clipping(digits: models.ReferenceModel) -> None:
     none, clipped = sum(sweep["none"][1e-4]) / 2, sum(sweep["clip"][1e-4]) / 2
     assert clipped > none  # clipping recovers accuracy lost to flipped exponents
     assert digits.evaluate() == digits.quality  # the sweep restored every bit
+
+
+def test_protect_cli(tmp_path) -> None:
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from stalwart.cli import protect as protect_cli
+
+    app = typer.Typer()
+    protect_cli.register(app)
+
+    @app.callback()
+    def _main() -> None:
+        pass
+
+    res = CliRunner().invoke(
+        app,
+        [
+            "protect",
+            "gcn",
+            "--trials",
+            "40",
+            "--bit",
+            "30",
+            "-p",
+            "sbp",
+            "-p",
+            "clip",
+            "--ber",
+            "1e-3",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "protect.json").read_text())
+    assert [r["name"] for r in data["results"]] == ["sbp", "clip"]
+    assert "data:image/png" in (tmp_path / "report.html").read_text()
+    bad = CliRunner().invoke(app, ["protect", "gcn", "-p", "tmr"])
+    assert bad.exit_code == 2 and "choose from" in bad.output
