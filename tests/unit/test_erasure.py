@@ -46,6 +46,7 @@ def test_codec_rebuilds_every_combination_of_lost_pieces(make, size: int) -> Non
     k, m = codec.k, codec.m
     data = _stripe(k, size, seed=size + k)
     parity = [np.empty(size, dtype=np.uint8) for _ in range(m)]
+    codec.encode(_stripe(k, size, seed=0), parity)  # RS: the next encode takes the fast path
     meta = codec.encode(data, parity)
     assert len(meta) == codec.meta_nbytes()
     every = data + parity
@@ -67,6 +68,19 @@ def test_codec_refuses_too_few_pieces(make) -> None:
     have = {i: p for i, p in enumerate(data[: k - 1])}
     with pytest.raises(CorruptCheckpointError, match=f"needs {k}"):
         codec.decode(have, meta, [k - 1])
+
+
+@pytest.mark.parametrize("backend", ["isa_l_rs_cauchy", "isa_l_rs_vand"])
+def test_rs_repeat_encodes_match_the_first(backend: str) -> None:
+    """Later encodes of the same piece size take pyeclib's reconstruct path: same bytes."""
+    first, again = ReedSolomonCodec(3, 2, backend), ReedSolomonCodec(3, 2, backend)
+    again.encode(_stripe(3, 192, seed=0), [np.empty(192, dtype=np.uint8) for _ in range(2)])
+    data = _stripe(3, 192, seed=1)
+    p1 = [np.empty(192, dtype=np.uint8) for _ in range(2)]
+    p2 = [np.empty(192, dtype=np.uint8) for _ in range(2)]
+    assert first.encode(data, p1) == again.encode(data, p2)
+    for a, b in zip(p1, p2, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_xor_parity_is_the_xor() -> None:
