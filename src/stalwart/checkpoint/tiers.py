@@ -1,0 +1,290 @@
+"""Tiers: host memory (protected by erasure coding across peers), local disk, remote storage.
+
+Each tier has its own save policy and retention. A save writes to every tier that is due; a
+recovery takes the newest step that is complete on every rank from the fastest tier that
+has it — peers' memory first (rebuilding up to ``m`` lost ranks per erasure group from the
+survivors), then each durable tier in the order given — and says what it used::
+
+    tc = TieredCheckpointer(
+        [Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
+         Tier(name="local", root="/nvme/run1", every=EveryNSteps(50), keep=KeepLast(3)),
+         Tier(name="remote", root="s3://bucket/run1", every=EveryNSteps(500))],
+        erasure=(4, 2),
+    )
+    tc.save(step, state)            # or tc.save_async(step, state, lazy=True) + tc.guard(opt)
+    report = tc.recover(state)      # after a restart: report.source, report.step, report.seconds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.options import CheckpointOptions
+from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
+from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from stalwart.storage.base import Storage
+
+__all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tier:
+    """One level of the checkpoint hierarchy.
+
+    Attributes:
+        name: shown in reports (``memory``, ``local``, ``remote``, ...).
+        root: ``None`` for host memory (snapshots kept in this process, protected by
+            erasure coding when the tiered checkpointer has ``erasure``), else a folder, an
+            fsspec URL or a Storage, as for :class:`Checkpointer`.
+        every: save policy (``EveryNSteps``, ``EveryNSeconds``, ``AnyOf``).
+        keep: retention; for the memory tier only ``KeepLast(n)`` is meaningful.
+        storage_options: passed to fsspec for remote roots.
+    """
+
+    name: str
+    root: str | os.PathLike[str] | Storage | None = None
+    every: Any = field(default_factory=lambda: EveryNSteps(1))
+    keep: RetentionPolicy = field(default_factory=lambda: KeepLast(2))
+    storage_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.every, "due", None)):
+            raise ConfigError(f"tier {self.name!r}: every={self.every!r} is not a save policy")
+
+
+@dataclass
+class RecoveryReport:
+    """How a restarted job got its state back.
+
+    Attributes:
+        step: the step recovered.
+        source: the tier used (``memory``, ``memory+erasure`` when lost ranks were rebuilt
+            from peers, or a durable tier's name).
+        seconds: wall time on this rank.
+        rebuilt_ranks: ranks whose snapshot was rebuilt from their peers.
+        attempts: ``(tier, outcome)`` for every tier tried, in order.
+    """
+
+    step: int
+    source: str
+    seconds: float
+    rebuilt_ranks: list[int] = field(default_factory=list)
+    attempts: list[tuple[str, str]] = field(default_factory=list)
+
+
+class TieredCheckpointer:
+    """Saves to several tiers on their own schedules; recovers from the fastest that has it.
+
+    Args:
+        tiers: at most one memory tier (``root=None``) and any number of durable tiers,
+            fastest first.
+        options: engine options for the durable tiers (their ``keep`` is the tier's).
+        process_group: the ranks that save together (default group when initialised).
+        erasure: ``(k, m)`` to protect memory snapshots across groups of ``k + m`` ranks,
+            tolerating the loss of ``m`` ranks per group; None keeps no redundancy.
+        codec: erasure codec (``auto``: XOR for m = 1, Reed-Solomon otherwise).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        options: CheckpointOptions | None = None,
+        process_group: Any = None,
+        erasure: tuple[int, int] | None = None,
+        codec: str = "auto",
+    ) -> None:
+        if not tiers:
+            raise ConfigError("TieredCheckpointer needs at least one Tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        memory = [t for t in tiers if t.root is None]
+        if len(memory) > 1:
+            raise ConfigError("at most one memory tier (root=None)")
+        self.tiers = list(tiers)
+        self.memory_tier = memory[0] if memory else None
+        options = options or CheckpointOptions()
+        self.durable: dict[str, Checkpointer] = {
+            t.name: Checkpointer(
+                t.root,
+                dataclasses.replace(options, keep=t.keep),
+                process_group=process_group,
+                storage_options=t.storage_options,
+            )
+            for t in tiers
+            if t.root is not None
+        }
+        self._process_group = process_group
+        self._erasure_cfg = erasure
+        self._codec = codec
+        self._eg: Any = None
+        self._ec_group: Group | None = None
+        keep = self.memory_tier.keep if self.memory_tier else None
+        self._memory_keep = keep.n if isinstance(keep, KeepLast) else 2
+        self.snapshots: deque[Any] = deque()  # ProtectedSnapshot or Snapshot, oldest first
+        self._last: dict[str, tuple[int, float]] = {}
+
+    # -- saving ------------------------------------------------------------------------
+
+    def _due(self, step: int) -> list[Tier]:
+        now = time.monotonic()
+        due = []
+        for t in self.tiers:
+            last_step, last_s = self._last.get(t.name, (None, None))
+            if t.every.due(step, now, last_step, last_s):
+                due.append(t)
+        g = resolve_group(self._process_group)
+        names = g.broadcast([t.name for t in due])  # time-based policies: rank 0 decides
+        return [t for t in self.tiers if t.name in names]
+
+    def save(self, step: int, state: Any) -> dict[str, Any]:
+        """Save ``step`` to every tier that is due; returns what each tier did."""
+        out: dict[str, Any] = {}
+        for t in self._due(step):
+            if t.root is None:
+                out[t.name] = self._snapshot(step, state)
+            else:
+                out[t.name] = self.durable[t.name].save(step, state)
+            self._last[t.name] = (step, time.monotonic())
+        return out
+
+    def save_async(self, step: int, state: Any, *, lazy: bool = False) -> dict[str, Any]:
+        """Like :meth:`save`, durable tiers in the background (see ``Checkpointer.save_async``).
+
+        The memory snapshot is taken before returning (it is itself the host copy).
+        """
+        out: dict[str, Any] = {}
+        for t in self._due(step):
+            if t.root is None:
+                out[t.name] = self._snapshot(step, state)
+            else:
+                out[t.name] = self.durable[t.name].save_async(step, state, lazy=lazy)
+            self._last[t.name] = (step, time.monotonic())
+        return out
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> list[Any]:
+        """Make ``optimizer.step()`` wait for lazy copies of every durable tier."""
+        return [c.guard(optimizer) for c in self.durable.values()]
+
+    def wait(self) -> None:
+        """Wait for every durable tier's saves in flight."""
+        for c in self.durable.values():
+            c.wait()
+
+    def _erasure(self) -> Any:
+        if self._erasure_cfg is None:
+            return None
+        if self._eg is None:
+            from stalwart.checkpoint.erasure import ErasureGroup
+
+            g = resolve_group(self._process_group)
+            pg = g.pg
+            if g.world > 1:
+                import torch.distributed as dist
+
+                pg = dist.new_group(ranks=dist.get_process_group_ranks(g.pg), backend="gloo")
+            k, m = self._erasure_cfg
+            self._eg = ErasureGroup(k, m, process_group=pg, codec=self._codec)
+        return self._eg
+
+    def _snapshot(self, step: int, state: Any) -> Any:
+        from stalwart.checkpoint.snapshot import Snapshot
+
+        buffer = None
+        if len(self.snapshots) >= self._memory_keep:
+            oldest = self.snapshots.popleft()  # its buffer is reused for the new snapshot
+            buffer = getattr(oldest, "snapshot", oldest).buffer
+        snap = Snapshot.capture(state, step, buffer)
+        eg = self._erasure()
+        kept = eg.protect(snap) if eg is not None else snap
+        self.snapshots.append(kept)
+        return kept
+
+    def drop_memory(self) -> None:
+        """Forget every memory snapshot (what a crashed and restarted rank starts with)."""
+        self.snapshots.clear()
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def recover(self, state: Any) -> RecoveryReport:
+        """Restore ``state`` from the newest step recoverable on every rank.
+
+        Peers' memory first: the newest snapshot step that every rank holds, or that enough
+        survivors hold to rebuild the missing ranks by erasure decoding; then each durable
+        tier, newest verified step first (``fallback=True``).
+
+        Raises:
+            CheckpointNotFoundError: no tier holds a step for every rank.
+        """
+        t0 = time.perf_counter()
+        g = resolve_group(self._process_group)
+        attempts: list[tuple[str, str]] = []
+        everyone = g.all_gather(sorted(int(s.step) for s in self.snapshots))
+        durable_latest = {n: c.latest_step() for n, c in self.durable.items()}
+        best_durable = max((s for s in durable_latest.values() if s is not None), default=None)
+        if self.memory_tier is not None:
+            chosen = self._memory_step(everyone)
+            if chosen is not None and (best_durable is None or chosen[0] >= best_durable):
+                step, lost = chosen
+                source = self._restore_memory(step, lost, state)
+                return RecoveryReport(step, source, time.perf_counter() - t0, lost, attempts)
+            attempts.append(("memory", "no step held (or rebuildable) on every rank"))
+        for name, ckpt in self.durable.items():
+            if durable_latest[name] is None:
+                attempts.append((name, "no committed step"))
+                continue
+            try:
+                ckpt.load(state, fallback=True)
+            except CheckpointError as e:
+                attempts.append((name, f"failed: {e}"))
+                continue
+            assert ckpt.last_load is not None
+            return RecoveryReport(ckpt.last_load.step, name, time.perf_counter() - t0, [], attempts)
+        raise CheckpointNotFoundError(
+            "no tier holds a recoverable step: " + "; ".join(f"{n}: {why}" for n, why in attempts)
+        )
+
+    def _memory_step(self, everyone: list[list[int]]) -> tuple[int, list[int]] | None:
+        """Newest step every rank has, or can rebuild; with the ranks that must rebuild."""
+        candidates = sorted({s for steps in everyone for s in steps}, reverse=True)
+        eg = self._erasure()
+        for step in candidates:
+            lost = [r for r, steps in enumerate(everyone) if step not in steps]
+            if not lost:
+                return step, []
+            if eg is None:
+                continue
+            per_group = [sum(1 for r in lost if r in members) for members in eg.groups]
+            if max(per_group) <= eg.m:
+                return step, lost
+        return None
+
+    def _restore_memory(self, step: int, lost: list[int], state: Any) -> str:
+        g = resolve_group(self._process_group)
+        held: Any = next((s for s in self.snapshots if s.step == step), None)
+        if lost:
+            rebuilt = self._erasure().rebuild(lost, held if g.rank not in lost else None)
+            snap = rebuilt if g.rank in lost else held.snapshot
+        else:
+            snap = getattr(held, "snapshot", held)
+        snap.restore_into(state)
+        return "memory+erasure" if lost else "memory"
+
+    def close(self) -> None:
+        """Flush and close every durable tier."""
+        for c in self.durable.values():
+            c.close()

@@ -1,0 +1,34 @@
+"""Recovery from peers' memory: lost ranks rebuilt bit-exactly by erasure decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.testing import run_ranks
+
+from . import tier_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_4_plus_1_rebuilds_a_lost_rank_from_peers_memory(tmp_path: Path) -> None:
+    results = run_ranks(
+        tier_ranks.lose_and_recover, 5, str(tmp_path / "ck"), (4, 1), [2], timeout_s=180
+    )
+    assert all(r == {"source": "memory+erasure", "step": 3, "rebuilt": [2]} for r in results)
+
+
+def test_4_plus_2_rebuilds_two_lost_ranks(tmp_path: Path) -> None:
+    results = run_ranks(
+        tier_ranks.lose_and_recover, 6, str(tmp_path / "ck"), (4, 2), [1, 4], timeout_s=180
+    )
+    assert all(r == {"source": "memory+erasure", "step": 3, "rebuilt": [1, 4]} for r in results)
+
+
+def test_more_losses_than_parity_fall_back_to_disk(tmp_path: Path) -> None:
+    results = run_ranks(
+        tier_ranks.lose_and_recover, 5, str(tmp_path / "ck"), (4, 1), [0, 3], timeout_s=180
+    )
+    assert all(r == {"source": "local", "step": 2, "rebuilt": []} for r in results)

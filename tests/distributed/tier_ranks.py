@@ -1,0 +1,46 @@
+"""Per-rank bodies for tiered recovery tests (spawned by run_ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint.policy import EveryNSteps, KeepLast
+from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
+
+
+def state_at(step: int, rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    return {
+        f"rank{rank}": {"w": torch.randn(96, 33, generator=g), "b": torch.randn(7, generator=g)},
+        "step": step,
+    }
+
+
+def blank(rank: int) -> dict[str, Any]:
+    return {f"rank{rank}": {"w": torch.zeros(96, 33), "b": torch.zeros(7)}, "step": -1}
+
+
+def lose_and_recover(
+    rank: int, world: int, root: str, erasure: tuple[int, int], lost: list[int]
+) -> dict[str, Any]:
+    """Save steps 1-3 to memory (EC) and step 2 to disk; ``lost`` ranks forget their memory."""
+    tc = TieredCheckpointer(
+        [
+            Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
+            Tier(name="local", root=root, every=EveryNSteps(2), keep=KeepLast(2)),
+        ],
+        erasure=erasure,
+    )
+    for step in (1, 2, 3):
+        tc.save(step, state_at(step, rank))
+    if rank in lost:
+        tc.drop_memory()  # this rank crashed and came back empty
+    target = blank(rank)
+    report = tc.recover(target)
+    expected = state_at(report.step, rank)
+    for k in ("w", "b"):
+        assert torch.equal(target[f"rank{rank}"][k], expected[f"rank{rank}"][k]), (rank, k)
+    tc.close()
+    return {"source": report.source, "step": report.step, "rebuilt": report.rebuilt_ranks}

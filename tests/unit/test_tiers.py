@@ -1,0 +1,112 @@
+"""Tiers on one process: schedules, retention, and recovery from the fastest tier that has it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.checkpoint.manifest import manifest_key
+from stalwart.checkpoint.policy import AnyOf, EveryNSeconds, EveryNSteps, KeepLast
+from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
+from stalwart.errors import CheckpointNotFoundError, ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def state_at(step: int) -> dict:
+    return {"w": torch.full((64, 64), float(step)), "step": step}
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(64, 64), "step": 0}
+
+
+def make(tmp_path: Path, name: str = "run") -> TieredCheckpointer:
+    return TieredCheckpointer(
+        [
+            Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
+            Tier(name="local", root=tmp_path / "local", every=EveryNSteps(2), keep=KeepLast(2)),
+            Tier(name="remote", root=f"memory://{tmp_path.name}-{name}", every=EveryNSteps(4)),
+        ]
+    )
+
+
+def test_each_tier_saves_on_its_schedule_and_keeps_its_own(tmp_path: Path) -> None:
+    tc = make(tmp_path)
+    for step in range(1, 9):
+        tc.save(step, state_at(step))
+    assert [s.step for s in tc.snapshots] == [7, 8]
+    assert tc.durable["local"].steps() == [6, 8]
+    assert tc.durable["remote"].steps() == [4, 8]
+
+
+def test_recovery_prefers_memory_then_local_then_remote(tmp_path: Path) -> None:
+    tc = make(tmp_path)
+    for step in range(1, 8):
+        tc.save(step, state_at(step))
+    target = blank()
+    report = tc.recover(target)
+    assert (report.source, report.step) == ("memory", 7) and target["w"][0, 0].item() == 7.0
+
+    tc.drop_memory()  # the process restarted: its memory tier is gone
+    target = blank()
+    report = tc.recover(target)
+    assert (report.source, report.step) == ("local", 6) and target["w"][0, 0].item() == 6.0
+    assert report.attempts[0][0] == "memory"
+
+    for p in (tmp_path / "local" / "packs").iterdir():
+        p.unlink()  # the local disk lost its data: local fails, remote serves step 4
+    target = blank()
+    report = tc.recover(target)
+    assert (report.source, report.step) == ("remote", 4) and target["w"][0, 0].item() == 4.0
+    assert [name for name, _ in report.attempts] == ["memory", "local"]
+
+
+def test_nothing_anywhere_is_a_clear_error(tmp_path: Path) -> None:
+    tc = make(tmp_path, "empty")
+    with pytest.raises(CheckpointNotFoundError, match="no tier holds a recoverable step"):
+        tc.recover(blank())
+
+
+def test_async_tiers_and_guard(tmp_path: Path) -> None:
+    tc = make(tmp_path, "async")
+    layer = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    tc.guard(opt)
+    for step in range(1, 5):
+        before = layer.weight.detach().clone()
+        tc.save_async(step, {"layer": layer}, lazy=True)
+        layer(torch.randn(2, 32)).sum().backward()
+        opt.step()
+        tc.wait()
+        if step % 2 == 0:
+            loaded = tc.durable["local"].load(None, step)
+            assert torch.equal(loaded["layer"]["weight"], before)
+
+
+def test_time_based_policy() -> None:
+    every = EveryNSeconds(10.0)
+    assert every.due(1, 100.0, None, None)
+    assert not every.due(2, 105.0, 1, 100.0)
+    assert every.due(3, 110.0, 1, 100.0)
+    either = AnyOf(EveryNSteps(100), EveryNSeconds(10.0))
+    assert either.due(200, 101.0, 199, 100.0) and not either.due(201, 101.0, 200, 100.0)
+    with pytest.raises(ConfigError):
+        EveryNSeconds(0)
+    with pytest.raises(ConfigError, match="unique"):
+        TieredCheckpointer([Tier(name="a"), Tier(name="a", root="memory://x")])
+    with pytest.raises(ConfigError, match="one memory tier"):
+        TieredCheckpointer([Tier(name="a"), Tier(name="b")])
+
+
+def test_damaged_newest_local_step_falls_back_within_the_tier(tmp_path: Path) -> None:
+    tc = make(tmp_path, "fallback")
+    for step in range(1, 7):
+        tc.save(step, state_at(step))
+    (tmp_path / "local" / manifest_key(6)).write_text("garbage")
+    restarted = make(tmp_path, "fallback")  # a new process: empty memory, no cached manifests
+    target = blank()
+    report = restarted.recover(target)
+    assert (report.source, report.step) == ("local", 4) and target["w"][0, 0].item() == 4.0
