@@ -9,6 +9,8 @@ from stalwart.checkpoint import (
     AnyOf,
     Checkpointer,
     CheckpointOptions,
+    EveryNSeconds,
+    EveryNSteps,
     KeepAll,
     KeepEvery,
     KeepLast,
