@@ -136,7 +136,7 @@ def rank_body(
         snap = Snapshot.capture(state, 1, buffer=buf)
         out["capture_reused_s"].append(time.perf_counter() - t)
     out["snapshot_nbytes"] = snap.nbytes
-    rebuilt_buf = SnapshotBuffer()
+    rebuilt_buf, parity_buf = SnapshotBuffer(), SnapshotBuffer()
     for codec in codecs:
         eg = ErasureGroup(k, 1 if codec == "xor" else world - k, pg, codec)
         rec: dict[str, list[float]] = {
@@ -152,7 +152,7 @@ def rank_body(
         }
         for _ in range(reps):
             dist.barrier(pg)
-            ps = eg.protect(snap)
+            ps = eg.protect(snap, parity_buffer=parity_buf)
             assert eg.last_protect is not None
             rec["protect_s"].append(eg.last_protect.total_s)
             rec["encode_s"].append(eg.last_protect.codec_s)

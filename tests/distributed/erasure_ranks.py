@@ -81,7 +81,7 @@ def scenarios(rank: int, world: int, todo: list[Scenario]) -> list[Any]:
     # new_group is collective over the world: create every sub-group on every rank, in order.
     groups = [dist.new_group(list(range(f, f + n)), backend="gloo") for *_, f, n in todo]
     out: list[Any] = []
-    buf = SnapshotBuffer()
+    buf, parity_buf = SnapshotBuffer(), SnapshotBuffer()
     for step, ((k, m, codec, lost, layout, first, size), pg) in enumerate(
         zip(todo, groups, strict=True), start=1
     ):
@@ -91,7 +91,9 @@ def scenarios(rank: int, world: int, todo: list[Scenario]) -> list[Any]:
         eg = ErasureGroup(k, m, pg, codec, layout=layout, timeout_s=60)
         assert eg.rank == rank - first
         state = make_state(rank, world, step)
-        protected: Any = eg.protect(Snapshot.capture(state, step, buffer=buf))
+        protected: Any = eg.protect(
+            Snapshot.capture(state, step, buffer=buf), parity_buffer=parity_buf
+        )
         assert protected.redundancy_nbytes >= m * protected.piece_nbytes
         if eg.rank in lost:
             protected = None  # the memory is gone: snapshot, parity, peers' indexes

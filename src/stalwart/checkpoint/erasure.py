@@ -224,6 +224,7 @@ class ErasureGroup:
         self.member = self.members.index(self.rank)
         self.last_protect: ErasureStats | None = None
         self.last_rebuild: ErasureStats | None = None
+        self._work = SnapshotBuffer()  # transient stripe data of protect and rebuild
 
     def _group_members(self, g: int, layout: str) -> tuple[int, ...]:
         if layout == "consecutive":
@@ -263,10 +264,18 @@ class ErasureGroup:
 
     # -- protect ---------------------------------------------------------------------------
 
-    def protect(self, snapshot: Snapshot) -> ProtectedSnapshot:
+    def protect(
+        self, snapshot: Snapshot, *, parity_buffer: SnapshotBuffer | None = None
+    ) -> ProtectedSnapshot:
         """Exchange parity for ``snapshot``; collective over the whole process group.
 
         Every rank must pass its snapshot of the same step.
+
+        Args:
+            snapshot: this rank's snapshot (kept by reference, not copied).
+            parity_buffer: where to keep this rank's ``m`` parity pieces (reused, grown only
+                when needed; the previous protected snapshot's parity in it is overwritten).
+                New memory when None.
 
         Raises:
             ConfigError: ranks passed snapshots of different steps.
@@ -305,12 +314,15 @@ class ErasureGroup:
                 real = self._piece_len(snapshot.nbytes, p, size)
                 tx.send(data[p * size : p * size + real], lay.encoder(j), _DATA, j)
             # Stripe x is the one this rank encodes: receive its k data pieces.
-            work = torch.zeros(k * size, dtype=torch.uint8)
+            work = self._work.acquire(k * size)  # reused: fresh pages cost more than a copy
             for i, y in enumerate(lay.data_members(x)):
                 real = self._piece_len(lengths[y], lay.data_stripes(y).index(x), size)
                 tx.recv(work[i * size : i * size + real], y, _DATA, x)
+                work[i * size + real : (i + 1) * size].zero_()
             tx.wait()
             later = _Transfers(self, stats)
+            pbuf = parity_buffer if parity_buffer is not None else SnapshotBuffer()
+            slots = iter(pbuf.acquire(self.m * size).split(size))
             parity: dict[int, torch.Tensor] = {}
             meta: dict[int, bytes] = {}
             meta_t: dict[int, torch.Tensor] = {}
@@ -318,11 +330,11 @@ class ErasureGroup:
             for j in lay.parity_stripes(x):
                 if j == x:
                     continue
-                parity[j] = torch.empty(size, dtype=torch.uint8)
+                parity[j] = next(slots)
                 later.recv(parity[j], lay.encoder(j), _PARITY, j)
                 meta_t[j] = torch.empty(mn, dtype=torch.uint8)
                 later.recv(meta_t[j], lay.encoder(j), _META, j)
-            out = [torch.empty(size, dtype=torch.uint8) for _ in range(self.m)]
+            out = [next(slots)] + [torch.empty(size, dtype=torch.uint8) for _ in range(self.m - 1)]
             tc = time.perf_counter()
             meta[x] = self.codec.encode(
                 [work[i * size : (i + 1) * size].numpy() for i in range(k)],
@@ -488,6 +500,8 @@ class ErasureGroup:
                 )
         blob = survivor.snapshot.data
         inbox: dict[int, dict[int, torch.Tensor]] = {}
+        mine_to_decode = [j for j, (decoder, _) in plan.items() if decoder == x]
+        slots = iter(self._work.acquire(max(1, len(mine_to_decode) * (k - 1) * size)).split(size))
         for j, (decoder, chosen) in plan.items():
             holders = lay.members(j)
             mine = lay.piece_index(x, j)
@@ -504,11 +518,12 @@ class ErasureGroup:
                     if i == mine:
                         continue
                     y = holders[i]
-                    pieces[i] = torch.zeros(size, dtype=torch.uint8)
+                    pieces[i] = next(slots)
                     real = size
                     if i < k:
                         real = self._piece_len(lengths[y], lay.data_stripes(y).index(j), size)
                     tx.recv(pieces[i][:real], y, _DATA, j)
+                    pieces[i][real:].zero_()
         tx.wait()
         for j, pieces in inbox.items():
             holders = lay.members(j)
