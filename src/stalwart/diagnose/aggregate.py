@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from stalwart.diagnose.clean import CleanPlan
 from stalwart.diagnose.source import Source
 
-__all__ = ["Aggregate", "ItemCounter", "Itemset", "aggregate"]
+__all__ = ["Aggregate", "FailureGroups", "ItemCounter", "Itemset", "aggregate", "failure_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -37,61 +37,97 @@ _DENSE_BINS = 1 << 22
 
 
 @dataclass
+class FailureGroups:
+    """The failing rows grouped by every cleaned attribute: what FP-Growth mines."""
+
+    columns: tuple[str, ...]
+    codes: np.ndarray
+    """groups x columns, int32: index into ``values[column]``."""
+    values: list[list[str]]
+    target: np.ndarray
+    """failure mass per group"""
+
+    def examples(self, items: Itemset, limit: int) -> list[dict[str, str]]:
+        """Up to ``limit`` failing groups holding ``items``, most failures first."""
+        m = np.ones(len(self.target), dtype=bool)
+        for c, v in items:
+            try:
+                m &= self.codes[:, c] == self.values[c].index(v)
+            except ValueError:
+                return []
+        rows = np.flatnonzero(m)
+        rows = rows[np.argsort(-self.target[rows], kind="stable")][:limit]
+        out = []
+        for i in rows.tolist():
+            ex = {n: self.values[c][self.codes[i, c]] for c, n in enumerate(self.columns)}
+            ex["failures"] = _num(float(self.target[i]))
+            out.append(ex)
+        return out
+
+
+@dataclass
 class Aggregate:
-    """The aggregate table of one analysis and its totals."""
+    """The pre-aggregated table: one row per distinct combination of the attribute values that
+    can matter (each column coded 1..k for its values frequent among failures, 0 for the
+    rest), with its failure mass ``t`` and total mass ``r``."""
 
     src: Source
     table: str
-    columns: tuple[str, ...]
+    values: dict[int, list[str]]
     total_target: float
     total_reference: float
     groups: int
 
-    def failure_groups(self) -> tuple[np.ndarray, list[list[str]], np.ndarray]:
-        """Codes (groups x columns, int32), each column's values, and the failure mass per group."""
-        cols = ", ".join(f"a{i}" for i in range(len(self.columns)))
-        table = self.src.con.sql(f"SELECT {cols}, t FROM {self.table} WHERE t > 0").to_arrow_table()
-        codes = np.empty((table.num_rows, len(self.columns)), dtype=np.int32)
-        values: list[list[str]] = []
-        for i in range(len(self.columns)):
-            enc = pc.dictionary_encode(table.column(i)).combine_chunks()
-            codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
-            values.append([str(v) for v in enc.dictionary.to_pylist()])
-        t = table.column(len(self.columns)).to_numpy().astype(np.float64)
-        return codes, values, t
 
-    def examples(self, items: Itemset, limit: int) -> list[dict[str, str]]:
-        """Up to ``limit`` failing groups matching ``items`` (most failures first)."""
-        where = " AND ".join(f"a{c} = '{v.replace(chr(39), chr(39) * 2)}'" for c, v in items)
-        cols = ", ".join(f"a{i}" for i in range(len(self.columns)))
-        rows = self.src.con.sql(
-            f"SELECT {cols}, t, r FROM {self.table} WHERE t > 0 AND {where or 'true'} "
-            f"ORDER BY t DESC LIMIT {int(limit)}"
-        ).fetchall()
-        names = [*self.columns, "failures", "rows"]
-        return [{n: _num(v) for n, v in zip(names, r, strict=False)} for r in rows]
+def _num(v: float) -> str:
+    return str(int(v)) if v == int(v) else f"{v:.4g}"
 
 
-def _num(v: object) -> str:
-    if isinstance(v, float) and v == int(v):
-        return str(int(v))
-    return str(v)
-
-
-def aggregate(src: Source, plan: CleanPlan, *, target_sql: str, reference_sql: str) -> Aggregate:
-    """GROUP BY every cleaned attribute, summing the failure and the total mass."""
-    table = "stalwart_agg_" + uuid.uuid4().hex[:8]
+def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureGroups:
+    """GROUP BY every cleaned attribute over the failing rows only."""
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
-    sel = sel + ", " if sel else ""
+    table = src.sql(
+        f"SELECT {sel}, sum({target_sql})::DOUBLE AS t FROM {{src}} "
+        f"WHERE ({target_sql}) > 0 GROUP BY ALL"
+    ).to_arrow_table()
+    codes = np.empty((table.num_rows, len(plan.columns)), dtype=np.int32)
+    values: list[list[str]] = []
+    for i in range(len(plan.columns)):
+        enc = pc.dictionary_encode(table.column(i)).combine_chunks()
+        codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
+        values.append([str(v) for v in enc.dictionary.to_pylist()])
+    t = table.column(len(plan.columns)).to_numpy().astype(np.float64)
+    return FailureGroups(plan.columns, codes, values, t)
+
+
+def aggregate(
+    src: Source,
+    plan: CleanPlan,
+    values: dict[int, list[str]],
+    *,
+    target_sql: str,
+    reference_sql: str,
+) -> Aggregate:
+    """GROUP BY every attribute (coded by ``values``: the values frequent among failures, the
+    rest folded to 0), summing the failure and the total mass; DuckDB spills it to disk when
+    it outgrows the memory limit."""
+    table = "stalwart_agg_" + uuid.uuid4().hex[:8]
+    exprs = []
+    for c, vs in sorted(values.items()):
+        lits = ", ".join("'" + v.replace("'", "''") + "'" for v in vs)
+        exprs.append(f"coalesce(list_position([{lits}], {plan.exprs[c]}), 0)::USMALLINT AS k{c}")
+    sel = ", ".join(exprs) + ", " if exprs else ""
     src.con.execute(
         f"CREATE TEMP TABLE {table} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "
         f"sum({reference_sql})::DOUBLE AS r FROM {src.name} GROUP BY ALL"
     )
-    row = src.con.sql(f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {table}")
-    tot = row.fetchall()[0]
-    assert tot is not None
+    tot = src.con.sql(
+        f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {table}"
+    ).fetchall()[0]
     log.info("aggregated into %d groups", tot[2])
-    return Aggregate(src, table, plan.columns, float(tot[0]), float(tot[1]), int(tot[2]))
+    return Aggregate(
+        src, table, dict(sorted(values.items())), float(tot[0]), float(tot[1]), int(tot[2])
+    )
 
 
 class ItemCounter:
@@ -108,12 +144,12 @@ class ItemCounter:
         self.sample_size = sample_size
         self._values: dict[int, list[str]] = {}
 
-    def prepare(self, values: dict[int, Sequence[str]]) -> None:
-        """Declare every (column, value) any later item-set may use."""
-        self._values = {c: list(v) for c, v in sorted(values.items()) if v}
+    def prepare(self) -> None:
+        """Cache the coded aggregate in memory when it fits in ``cache_bytes``."""
+        self._values = self.agg.values
         self._code = {c: {v: k + 1 for k, v in enumerate(vs)} for c, vs in self._values.items()}
         self._cache = None
-        width = sum(2 for _ in self._values) + 16
+        width = 2 * len(self._values) + 16
         if self.agg.groups * width <= self.cache_bytes:
             batches = list(self._batches())
             if batches:
@@ -152,11 +188,7 @@ class ItemCounter:
         return np.maximum(mid - half, 0.0) * self.agg.total_reference
 
     def _batches(self) -> Iterator[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]]:
-        exprs = []
-        for c, vs in self._values.items():
-            lits = ", ".join("'" + v.replace("'", "''") + "'" for v in vs)
-            exprs.append(f"coalesce(list_position([{lits}], a{c}), 0)::USMALLINT AS k{c}")
-        sel = ", ".join([*exprs, "t", "r"])
+        sel = ", ".join([*(f"k{c}" for c in self._values), "t", "r"])
         reader = self.agg.src.con.sql(f"SELECT {sel} FROM {self.agg.table}").to_arrow_reader(
             _BATCH_ROWS
         )

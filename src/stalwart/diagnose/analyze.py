@@ -13,8 +13,8 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from stalwart.diagnose.aggregate import Aggregate, ItemCounter, Itemset, aggregate
-from stalwart.diagnose.clean import plan_cleaning
+from stalwart.diagnose.aggregate import ItemCounter, Itemset, aggregate, failure_groups
+from stalwart.diagnose.clean import CleanPlan, plan_cleaning
 from stalwart.diagnose.fpgrowth import fpgrowth
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
@@ -137,14 +137,14 @@ def _attributes(
     return attrs
 
 
-def _nothing(agg: Aggregate | None, mode: str, message: str, **kw: Any) -> Diagnosis:
+def _nothing(plan: CleanPlan | None, mode: str, message: str, **kw: Any) -> Diagnosis:
     return Diagnosis(
         [],
         mode,
-        agg.total_target if agg else 0.0,
-        agg.total_reference if agg else 0.0,
-        agg.groups if agg else 0,
-        agg.columns if agg else (),
+        plan.total_target if plan else 0.0,
+        plan.total_reference if plan else 0.0,
+        0,
+        plan.columns if plan else (),
         message=message,
         **kw,
     )
@@ -181,22 +181,23 @@ def _run(
             notes=notes,
             timings_s=timings,
         )
-    agg = aggregate(src, plan, target_sql=masses.target, reference_sql=masses.reference)
-    lap("aggregate")
     kw: dict[str, Any] = {"cleaning": cleaning, "notes": notes, "timings_s": timings}
     what = "failures" if mode == "events" else "deviation"
-    if agg.total_target <= 0:
-        return _nothing(agg, mode, f"no {what}: there is nothing to explain", **kw)
-    if mode == "events" and agg.total_target >= agg.total_reference:
+    total_t, total_r = plan.total_target, plan.total_reference
+    if total_t <= 0:
+        return _nothing(plan, mode, f"no {what}: there is nothing to explain", **kw)
+    if mode == "events" and total_t >= total_r:
         return _nothing(
-            agg,
+            plan,
             mode,
             "every row is a failure: there is nothing to contrast the failures with",
             **kw,
         )
-    base = agg.total_target / agg.total_reference
-    codes, values, t = agg.failure_groups()
-    mined = _mine(codes, t, agg.total_target * opts.min_support, opts, plan.columns)
+    base = total_t / total_r
+    fails = failure_groups(src, plan, target_sql=masses.target)
+    codes, values = fails.codes, fails.values
+    lap("aggregate failures")
+    mined = _mine(codes, fails.target, total_t * opts.min_support, opts, plan.columns)
     lap("mine")
     index = {c: i for i, c in enumerate(plan.columns)}
     closure = _closure_fn(
@@ -205,20 +206,28 @@ def _run(
     itemsets: dict[Itemset, float] = {
         tuple((c, values[c][v]) for c, v in s): w for s, w in mined.items()
     }
-    counter = ItemCounter(agg)
     used: dict[int, set[str]] = {}
     for s in itemsets:
         for c, v in s:
             used.setdefault(c, set()).add(v)
-    counter.prepare({c: sorted(v) for c, v in used.items()})
-    scored = _count_levels(itemsets, counter, agg.total_reference, base, opts)
+    agg = aggregate(
+        src,
+        plan,
+        {c: sorted(v) for c, v in used.items()},
+        target_sql=masses.target,
+        reference_sql=masses.reference,
+    )
+    lap("aggregate")
+    counter = ItemCounter(agg)
+    counter.prepare()
+    scored = _count_levels(itemsets, counter, total_r, base, opts)
     lap("count")
     tester = Tester.make(opts, len(scored), counts=masses.counts)
     survivors = prune(list(scored.values()), base, tester, opts, closure)
     chosen, covered = select(
         survivors,
-        total_failures=agg.total_target,
-        total_rows=agg.total_reference,
+        total_failures=total_t,
+        total_rows=total_r,
         recount=lambda sets, mask: counter.count(sets, mask=mask),
         match=counter.match,
         tester=tester,
@@ -237,13 +246,13 @@ def _run(
                 items={plan.columns[c]: v for c, v in sc.items},
                 failures=_round(sc.failures),
                 rows=_round(sc.rows),
-                support=sc.failures / agg.total_target,
+                support=sc.failures / total_t,
                 lift=sc.rate / base,
                 lift_low=lo / base,
                 lift_high=hi / base,
-                explained=sel.attributable / agg.total_target,
+                explained=sel.attributable / total_t,
                 subsumed=tuple(_neighbours(sc, scored, plan.columns, base)),
-                examples=tuple(agg.examples(sc.items, opts.example_rows))
+                examples=tuple(fails.examples(sc.items, opts.example_rows))
                 if opts.example_rows
                 else (),
             )
@@ -260,8 +269,8 @@ def _run(
     return Diagnosis(
         findings,
         mode,
-        agg.total_target,
-        agg.total_reference,
+        total_t,
+        total_r,
         agg.groups,
         plan.columns,
         candidates=len(scored),

@@ -58,6 +58,11 @@ class CleanPlan:
     columns: tuple[str, ...]
     exprs: tuple[str, ...]
     steps: tuple[CleaningStep, ...]
+    rows: int = 0
+    total_target: float = 0.0
+    """Summed failure mass of the whole input."""
+    total_reference: float = 0.0
+    """Summed total mass (rows, or weights) of the whole input."""
 
 
 def _is_numeric(sql_type: str) -> bool:
@@ -84,8 +89,6 @@ def plan_cleaning(
     per-row weight; both are used to keep the values that could still reach ``min_support``.
     """
     steps: list[CleaningStep] = []
-    if not attributes:
-        return CleanPlan((), (), ())
     parts = ["count(*)", f"sum({weight_sql})", f"sum({target_sql})"]
     for c in attributes:
         parts += [f"approx_count_distinct({quote(c)})", f"count(*) - count({quote(c)})"]
@@ -131,7 +134,9 @@ def plan_cleaning(
                 steps.append(CleaningStep(c, "folded", detail))
         cols.append(c)
         exprs.append(base)
-    return CleanPlan(tuple(cols), tuple(exprs), tuple(steps))
+    return CleanPlan(
+        tuple(cols), tuple(exprs), tuple(steps), n_rows, failures, float(row[1] or 0.0)
+    )
 
 
 def _bucket(src: Source, column: str, sql_type: str, buckets: int) -> tuple[str | None, str]:

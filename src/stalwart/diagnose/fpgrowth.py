@@ -9,12 +9,20 @@ by the node), and either counts the base's items directly (when one more item re
 
 The support of an item-set is the summed weight of the transactions that contain it; an item-set
 is frequent when its support is at least ``min_weight``.
+
+For ``max_len <= 3`` (the default of the analysis) the tree is built and read with NumPy instead:
+transactions sorted lexicographically give the tree's nodes as the distinct prefixes, and the
+pattern-base counts of every item (pairs) and of every pair (triples) come from one vectorised
+walk over each node's ancestors, weighted by the node. Same tree, same supports, no Python loop
+per node.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 __all__ = ["fpgrowth"]
 
@@ -133,7 +141,97 @@ def fpgrowth(
         path = tuple(sorted(rank[i] for i in t if i in rank))
         if path and w > 0:
             merged[path] += w
-    tree = _build(merged.items(), {k: 1.0 for k in range(len(order))})
     ranked: dict[tuple[int, ...], float] = {}
-    _mine(tree, (), min_weight, max_len, ranked)
+    if max_len <= 3:
+        ranked = _mine_flat(merged, len(order), min_weight, max_len)
+    else:
+        tree = _build(merged.items(), {k: 1.0 for k in range(len(order))})
+        _mine(tree, (), min_weight, max_len, ranked)
     return {tuple(sorted(order[k] for k in s)): w for s, w in ranked.items()}
+
+
+def _mine_flat(
+    merged: dict[tuple[int, ...], float], n_items: int, min_weight: float, max_len: int
+) -> dict[tuple[int, ...], float]:
+    """Frequent sets of up to 3 items from the FP-tree held in arrays."""
+    out: dict[tuple[int, ...], float] = {}
+    if not merged:
+        return out
+    k = n_items
+    depth = max(len(p) for p in merged)
+    rows = np.full((len(merged), depth), k, dtype=np.int64)  # k pads: after every item
+    for i, path in enumerate(merged):
+        rows[i, : len(path)] = path
+    w = np.fromiter(merged.values(), dtype=np.float64, count=len(merged))
+    order = np.lexsort(rows.T[::-1])
+    rows, w = rows[order], w[order]
+    # node of row i at depth d: a new node wherever the prefix [0..d] changes
+    node_item, node_w, node_parent, node_depth = [], [], [], []
+    parent = np.full(len(rows), -1, dtype=np.int64)
+    changed = np.zeros(len(rows), dtype=bool)
+    changed[0] = True
+    next_id = 0
+    for d in range(depth):
+        col = rows[:, d]
+        changed = changed | np.concatenate(([True], col[1:] != col[:-1]))
+        present = col < k
+        start = changed & present
+        ids = np.cumsum(start) - 1 + next_id
+        n_new = int(start.sum())
+        nid = np.where(present, ids, -1)
+        node_item.append(col[start])
+        node_w.append(np.bincount(ids[present] - next_id, weights=w[present], minlength=n_new))
+        node_parent.append(parent[start])
+        node_depth.append(np.full(n_new, d))
+        parent = np.where(present, nid, parent)
+        next_id += n_new
+    item = np.concatenate(node_item)
+    weight = np.concatenate(node_w)
+    par = np.concatenate(node_parent)
+    dep = np.concatenate(node_depth)
+    single = np.bincount(item, weights=weight, minlength=k)
+    for i in np.flatnonzero(single >= min_weight).tolist():
+        out[(i,)] = float(single[i])
+    if max_len < 2:
+        return out
+    # ancestors of every node, as items by depth (-1 below the node's own depth)
+    anc = np.full((len(item), depth), -1, dtype=np.int64)
+    cur = par.copy()
+    for _ in range(depth):
+        ok = cur >= 0
+        if not ok.any():
+            break
+        anc[ok, dep[cur[ok]]] = item[cur[ok]]
+        cur = np.where(ok, par[np.maximum(cur, 0)], -1)
+    keep = single >= min_weight
+    pair = np.zeros(k * k)
+    for d in range(depth):
+        a = anc[:, d]
+        m = a >= 0
+        pair += np.bincount(item[m] * k + a[m], weights=weight[m], minlength=k * k)
+    frequent_pair = pair >= min_weight
+    for key in np.flatnonzero(frequent_pair).tolist():
+        out[(key % k, key // k)] = float(pair[key])
+    if max_len < 3 or not frequent_pair.any():
+        return out
+    triples: dict[int, float] = defaultdict(float)
+    for q in range(depth):
+        y = anc[:, q]
+        m = (y >= 0) & frequent_pair[np.where(y >= 0, item * k + y, 0)]
+        if not m.any():
+            continue
+        xs, ys, ws = item[m], y[m], weight[m]
+        for lo in range(q):
+            z = anc[m, lo]
+            mm = (z >= 0) & frequent_pair[np.where(z >= 0, xs * k + z, 0)] & keep[np.maximum(z, 0)]
+            if not mm.any():
+                continue
+            keys = (xs[mm] * k + ys[mm]) * k + z[mm]
+            uk, inv = np.unique(keys, return_inverse=True)
+            sums = np.bincount(inv, weights=ws[mm])
+            for key, val in zip(uk.tolist(), sums.tolist(), strict=True):
+                triples[key] += val
+    for key, val in triples.items():
+        if val >= min_weight:
+            out[(key % k, (key // k) % k, key // (k * k))] = val
+    return out

@@ -1,0 +1,192 @@
+"""Root-cause analysis benchmarks: accuracy on generated multi-cause logs, and end-to-end speed
+and peak memory against an mlxtend + pandas pipeline and pyspark's FPGrowth.
+
+    .venv/bin/python bench/rca_bench.py accuracy [--rows 100000] [--seeds 5]
+    .venv/bin/python bench/rca_bench.py speed [--rows 1000000] [--repeat 3] [--peers mlxtend,spark]
+
+Real-incident accuracy (RS data set) is bench/rca_rs.py. Each speed run is a fresh process
+(``_one``) that reports its wall time and its own peak RSS, so runs do not share caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stalwart.diagnose import analyze
+from stalwart.diagnose.synth import make_failure_log
+
+MIN_SUPPORT, MAX_LEN, MIN_LIFT = 0.05, 3, 1.5
+
+
+def accuracy(rows: int, seeds: int) -> None:
+    print(
+        f"generated logs: {rows:,} rows x 20 columns + ID, causes at 30% failure rate, "
+        f"1% background; {seeds} seeds per cell; set-level P/R/F1"
+    )
+    print("causes  depth   TP  FP  FN  precision  recall    F1")
+    for n_causes in (1, 2, 3):
+        for depth in (1, 2, 3):
+            tp = fp = fn = 0
+            for seed in range(seeds):
+                log = make_failure_log(rows, causes=n_causes, depth=depth, seed=100 * seed + 7)
+                d = analyze(log.table, log.label, example_rows=0)
+                pred = {tuple(sorted(f.items.items())) for f in d.findings}
+                true = {tuple(sorted(c.items())) for c in log.causes}
+                tp, fp, fn = tp + len(pred & true), fp + len(pred - true), fn + len(true - pred)
+            p = tp / (tp + fp) if tp + fp else 0.0
+            r = tp / (tp + fn) if tp + fn else 0.0
+            f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+            print(
+                f"{n_causes:>6} {depth:>6} {tp:>4} {fp:>3} {fn:>3} {p:>10.3f} {r:>7.3f} {f1:>5.3f}"
+            )
+
+
+def _stalwart(path: str) -> int:
+    return len(analyze(path, "failed", example_rows=0).findings)
+
+
+def _mlxtend(path: str) -> int:
+    """The same analysis from mlxtend's fpgrowth and pandas: drop ID-like columns, mine the
+    failures, compute each item-set's lift over all rows, prune, rank by lift."""
+    import numpy as np
+    import pandas as pd
+    from mlxtend.frequent_patterns import fpgrowth
+
+    df = pd.read_parquet(path)
+    cols = [c for c in df.columns if c != "failed" and df[c].nunique() <= 0.02 * len(df)]
+    onehot = pd.get_dummies(df[cols].astype(str), prefix_sep="=").astype(bool)
+    failed = df["failed"].to_numpy()
+    sets = fpgrowth(onehot[failed], min_support=MIN_SUPPORT, max_len=MAX_LEN, use_colnames=True)
+    base = failed.mean()
+    mat = {c: onehot[c].to_numpy() for c in onehot.columns}
+    lifts = []
+    for items in sets["itemsets"]:
+        m = np.logical_and.reduce([mat[i] for i in items])
+        lifts.append(failed[m].mean() / base if m.any() else 0.0)
+    sets["lift"] = lifts
+    kept = sets[sets["lift"] >= MIN_LIFT].sort_values("lift", ascending=False)
+    by = {frozenset(s): lift for s, lift in zip(kept["itemsets"], kept["lift"], strict=True)}
+    pruned = [s for s in by if not any(t < s and by[s] < 1.1 * by[t] for t in by)]
+    return len(pruned)
+
+
+def _spark(path: str) -> int:
+    """pyspark's FPGrowth over the failures' item arrays, then lift by one join per level."""
+    from pyspark.ml.fpm import FPGrowth
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "6g")
+        .getOrCreate()
+    )
+    df = spark.read.parquet(path)
+    cols = [c for c in df.columns if c not in ("failed", "host_id")]
+    items = F.array(*(F.concat(F.lit(c + "="), F.col(c).cast("string")) for c in cols))
+    fail = df.where("failed").select(items.alias("items"))
+    model = FPGrowth(itemsCol="items", minSupport=MIN_SUPPORT).fit(fail)
+    sets = model.freqItemsets.where(F.size("items") <= MAX_LEN).collect()
+    # reference counts: explode every row's item-sets of each candidate's columns is what one
+    # would write; counting each candidate with a filter is the plain version
+    allrows = df.select(items.alias("items"), "failed").cache()
+    total, nfail = allrows.count(), df.where("failed").count()
+    kept = 0
+    for row in sets[:200]:  # capped: one Spark job per candidate
+        cond = F.lit(True)
+        for it in row["items"]:
+            cond = cond & F.array_contains("items", it)
+        n = allrows.where(cond).count()
+        kept += int(n and (row["freq"] / n) / (nfail / total) >= MIN_LIFT)
+    spark.stop()
+    return kept
+
+
+def _one(engine: str, path: str) -> None:
+    start = time.perf_counter()
+    n = {"stalwart": _stalwart, "mlxtend": _mlxtend, "spark": _spark}[engine](path)
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"engine": engine, "wall_s": wall, "peak_mb": peak, "found": n}))
+
+
+def speed(rows: int, repeat: int, peers: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "log.parquet")
+        log = make_failure_log(rows, causes=3, depth=(1, 2, 3), seed=1)
+        table = log.table.cast(
+            pa.schema(
+                [
+                    pa.field(f.name, pa.string() if f.name != "failed" else pa.bool_())
+                    for f in log.table.schema
+                ]
+            )
+        )
+        pq.write_table(table, path)
+        print(
+            f"{rows:,} rows x 20 attribute columns + ID column, "
+            f"{sum(table.column('failed').to_pylist()):,} failures; Parquet input; "
+            f"median of {repeat} fresh processes"
+        )
+        results: dict[str, tuple[float, float]] = {}
+        for engine in ["stalwart", *peers]:
+            walls, peaks = [], []
+            for _ in range(repeat if engine != "spark" else 1):
+                proc = subprocess.run(
+                    [sys.executable, __file__, "_one", engine, path],
+                    capture_output=True,
+                    text=True,
+                    timeout=3600,
+                )
+                if proc.returncode:
+                    print(f"{engine}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+                    break
+                out = json.loads(proc.stdout.strip().splitlines()[-1])
+                walls.append(out["wall_s"])
+                peaks.append(out["peak_mb"])
+            if walls:
+                results[engine] = (statistics.median(walls), max(peaks))
+                print(
+                    f"{engine:>9}: {results[engine][0]:7.2f} s  peak RSS "
+                    f"{results[engine][1]:7.0f} MB  runs {[round(w, 2) for w in walls]}"
+                )
+        if "stalwart" in results:
+            for engine, (wall, _) in results.items():
+                if engine != "stalwart":
+                    print(f"stalwart is {wall / results['stalwart'][0]:.1f}x faster than {engine}")
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "_one":
+        _one(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("accuracy")
+    a.add_argument("--rows", type=int, default=100_000)
+    a.add_argument("--seeds", type=int, default=5)
+    s = sub.add_parser("speed")
+    s.add_argument("--rows", type=int, default=1_000_000)
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--peers", default="mlxtend,spark")
+    args = ap.parse_args()
+    if args.cmd == "accuracy":
+        accuracy(args.rows, args.seeds)
+    else:
+        speed(args.rows, args.repeat, [p for p in args.peers.split(",") if p])
+
+
+if __name__ == "__main__":
+    main()
