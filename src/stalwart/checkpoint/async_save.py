@@ -56,6 +56,7 @@ class PendingSave:
         self.future: Future[SaveResult] = Future()
         self.blocking_s = 0.0
         self.staging_s = 0.0
+        self.slot: StagingSlot | None = None
         self._observed = False
 
     def done(self) -> bool:
@@ -138,7 +139,6 @@ class AsyncSaver:
         self.pending: deque[PendingSave] = deque()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-persist")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
-        self._next_slot = 0
         self._lock = threading.Lock()
         self._finished: list[PendingSave] = []
         ref = weakref.ref(self)
@@ -159,9 +159,12 @@ class AsyncSaver:
         while len(self.pending) >= self.max_inflight:
             self.pending[0].future.exception()  # wait for the oldest (errors surface later)
             self._reap()
-        slot = self.slots[self._next_slot % self.max_inflight]
-        self._next_slot += 1
+        # The lowest slot no pending save holds: back-to-back saves reuse the same buffers
+        # (warm pages) instead of cycling through cold ones.
+        busy = {id(p.slot) for p in self.pending}
+        slot = next(s for s in self.slots if id(s) not in busy)
         pending = PendingSave(step, lazy)
+        pending.slot = slot
         staged: dict[str, list[LocalItem]] = {}
 
         def do_stage() -> None:
