@@ -35,7 +35,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_eager_returns_after_copy_so_the_state_may_change(tmp_path: Path) -> None:
-    model, opt = make_model()
+    model, _opt = make_model()
     ckpt = stalwart.Checkpointer(tmp_path)
     before = snapshot(model)
     pending = ckpt.save_async(1, {"model": model})
