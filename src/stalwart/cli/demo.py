@@ -1,8 +1,14 @@
-"""``stalwart demo``: SIGKILL a training run, resume it from a checkpoint, check it bit for bit."""
+"""``stalwart demo``: the main job, one section per part of stalwart.
+
+Checkpoints (SIGKILL a training run, resume it, check it bit for bit), peers' memory (lose a
+rank, rebuild it by erasure decoding), silent corruption (a short PVF campaign) and root
+cause (a generated failure log analysed).
+"""
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -25,13 +31,20 @@ def demo(
     fresh: Annotated[
         bool, typer.Option(help="Delete ROOT/run of an earlier demo first, to start clean.")
     ] = True,
+    recovery: Annotated[
+        bool, typer.Option(help="Also lose a rank of 5 and rebuild it from peers' memory.")
+    ] = True,
+    pvf: Annotated[bool, typer.Option(help="Also run a short PVF campaign.")] = True,
+    rca: Annotated[bool, typer.Option(help="Also analyse a generated failure log.")] = True,
 ) -> None:
     """Kill a training run with SIGKILL, resume it, and prove the resume is bit-identical.
     Trains a small model on CPU straight through, then in a child process that checkpoints
     every EVERY steps and is killed mid-run, then resumed from the newest checkpoint.
 
-    Exits with status 1 unless the resumed run equals the uninterrupted one.
+    Exits with status 1 unless the resumed run equals the uninterrupted one (and the rebuilt
+    rank equals its lost state).
     """
+    started = time.perf_counter()
     console = Console()
     root = root.absolute()
     run_root = root / "run"
@@ -51,7 +64,21 @@ def demo(
     except ConfigError as e:
         console.print(str(e), style="red", markup=False)
         raise typer.Exit(code=2) from e
-    if not report.ok:
+    ok = report.ok
+    if recovery:
+        from stalwart.checkpoint.recovery_demo import run_recovery_demo
+
+        ok = run_recovery_demo(console) and ok
+    if pvf:
+        from stalwart.vulnerability.demo import run_pvf_demo
+
+        run_pvf_demo(console)
+    if rca:
+        from stalwart.diagnose.demo import run_rca_demo
+
+        run_rca_demo(console)
+    console.print(f"demo finished in {time.perf_counter() - started:.1f} s; folder: {root}")
+    if not ok:
         raise typer.Exit(code=1)
 
 

@@ -7,7 +7,7 @@ import logging
 import typer
 from rich.logging import RichHandler
 
-from stalwart.cli import ckpt, demo
+from stalwart.cli import ckpt, demo, protect, pvf, rca
 
 app = typer.Typer(
     name="stalwart",
@@ -31,6 +31,9 @@ def _main(
 
 demo.register(app)
 ckpt.register(app)
+pvf.register(app)
+protect.register(app)
+rca.register(app)
 
 if __name__ == "__main__":
     app()
