@@ -37,9 +37,12 @@ def demo(
     pvf: Annotated[bool, typer.Option(help="Also run a short PVF campaign.")] = True,
     rca: Annotated[bool, typer.Option(help="Also analyse a generated failure log.")] = True,
 ) -> None:
-    """Kill a training run with SIGKILL, resume it, and prove the resume is bit-identical.
+    """The main job: crash and resume bit-identically, rebuild a lost rank, PVF, root cause.
+
     Trains a small model on CPU straight through, then in a child process that checkpoints
-    every EVERY steps and is killed mid-run, then resumed from the newest checkpoint.
+    every EVERY steps and is SIGKILLed mid-run, then resumed from the newest checkpoint;
+    then loses a rank of 5 and rebuilds it from its peers' memory, runs a short PVF campaign
+    and analyses a generated failure log.
 
     Exits with status 1 unless the resumed run equals the uninterrupted one (and the rebuilt
     rank equals its lost state).
