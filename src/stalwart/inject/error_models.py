@@ -80,7 +80,10 @@ class Fault:
 class ErrorModel(Protocol):
     """Draws ``n`` single-element faults for a tensor of ``numel`` elements."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """Short name for tables and manifests."""
+        ...
 
     def draw(
         self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
