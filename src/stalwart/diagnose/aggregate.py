@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stalwart.diagnose.clean import CleanPlan
+from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
 from stalwart.diagnose.source import Source
 
 __all__ = ["Aggregate", "FailureGroups", "ItemCounter", "Itemset", "aggregate", "failure_groups"]
@@ -115,7 +115,10 @@ def aggregate(
     exprs = []
     for c, vs in sorted(values.items()):
         lits = ", ".join("'" + v.replace("'", "''") + "'" for v in vs)
-        exprs.append(f"coalesce(list_position([{lits}], {plan.exprs[c]}), 0)::USMALLINT AS k{c}")
+        # a value that is kept is its own unfolded value, so folding can be skipped unless
+        # 'other' itself is one of the values that matter
+        expr = plan.exprs[c] if OTHER_VALUE in vs else plan.unfolded[c]
+        exprs.append(f"coalesce(list_position([{lits}], {expr}), 0)::USMALLINT AS k{c}")
     sel = ", ".join(exprs) + ", " if exprs else ""
     src.con.execute(
         f"CREATE TEMP TABLE {table} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "

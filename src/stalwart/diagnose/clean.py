@@ -58,6 +58,9 @@ class CleanPlan:
     columns: tuple[str, ...]
     exprs: tuple[str, ...]
     steps: tuple[CleaningStep, ...]
+    unfolded: tuple[str, ...] = ()
+    """Each expression before rare values are folded into ``other``: equal to it on every
+    value that is kept, and much cheaper to evaluate."""
     rows: int = 0
     total_target: float = 0.0
     """Summed failure mass of the whole input."""
@@ -98,6 +101,7 @@ def plan_cleaning(
     failures = float(row[2] or 0.0)
     cols: list[str] = []
     exprs: list[str] = []
+    unfolded: list[str] = []
     for i, c in enumerate(attributes):
         distinct, nulls = int(row[3 + 2 * i] or 0), int(row[4 + 2 * i] or 0)
         sql_type = src.types.get(c, "VARCHAR")
@@ -126,8 +130,10 @@ def plan_cleaning(
                 steps.append(CleaningStep(c, "bucketed", detail))
                 cols.append(c)
                 exprs.append(expr)
+                unfolded.append(expr)
                 continue
         base = f"coalesce(CAST({q} AS VARCHAR), '{NULL_VALUE}')"
+        unfolded.append(base)
         if distinct > options.max_values and not keep:
             base, detail = _fold(src, c, base, n_rows, failures, target_sql, weight_sql, options)
             if detail:
@@ -135,7 +141,13 @@ def plan_cleaning(
         cols.append(c)
         exprs.append(base)
     return CleanPlan(
-        tuple(cols), tuple(exprs), tuple(steps), n_rows, failures, float(row[1] or 0.0)
+        tuple(cols),
+        tuple(exprs),
+        tuple(steps),
+        tuple(unfolded),
+        n_rows,
+        failures,
+        float(row[1] or 0.0),
     )
 
 
