@@ -23,6 +23,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,11 +101,26 @@ def train(mode: str, steps: int, root: Path) -> float:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(512, 512), torch.randint(0, 10, (512,))
-    ck = None
+    ck: Any = None
     fut = None
     if mode == "stalwart":
         ck = stalwart.Checkpointer(
             root / "stalwart", stalwart.CheckpointOptions(keep=stalwart.KeepLast(2))
+        )
+        ck.guard(opt)
+    elif mode == "tiered":
+        ck = stalwart.TieredCheckpointer(
+            [
+                stalwart.Tier(
+                    name="memory", every=stalwart.EveryNSteps(1), keep=stalwart.KeepLast(1)
+                ),
+                stalwart.Tier(
+                    name="local",
+                    root=root / "tiered",
+                    every=stalwart.EveryNSteps(20),
+                    keep=stalwart.KeepLast(2),
+                ),
+            ]
         )
         ck.guard(opt)
     t0 = 0.0
@@ -112,7 +128,7 @@ def train(mode: str, steps: int, root: Path) -> float:
         if step == 5:
             t0 = time.perf_counter()  # after warm-up
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        if mode == "stalwart" and ck is not None:
+        if mode in ("stalwart", "tiered"):
             ck.save_async(step, state, lazy=True)
         elif mode == "dcp":
             if fut is not None:
@@ -166,7 +182,7 @@ def main() -> None:
             f"lazy / copy = {b['lazy'] / b['copy']:.3f} "
             f"(target < 0.10); fresh / reused copy = {b['fresh'] / b['copy']:.2f}"
         )
-        rates = {m: [] for m in ("none", "stalwart", "dcp")}
+        rates: dict[str, list[float]] = {m: [] for m in ("none", "stalwart", "tiered", "dcp")}
         for _ in range(3):
             for m in rates:
                 rates[m].append(train(m, args.steps, root))
@@ -175,6 +191,7 @@ def main() -> None:
         for m, label in (
             ("none", "no checkpoints"),
             ("stalwart", "stalwart lazy save_async"),
+            ("tiered", "stalwart memory + disk/20"),
             ("dcp", "dcp.async_save"),
         ):
             print(
