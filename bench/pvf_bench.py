@@ -1,4 +1,4 @@
-"""Benchmark of fault-injection campaigns, PVF reports and protections (docs/benchmarks_pvf.md).
+"""Benchmark of fault-injection campaigns, PVF reports and protections (docs/benchmarks.md).
 
     .venv/bin/python bench/pvf_bench.py [--faults 300] [--repeats 3] [--quick]
 
