@@ -160,3 +160,43 @@ def test_lazy_guard_on_a_large_state_verifies_bytes_not_timing(tmp_path: Path) -
     pending.wait()
     assert torch.equal(ckpt.load(None)["layer"]["weight"], before)
     ckpt.close()
+
+
+def test_a_store_that_fails_sometimes_never_loses_a_committed_step(tmp_path: Path) -> None:
+    from stalwart.errors import TransientStorageError
+
+    store = FlakyStorage(
+        LocalStorage(tmp_path), fail_probability=0.1, seed=3, error=TransientStorageError
+    )
+    ckpt = stalwart.Checkpointer(store)
+    committed, failed = [], []
+    for step in range(1, 16):
+        pending = ckpt.save_async(step, {"x": torch.full((1000,), float(step))})
+        try:
+            pending.wait()
+            committed.append(step)
+        except (TransientStorageError, CheckpointError):  # the write, listing or lease failed
+            failed.append(step)
+    assert committed and failed  # the store really failed sometimes
+    fresh = stalwart.Checkpointer(tmp_path)
+    assert fresh.steps() == committed
+    for step in committed:
+        assert torch.equal(fresh.load(None, step)["x"], torch.full((1000,), float(step)))
+    ckpt.close()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (pinned staging, side stream)"
+)
+def test_cuda_tensors_stage_through_pinned_buffers(tmp_path: Path) -> None:
+    layer = torch.nn.Linear(1024, 1024).cuda()
+    ckpt = stalwart.Checkpointer(tmp_path)
+    before = layer.weight.detach().cpu().clone()
+    pending = ckpt.save_async(1, {"layer": layer})
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    pending.wait()
+    slot = ckpt._async.slots[0]
+    assert all(b.is_pinned() for b in slot.buffers.values())
+    assert torch.equal(ckpt.load(None)["layer"]["weight"], before)
+    ckpt.close()
