@@ -84,6 +84,12 @@ def test_async_tiers_and_guard(tmp_path: Path) -> None:
         if step % 2 == 0:
             loaded = tc.durable["local"].load(None, step)
             assert torch.equal(loaded["layer"]["weight"], before)
+    # the lazy memory snapshot of the last step holds the pre-step weights too
+    restored = torch.nn.Linear(32, 32)
+    report = tc.recover({"layer": restored})
+    assert (report.source, report.step) == ("memory", 4)
+    assert torch.equal(restored.weight, before)
+    tc.close()
 
 
 def test_time_based_policy() -> None:

@@ -23,6 +23,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
+from stalwart.tree import flatten, unflatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
 
@@ -136,6 +138,8 @@ class TieredCheckpointer:
         keep = self.memory_tier.keep if self.memory_tier else None
         self._memory_keep = keep.n if isinstance(keep, KeepLast) else 2
         self.snapshots: deque[Any] = deque()  # ProtectedSnapshot or Snapshot, oldest first
+        self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
+        self._pending_snapshot: Future[Any] | None = None
         self._last: dict[str, tuple[int, float]] = {}
 
     # -- saving ------------------------------------------------------------------------
@@ -153,6 +157,7 @@ class TieredCheckpointer:
 
     def save(self, step: int, state: Any) -> dict[str, Any]:
         """Save ``step`` to every tier that is due; returns what each tier did."""
+        self._settle()
         out: dict[str, Any] = {}
         for t in self._due(step):
             if t.root is None:
@@ -165,23 +170,44 @@ class TieredCheckpointer:
     def save_async(self, step: int, state: Any, *, lazy: bool = False) -> dict[str, Any]:
         """Like :meth:`save`, durable tiers in the background (see ``Checkpointer.save_async``).
 
-        The memory snapshot is taken before returning (it is itself the host copy).
+        The memory snapshot is the host copy itself: eager mode takes it before returning;
+        lazy mode takes it in a background thread (values other than tensors are fixed at
+        call time), and :meth:`guard` makes ``optimizer.step()`` wait for it. The memory
+        entry of the result is the snapshot, or a Future of it when lazy.
         """
         out: dict[str, Any] = {}
         for t in self._due(step):
             if t.root is None:
-                out[t.name] = self._snapshot(step, state)
+                self._settle()
+                if lazy:
+                    frozen = _freeze(state)  # stateful objects and values read now
+                    self._pending_snapshot = self._snapshotter.submit(self._snapshot, step, frozen)
+                    out[t.name] = self._pending_snapshot
+                else:
+                    out[t.name] = self._snapshot(step, state)
             else:
                 out[t.name] = self.durable[t.name].save_async(step, state, lazy=lazy)
             self._last[t.name] = (step, time.monotonic())
         return out
 
     def guard(self, optimizer: torch.optim.Optimizer) -> list[Any]:
-        """Make ``optimizer.step()`` wait for lazy copies of every durable tier."""
-        return [c.guard(optimizer) for c in self.durable.values()]
+        """Make ``optimizer.step()`` wait for lazy copies of every tier (install once)."""
+
+        def wait_snapshot(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            self._settle()
+
+        handles = [c.guard(optimizer) for c in self.durable.values()]
+        return [*handles, optimizer.register_step_pre_hook(wait_snapshot)]
+
+    def _settle(self) -> None:
+        """Wait for a lazy memory snapshot in flight (raising its error, if any)."""
+        pending, self._pending_snapshot = self._pending_snapshot, None
+        if pending is not None:
+            pending.result()
 
     def wait(self) -> None:
-        """Wait for every durable tier's saves in flight."""
+        """Wait for every tier's saves in flight."""
+        self._settle()
         for c in self.durable.values():
             c.wait()
 
@@ -216,6 +242,7 @@ class TieredCheckpointer:
 
     def drop_memory(self) -> None:
         """Forget every memory snapshot (what a crashed and restarted rank starts with)."""
+        self._settle()
         self.snapshots.clear()
 
     # -- recovery ----------------------------------------------------------------------
@@ -231,6 +258,7 @@ class TieredCheckpointer:
             CheckpointNotFoundError: no tier holds a step for every rank.
         """
         t0 = time.perf_counter()
+        self._settle()
         g = resolve_group(self._process_group)
         attempts: list[tuple[str, str]] = []
         everyone = g.all_gather(sorted(int(s.step) for s in self.snapshots))
@@ -285,6 +313,18 @@ class TieredCheckpointer:
         return "memory+erasure" if lost else "memory"
 
     def close(self) -> None:
-        """Flush and close every durable tier."""
+        """Flush and close every tier."""
+        self._settle()
+        self._snapshotter.shutdown(wait=True)
         for c in self.durable.values():
             c.close()
+
+
+def _freeze(state: Any) -> Any:
+    """A plain tree with ``state``'s tensors and copies of everything else, read now.
+
+    Stateful objects' ``state_dict()`` is called here, so a lazy snapshot records the values
+    of the call (step counters, RNG states) even if they change before the copy runs.
+    """
+    flat = flatten(state)
+    return unflatten(flat.skeleton, lambda fqn: flat.leaves[fqn].tensor)
