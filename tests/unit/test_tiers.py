@@ -116,3 +116,48 @@ def test_damaged_newest_local_step_falls_back_within_the_tier(tmp_path: Path) ->
     target = blank()
     report = restarted.recover(target)
     assert (report.source, report.step) == ("local", 4) and target["w"][0, 0].item() == 4.0
+
+
+KEEPER_CHILD = """
+import os, signal, sys, torch
+from stalwart.checkpoint.policy import EveryNSteps, KeepLast
+from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
+tc = TieredCheckpointer([Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2),
+                              keep_in=sys.argv[1])])
+for step in (1, 2, 3):
+    tc.save(step, {"w": torch.full((64, 64), float(step)), "step": step})
+os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies; its snapshots stay in the tmpfs
+"""
+
+
+def test_kept_snapshots_outlive_a_killed_trainer(tmp_path: Path) -> None:
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    keep_in = shm / f"stalwart-test-{uuid.uuid4().hex[:8]}"
+    try:
+        proc = subprocess.run([sys.executable, "-c", KEEPER_CHILD, str(keep_in)], timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        restarted = TieredCheckpointer(
+            [Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2), keep_in=keep_in)]
+        )
+        assert [s.step for s in restarted.snapshots] == [2, 3]
+        target = blank()
+        report = restarted.recover(target)
+        assert (report.source, report.step) == ("memory", 3)
+        assert torch.equal(target["w"], torch.full((64, 64), 3.0)) and report.tree["step"] == 3
+        # a damaged blob is ignored, not restored
+        blob = next(keep_in.glob("rank00000-slot*.buf"))
+        data = bytearray(blob.read_bytes())
+        data[0] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        again = TieredCheckpointer(
+            [Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2), keep_in=keep_in)]
+        )
+        assert len(again.snapshots) == 1
+    finally:
+        shutil.rmtree(keep_in, ignore_errors=True)

@@ -33,6 +33,7 @@ from stalwart.checkpoint.checkpointer import Checkpointer
 from stalwart.checkpoint.collective import Group, resolve_group
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
+from stalwart.checkpoint.snapshot_keeper import SnapshotKeeper
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
 from stalwart.tree import flatten, unflatten
@@ -61,8 +62,13 @@ class Tier:
     every: Any = field(default_factory=lambda: EveryNSteps(1))
     keep: RetentionPolicy = field(default_factory=lambda: KeepLast(2))
     storage_options: dict[str, Any] | None = None
+    keep_in: str | os.PathLike[str] | None = None
+    """Memory tier only: a tmpfs folder (``/dev/shm/<job>``) whose files hold the snapshots,
+    so that they outlive a crashed trainer on the same node (see ``snapshot_keeper.py``)."""
 
     def __post_init__(self) -> None:
+        if self.keep_in is not None and self.root is not None:
+            raise ConfigError(f"tier {self.name!r}: keep_in is for the memory tier (root=None)")
         if not callable(getattr(self.every, "due", None)):
             raise ConfigError(f"tier {self.name!r}: every={self.every!r} is not a save policy")
 
@@ -78,6 +84,8 @@ class RecoveryReport:
         seconds: wall time on this rank.
         rebuilt_ranks: ranks whose snapshot was rebuilt from their peers.
         attempts: ``(tier, outcome)`` for every tier tried, in order.
+        tree: the loaded tree, values other than tensors included (tensors were also
+            written into the state in place).
     """
 
     step: int
@@ -85,6 +93,7 @@ class RecoveryReport:
     seconds: float
     rebuilt_ranks: list[int] = field(default_factory=list)
     attempts: list[tuple[str, str]] = field(default_factory=list)
+    tree: Any = field(default=None, repr=False)
 
 
 class TieredCheckpointer:
@@ -138,6 +147,14 @@ class TieredCheckpointer:
         keep = self.memory_tier.keep if self.memory_tier else None
         self._memory_keep = keep.n if isinstance(keep, KeepLast) else 2
         self.snapshots: deque[Any] = deque()  # ProtectedSnapshot or Snapshot, oldest first
+        self._keeper: SnapshotKeeper | None = None
+        self._slot_order: deque[int] = deque()  # keeper slot of each entry of snapshots
+        if self.memory_tier is not None and self.memory_tier.keep_in is not None:
+            rank = resolve_group(process_group).rank
+            self._keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, self._memory_keep)
+            for slot, snap in self._keeper.load()[-self._memory_keep :]:
+                self.snapshots.append(snap)  # left by a crashed process on this node
+                self._slot_order.append(slot)
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
         self._pending_snapshot: Future[Any] | None = None
         self._last: dict[str, tuple[int, float]] = {}
@@ -231,19 +248,34 @@ class TieredCheckpointer:
         from stalwart.checkpoint.snapshot import Snapshot
 
         buffer = None
+        slot = -1
         if len(self.snapshots) >= self._memory_keep:
             oldest = self.snapshots.popleft()  # its buffer is reused for the new snapshot
             buffer = getattr(oldest, "snapshot", oldest).buffer
+            if self._keeper is not None:
+                slot = self._slot_order.popleft()
+        elif self._keeper is not None:
+            slot = min(set(range(self._memory_keep)) - set(self._slot_order))
+        if self._keeper is not None:
+            self._keeper.invalidate(slot)  # a crash from here on leaves no index: ignored
+            buffer = self._keeper.buffers[slot]
         snap = Snapshot.capture(state, step, buffer)
+        if self._keeper is not None:
+            self._keeper.commit(slot, snap)
+            self._slot_order.append(slot)
         eg = self._erasure()
         kept = eg.protect(snap) if eg is not None else snap
         self.snapshots.append(kept)
         return kept
 
     def drop_memory(self) -> None:
-        """Forget every memory snapshot (what a crashed and restarted rank starts with)."""
+        """Forget every memory snapshot: what a rank restarted on another node starts with."""
         self._settle()
         self.snapshots.clear()
+        if self._keeper is not None:
+            for slot in self._slot_order:
+                self._keeper.invalidate(slot)
+        self._slot_order.clear()
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -268,20 +300,22 @@ class TieredCheckpointer:
             chosen = self._memory_step(everyone)
             if chosen is not None and (best_durable is None or chosen[0] >= best_durable):
                 step, lost = chosen
-                source = self._restore_memory(step, lost, state)
-                return RecoveryReport(step, source, time.perf_counter() - t0, lost, attempts)
+                source, tree = self._restore_memory(step, lost, state)
+                seconds = time.perf_counter() - t0
+                return RecoveryReport(step, source, seconds, lost, attempts, tree)
             attempts.append(("memory", "no step held (or rebuildable) on every rank"))
         for name, ckpt in self.durable.items():
             if durable_latest[name] is None:
                 attempts.append((name, "no committed step"))
                 continue
             try:
-                ckpt.load(state, fallback=True)
+                tree = ckpt.load(state, fallback=True)
             except CheckpointError as e:
                 attempts.append((name, f"failed: {e}"))
                 continue
             assert ckpt.last_load is not None
-            return RecoveryReport(ckpt.last_load.step, name, time.perf_counter() - t0, [], attempts)
+            seconds = time.perf_counter() - t0
+            return RecoveryReport(ckpt.last_load.step, name, seconds, [], attempts, tree)
         raise CheckpointNotFoundError(
             "no tier holds a recoverable step: " + "; ".join(f"{n}: {why}" for n, why in attempts)
         )
@@ -301,7 +335,7 @@ class TieredCheckpointer:
                 return step, lost
         return None
 
-    def _restore_memory(self, step: int, lost: list[int], state: Any) -> str:
+    def _restore_memory(self, step: int, lost: list[int], state: Any) -> tuple[str, Any]:
         g = resolve_group(self._process_group)
         held: Any = next((s for s in self.snapshots if s.step == step), None)
         if lost:
@@ -309,8 +343,8 @@ class TieredCheckpointer:
             snap = rebuilt if g.rank in lost else held.snapshot
         else:
             snap = getattr(held, "snapshot", held)
-        snap.restore_into(state)
-        return "memory+erasure" if lost else "memory"
+        tree = snap.restore_into(state)
+        return ("memory+erasure" if lost else "memory"), tree
 
     def close(self) -> None:
         """Flush and close every tier."""
