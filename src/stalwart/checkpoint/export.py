@@ -21,6 +21,7 @@ file that needs more is rejected with a hint to re-save it as plain tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import torch
 from stalwart.checkpoint.checkpointer import Checkpointer
 from stalwart.checkpoint.results import SaveResult
 from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten
 
 __all__ = ["FORMATS", "ExportResult", "ImportResult", "export_step", "import_file"]
@@ -167,14 +169,8 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    with contextlib.suppress(OSError):  # some platforms cannot open folders; still atomic
+        fsync_dir(str(path.parent))
 
 
 def detect_kind(src: Path) -> str:

@@ -27,7 +27,7 @@ from stalwart.errors import (
 from stalwart.storage.base import Buffer, ObjectInfo, validate_key
 from stalwart.storage.direct_io import AlignedBufferPool, write_stream
 
-__all__ = ["TEMP_PREFIX", "LocalStorage"]
+__all__ = ["TEMP_PREFIX", "LocalStorage", "fsync_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class LocalStorage:
             os.replace(tmp, path)
             # The rename, and every directory entry created for it, must reach the disk too.
             for d in {dirpath, *(os.path.dirname(c) for c in created)}:
-                _fsync_dir(d)
+                fsync_dir(d)
         except BaseException as e:
             if fd >= 0:
                 _close_quietly(fd)
@@ -290,7 +290,8 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return len(data)  # pragma: no cover
 
 
-def _fsync_dir(dirpath: str) -> None:
+def fsync_dir(dirpath: str) -> None:
+    """Make a rename or a new entry in ``dirpath`` durable (fsync of the folder itself)."""
     fd = os.open(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
