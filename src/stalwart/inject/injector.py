@@ -9,7 +9,7 @@ of the storage (:func:`stalwart.inject.bits.raw_view`), never through float arit
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -21,6 +21,7 @@ from torch import nn
 from stalwart.errors import ConfigError
 from stalwart.inject.bits import BitLayout, layout_of, raw_view, signed_mask, unsigned
 from stalwart.inject.error_models import Fault, draw_ber
+from stalwart.inject.quantized import QuantizedSlot, find_slot, plain_slot
 from stalwart.inject.targets import Pattern, resolve, select_tensors
 
 __all__ = [
@@ -66,6 +67,8 @@ class Injection:
     def __init__(self) -> None:
         # (label, kind, layout, flat raw view, indices, old words) per applied batch
         self._edits: list[tuple[str, str, BitLayout, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per edit: what else undoes it (a quantized tensor edited through a copy)
+        self._undo: dict[int, Callable[[], None]] = {}
         self._active = True
 
     def _record(
@@ -111,8 +114,11 @@ class Injection:
         if not self._active:
             return
         with torch.no_grad():
-            for _, _, _, raw, index, old in reversed(self._edits):
+            for i in reversed(range(len(self._edits))):
+                _, _, _, raw, index, old = self._edits[i]
                 raw[index] = old
+                if i in self._undo:
+                    self._undo[i]()
         self._active = False
 
     def __enter__(self) -> Injection:
@@ -139,6 +145,64 @@ def _numel_check(tensor: torch.Tensor, index: int, what: str) -> None:
         )
 
 
+def _record_target(
+    inj: Injection,
+    model: nn.Module,
+    target: str,
+    kind: str,
+    index: torch.Tensor,
+    op: str,
+    masks: Sequence[int],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    state: str = "",
+) -> None:
+    """Edit ``target``'s elements ``index``: in place, or through a quantized tensor's copy."""
+    found = find_slot(model, target) if kind == "param" else None
+    if found is None:
+        tensor = resolve(model, target, kind, optimizer=optimizer, state=state)
+        _record_tensor(inj, tensor, target, kind, index, op, masks)
+    else:
+        _record_quantized(inj, *found, target, index, op, masks)
+
+
+def _record_tensor(
+    inj: Injection,
+    tensor: torch.Tensor,
+    label: str,
+    kind: str,
+    index: torch.Tensor,
+    op: str,
+    masks: Sequence[int],
+) -> None:
+    layout = layout_of(tensor.dtype, label)
+    for i, m in zip(index.tolist(), masks, strict=True):
+        _numel_check(tensor, i, label)
+        layout.check_mask(m)
+    inj._record(label, kind, layout, raw_view(tensor, label), index, op, masks)
+
+
+def _record_quantized(
+    inj: Injection,
+    slot: QuantizedSlot,
+    part: str,
+    label: str,
+    index: torch.Tensor,
+    op: str,
+    masks: Sequence[int],
+) -> None:
+    """Edit a copy of the part's words, rebuild the tensor, put it back; undo puts back the
+    original (see :mod:`stalwart.inject.quantized`)."""
+    words = slot.component(part)
+    before = len(inj._edits)
+    _record_tensor(inj, words, label, "param", index, op, masks)
+    if len(inj._edits) == before:
+        return
+    original = slot.snapshot()
+    inj._undo[len(inj._edits) - 1] = lambda: slot.put(original)
+    slot.put(slot.rebuild(part, words))
+
+
 def apply_faults(
     model: nn.Module,
     faults: Iterable[Fault],
@@ -161,26 +225,40 @@ def apply_faults(
     try:
         with torch.no_grad():
             for (kind, target, state, op), fs in groups.items():
-                tensor = resolve(model, target, kind, optimizer=optimizer, state=state)
-                layout = layout_of(tensor.dtype, target)
-                raw = raw_view(tensor, target)
-                for f in fs:
-                    _numel_check(tensor, f.index, target)
-                    layout.check_mask(f.mask)
                 index = torch.tensor([f.index for f in fs], dtype=torch.long)
-                inj._record(target, kind, layout, raw, index, op, [f.mask for f in fs])
+                _record_target(
+                    inj,
+                    model,
+                    target,
+                    kind,
+                    index,
+                    op,
+                    [f.mask for f in fs],
+                    optimizer=optimizer,
+                    state=state,
+                )
     except BaseException:
         inj.restore()
         raise
     return inj
 
 
-def _target(model: nn.Module | torch.Tensor, name: str | None) -> tuple[torch.Tensor, str]:
+def _target(
+    model: nn.Module | torch.Tensor, name: str | None
+) -> tuple[torch.Tensor, str, tuple[QuantizedSlot, str] | None]:
+    """The tensor (for a quantized target: a copy of its words), label and quantized slot."""
     if isinstance(model, torch.Tensor):
-        return model, name or "tensor"
+        if not model.is_quantized:
+            return model, name or "tensor", None
+        part = name or "values"
+        slot = plain_slot("tensor", model)
+        return slot.component(part), f"tensor:{part}", (slot, part)
     if name is None:
         raise ConfigError("name the parameter to corrupt, e.g. bitflip(model, 'fc1.weight', ...)")
-    return resolve(model, name), name
+    found = find_slot(model, name)
+    if found is not None:
+        return found[0].component(found[1]), name, found
+    return resolve(model, name), name, None
 
 
 def _flat(tensor: torch.Tensor, index: int | Sequence[int], what: str) -> int:
@@ -202,16 +280,17 @@ def _single(
     op: str,
     mask_of: Any,
 ) -> Injection:
-    tensor, label = _target(model, name)
+    tensor, label, quantized = _target(model, name)
     layout = layout_of(tensor.dtype, label)
     flat = _flat(tensor, index, label)
     mask = mask_of(layout)
     layout.check_mask(mask)
     inj = Injection()
     with torch.no_grad():
-        inj._record(
-            label, "param", layout, raw_view(tensor, label), torch.tensor([flat]), op, [mask]
-        )
+        if quantized is not None:
+            _record_quantized(inj, *quantized, label, torch.tensor([flat]), op, [mask])
+        else:
+            _record_tensor(inj, tensor, label, "param", torch.tensor([flat]), op, [mask])
     return inj
 
 
@@ -294,18 +373,11 @@ def ber(
     inj = Injection()
     try:
         with torch.no_grad():
-            for name, tensor in select_tensors(model, pattern, buffers=buffers).items():
+            tensors = select_tensors(model, pattern, buffers=buffers, quantized=True)
+            for name, tensor in tensors.items():
                 layout = layout_of(tensor.dtype, name)
                 index, masks = draw_ber(layout, tensor.numel(), rate, rng)
-                inj._record(
-                    name,
-                    "param",
-                    layout,
-                    raw_view(tensor, name),
-                    torch.from_numpy(index),
-                    "xor",
-                    masks,
-                )
+                _record_target(inj, model, name, "param", torch.from_numpy(index), "xor", masks)
     except BaseException:
         inj.restore()
         raise

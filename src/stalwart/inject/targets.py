@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from stalwart.errors import ConfigError
+from stalwart.inject.quantized import find_slot, quantized_slots, quantized_targets
 
 __all__ = [
     "module_of",
@@ -47,6 +48,7 @@ def select_tensors(
     module_types: Sequence[type[nn.Module]] | None = None,
     buffers: bool = False,
     exclude: Pattern = (),
+    quantized: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Parameters (and buffers with ``buffers=True``) whose names match a glob.
 
@@ -56,6 +58,10 @@ def select_tensors(
         module_types: keep only tensors owned directly by modules of these types.
         buffers: include floating or integer buffers (running stats, quantization scales).
         exclude: globs to drop.
+        quantized: list each torch quantized tensor (also packed module weights) as its
+            targets ``NAME``, ``NAME:scale`` and ``NAME:zero_point``
+            (:mod:`stalwart.inject.quantized`). Their tensors are copies of the stored words,
+            for dtype and shape only: edit them through :func:`stalwart.inject.apply_faults`.
 
     Raises:
         ConfigError: nothing matches; the message lists the names that exist.
@@ -63,16 +69,22 @@ def select_tensors(
     pats, skip = _patterns(pattern), _patterns(exclude)
     found: dict[str, torch.Tensor] = {}
     every: list[str] = []
+    slots = quantized_slots(model) if quantized else {}
     for mod_name, module in model.named_modules():
         if module_types is not None and not isinstance(module, tuple(module_types)):
             continue
         items: list[tuple[str, Any]] = list(module.named_parameters(recurse=False))
         if buffers:
             items += list(module.named_buffers(recurse=False))
+        prefix = f"{mod_name}." if mod_name else ""
+        listed = {prefix + k for k, _ in items}
+        owned = {k: s for k, s in slots.items() if s.module is module and (s.packed or k in listed)}
+        items = [(k, t) for k, t in items if prefix + k not in slots]
+        items += [(k[len(prefix) :], t) for k, t in quantized_targets(model, owned).items()]
         for leaf, tensor in items:
             if tensor is None:
                 continue
-            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            name = prefix + leaf
             every.append(name)
             if any(fnmatch.fnmatchcase(name, p) for p in pats) and not any(
                 fnmatch.fnmatchcase(name, p) for p in skip
@@ -124,13 +136,19 @@ def resolve(
 ) -> torch.Tensor:
     """The tensor a fault on ``name`` edits.
 
-    ``kind`` is ``param`` (a parameter or buffer), ``grad`` (its ``.grad``, after backward)
-    or ``optim`` (``optimizer.state[param][state]``, e.g. ``exp_avg``).
+    ``kind`` is ``param`` (a parameter or buffer; for a quantized target, a copy of its
+    stored words, which :func:`~stalwart.inject.apply_faults` edits through), ``grad``
+    (its ``.grad``, after backward) or ``optim`` (``optimizer.state[param][state]``,
+    e.g. ``exp_avg``).
 
     Raises:
         ConfigError: no such tensor, no gradient yet, no optimizer or no such state.
     """
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    if kind == "param" and (name not in tensors or tensors[name].is_quantized):
+        found = find_slot(model, name)
+        if found is not None:  # a copy of the words: see stalwart.inject.quantized
+            return found[0].component(found[1])
     if name not in tensors:
         raise ConfigError(
             f"{type(model).__name__} has no parameter or buffer {name!r}; " + _hint(name, tensors)
