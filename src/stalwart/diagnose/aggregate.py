@@ -1,18 +1,24 @@
 """Pre-aggregation in DuckDB and counting of item-sets over the aggregate.
 
-The source is grouped by every cleaned attribute column into a temporary table holding, per
-distinct combination, its failure mass ``t`` and its total mass ``r`` (rows, or weights). DuckDB
-spills that GROUP BY to its temporary directory when it outgrows ``memory_limit``. The failure
-groups (``t > 0``) are fetched for mining; the reference masses of candidate item-sets are then
-counted in one streamed pass per round over the aggregate: each column is mapped to a small code
-(0 for values no candidate uses, 1..k otherwise) and each cuboid (set of columns) is counted with
-one ``bincount`` over its packed code, so the cost is one vector pass per cuboid, not per
-item-set. The codes are cached in memory when they fit in ``cache_bytes``.
+Every cleaned attribute is coded as a small integer (0 for values no candidate uses, 1..k
+otherwise), and each row carries its failure mass ``t`` and total mass ``r``. When the coded rows
+fit in ``in_memory_bytes`` they are fetched as they are, in one projection scan: a GROUP BY over
+20 attributes barely compresses real logs (nearly every row is its own combination) and costs
+four times the scan. Larger inputs are grouped by every coded column into a temporary table that
+DuckDB spills to its temporary directory when it outgrows ``memory_limit``.
+
+Counting: rows whose total mass is 1 and failure mass 0 or 1 (plain events) are held as one
+bitset per item; an item-set's masses are popcounts of the AND of its items' bitsets (and the
+failure bitset), a few microseconds per item-set. The other rows (weighted, or grouped) are
+counted per cuboid (set of columns) with one ``bincount`` over its packed code, so the cost is one
+vector pass per cuboid, not per item-set. The failure groups (``t > 0``) are fetched separately,
+at full resolution, for mining.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -25,7 +31,15 @@ import pyarrow.compute as pc
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
 from stalwart.diagnose.source import Source
 
-__all__ = ["Aggregate", "FailureGroups", "ItemCounter", "Itemset", "aggregate", "failure_groups"]
+__all__ = [
+    "Aggregate",
+    "FailureGroups",
+    "ItemCounter",
+    "Itemset",
+    "aggregate",
+    "failure_groups",
+    "in_memory_budget",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +48,9 @@ Itemset = tuple[tuple[int, str], ...]
 
 _BATCH_ROWS = 1 << 20
 _DENSE_BINS = 1 << 22
+_IN_MEMORY_BYTES = 1 << 30
+_PAIR_CACHE_BYTES = 1 << 26
+_CASE_VALUES = 32  # a CASE chain beats list_position up to about this many values
 
 
 @dataclass
@@ -72,11 +89,15 @@ class Aggregate:
     rest), with its failure mass ``t`` and total mass ``r``."""
 
     src: Source
-    table: str
+    table: str | None
+    """The grouped temporary table, or None when the coded rows are held in ``arrays``."""
     values: dict[int, list[str]]
     total_target: float
     total_reference: float
     groups: int
+    """Rows of the aggregate (the input's rows when they were not grouped)."""
+    arrays: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
+    """In-memory codes per column (uint16), failure masses and total masses."""
 
 
 def _num(v: float) -> str:
@@ -107,30 +128,75 @@ def aggregate(
     *,
     target_sql: str,
     reference_sql: str,
+    in_memory_bytes: int = _IN_MEMORY_BYTES,
 ) -> Aggregate:
-    """GROUP BY every attribute (coded by ``values``: the values frequent among failures, the
-    rest folded to 0), summing the failure and the total mass; DuckDB spills it to disk when
-    it outgrows the memory limit."""
-    table = "stalwart_agg_" + uuid.uuid4().hex[:8]
-    exprs = []
-    for c, vs in sorted(values.items()):
-        lits = ", ".join("'" + v.replace("'", "''") + "'" for v in vs)
-        # a value that is kept is its own unfolded value, so folding can be skipped unless
-        # 'other' itself is one of the values that matter
-        expr = plan.exprs[c] if OTHER_VALUE in vs else plan.unfolded[c]
-        exprs.append(f"coalesce(list_position([{lits}], {expr}), 0)::USMALLINT AS k{c}")
-    sel = ", ".join(exprs) + ", " if exprs else ""
+    """Code every attribute by ``values`` (the values frequent among failures, the rest 0) and
+    attach each row's failure and total mass: held in memory as NumPy arrays when the coded rows
+    fit in ``in_memory_bytes``, else grouped by every coded column into a temporary table, which
+    DuckDB spills to disk when it outgrows the memory limit."""
+    values = dict(sorted(values.items()))
+    sel = "".join(f"{_coded(plan, c, vs)} AS k{c}, " for c, vs in values.items())
+    if plan.rows * _row_bytes(len(values)) <= in_memory_bytes:
+        table = src.sql(
+            f"SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
+            f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
+        ).to_arrow_table()
+        n = len(values)
+        cols = {
+            c: table.column(i).combine_chunks().to_numpy(zero_copy_only=False)
+            for i, c in enumerate(values)
+        }
+        t = table.column(n).combine_chunks().to_numpy(zero_copy_only=False)
+        r = table.column(n + 1).combine_chunks().to_numpy(zero_copy_only=False)
+        log.info("held %d coded rows in memory", len(t))
+        return Aggregate(
+            src, None, values, float(t.sum()), float(r.sum()), len(t), arrays=(cols, t, r)
+        )
+    name = "stalwart_agg_" + uuid.uuid4().hex[:8]
     src.con.execute(
-        f"CREATE TEMP TABLE {table} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "
+        f"CREATE TEMP TABLE {name} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "
         f"sum({reference_sql})::DOUBLE AS r FROM {src.name} GROUP BY ALL"
     )
     tot = src.con.sql(
-        f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {table}"
+        f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {name}"
     ).fetchall()[0]
     log.info("aggregated into %d groups", tot[2])
-    return Aggregate(
-        src, table, dict(sorted(values.items())), float(tot[0]), float(tot[1]), int(tot[2])
-    )
+    return Aggregate(src, name, values, float(tot[0]), float(tot[1]), int(tot[2]))
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def in_memory_budget(memory_limit: str | None) -> int:
+    """Bytes the coded rows may take in NumPy: 1 GiB, or an eighth of DuckDB's ``memory_limit``
+    when one is set, since those arrays live outside DuckDB's buffer manager and the limit is
+    the user's word on how much memory the analysis may take."""
+    if not memory_limit:
+        return _IN_MEMORY_BYTES
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", memory_limit.lower())
+    if not m:
+        return _IN_MEMORY_BYTES
+    unit = _UNITS[m.group(2)]
+    if m.group(3):
+        unit = 1024 ** ("bkmgt".index(m.group(2)))
+    return min(_IN_MEMORY_BYTES, int(float(m.group(1)) * unit) // 8)
+
+
+def _row_bytes(n_columns: int) -> int:
+    # uint16 codes, float64 t and r, and the bitsets and temporaries counting needs
+    return 2 * n_columns + 24
+
+
+def _coded(plan: CleanPlan, c: int, vs: list[str]) -> str:
+    """SQL coding column ``c``: 1..k for ``vs`` in order, 0 for any other value."""
+    lits = ["'" + v.replace("'", "''") + "'" for v in vs]
+    if OTHER_VALUE in vs or len(vs) > _CASE_VALUES:
+        # a kept value is its own unfolded value, so folding is needed only when 'other'
+        # itself is one of the values that matter
+        expr = plan.exprs[c] if OTHER_VALUE in vs else plan.unfolded[c]
+        return f"coalesce(list_position([{', '.join(lits)}], {expr}), 0)::USMALLINT"
+    whens = " ".join(f"WHEN {lit} THEN {k + 1}" for k, lit in enumerate(lits))
+    return f"(CASE {plan.unfolded[c]} {whens} ELSE 0 END)::USMALLINT"
 
 
 class ItemCounter:
@@ -144,6 +210,7 @@ class ItemCounter:
         self.cache_bytes = cache_bytes
         self._cache: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
         self._sample: tuple[dict[int, np.ndarray], np.ndarray] | None = None
+        self._bits: _UnitBits | None = None
         self.sample_size = sample_size
         self._values: dict[int, list[str]] = {}
 
@@ -152,8 +219,10 @@ class ItemCounter:
         self._values = self.agg.values
         self._code = {c: {v: k + 1 for k, v in enumerate(vs)} for c, vs in self._values.items()}
         self._cache = None
-        width = 2 * len(self._values) + 16
-        if self.agg.groups * width <= self.cache_bytes:
+        self._bits = None
+        if self.agg.arrays is not None:
+            self._cache = self.agg.arrays
+        elif self.agg.groups * _row_bytes(len(self._values)) <= self.cache_bytes:
             batches = list(self._batches())
             if batches:
                 cols = {c: np.concatenate([b[0][c] for b in batches]) for c in self._values}
@@ -163,6 +232,9 @@ class ItemCounter:
                 cols = {c: np.zeros(0, np.uint16) for c in self._values}
                 t = r = np.zeros(0)
             self._cache = (cols, t, r)
+        if self._cache is not None:
+            cols, t, r = self._cache
+            self._bits = _UnitBits(cols, t, r)
             self._draw_sample(cols, r)
 
     def _draw_sample(self, cols: dict[int, np.ndarray], r: np.ndarray) -> None:
@@ -216,10 +288,20 @@ class ItemCounter:
         out_r = np.zeros(len(itemsets))
         if not itemsets:
             return out_t, out_r
+        if self._cache is not None and self._bits is not None:
+            cols, t, r = self._cache
+            bits = self._bits
+            codes = [tuple((c, self._code[c][v]) for c, v in s) for s in itemsets]
+            bits.count(codes, mask, target, out_t, out_r)
+            if len(bits.rest):
+                rest = bits.rest if mask is None else bits.rest[mask[bits.rest]]
+                sub = {c: v[rest] for c, v in cols.items()}
+                plans = self._radix_plans(itemsets)
+                self._count_batch(sub, t[rest] if target else None, r[rest], plans, out_t, out_r)
+            return out_t, out_r
         plans = self._radix_plans(itemsets)
         offset = 0
-        source = [self._cache] if self._cache is not None else self._batches()
-        for cols, t, r in source:
+        for cols, t, r in self._batches():
             n = len(t)
             if mask is not None:
                 m = mask[offset : offset + n]
@@ -305,3 +387,69 @@ class ItemCounter:
                 out_r[idx[order]] += np.bincount(pos[hit], weights=r[hit], minlength=len(sk))
                 if t is not None:
                     out_t[idx[order]] += np.bincount(pos[hit], weights=t[hit], minlength=len(sk))
+
+
+class _UnitBits:
+    """The unit rows of the aggregate (total mass 1, failure mass 0 or 1: plain events) as one
+    bitset per item, built on first use; ``rest`` indexes the other rows.
+
+    An item-set's masses over the unit rows are popcounts of the AND of its items' bitsets (and of
+    the failure bitset): about 16,000 64-bit words per million rows, microseconds per item-set.
+    """
+
+    def __init__(self, cols: dict[int, np.ndarray], t: np.ndarray, r: np.ndarray) -> None:
+        unit = (r == 1.0) & ((t == 0.0) | (t == 1.0))
+        self.cols = cols
+        self.rest = np.flatnonzero(~unit)
+        self.unit = None if len(self.rest) == 0 else self._pack(unit)
+        self.fail = self._pack(t == 1.0)
+        self._items: dict[tuple[int, int], np.ndarray] = {}
+
+    def _pack(self, m: np.ndarray) -> np.ndarray:
+        packed = np.packbits(m.view(np.uint8), bitorder="little")
+        pad = -len(packed) % 8
+        if pad:
+            packed = np.concatenate([packed, np.zeros(pad, np.uint8)])
+        return packed.view(np.uint64)
+
+    def item(self, c: int, code: int) -> np.ndarray:
+        key = (c, code)
+        got = self._items.get(key)
+        if got is None:
+            got = self._pack(self.cols[c] == code)
+            if self.unit is not None:
+                got &= self.unit
+            self._items[key] = got
+        return got
+
+    def count(
+        self,
+        itemsets: Sequence[tuple[tuple[int, int], ...]],
+        mask: np.ndarray | None,
+        target: bool,
+        out_t: np.ndarray,
+        out_r: np.ndarray,
+    ) -> None:
+        """Add each coded item-set's unit-row masses (within ``mask``) to ``out_t``/``out_r``."""
+        within = None if mask is None else self._pack(np.asarray(mask, dtype=bool))
+        # ANDed pairs are reused by the triples that extend them, within a bounded budget
+        pairs: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+        max_pairs = _PAIR_CACHE_BYTES // max(self.fail.nbytes, 1)
+        for i, s in enumerate(itemsets):
+            if len(s) > 2 and s[:2] in pairs:
+                acc = pairs[s[:2]] & self.item(*s[2])
+                rest = s[3:]
+            else:
+                acc = self.item(*s[0]).copy()
+                for it in s[1:2]:
+                    acc &= self.item(*it)
+                if len(s) >= 2 and len(pairs) < max_pairs:
+                    pairs[s[:2]] = acc.copy()
+                rest = s[2:]
+            for it in rest:
+                acc &= self.item(*it)
+            if within is not None:
+                acc &= within
+            out_r[i] += int(np.bitwise_count(acc).sum())
+            if target:
+                out_t[i] += int(np.bitwise_count(acc & self.fail).sum())

@@ -13,7 +13,13 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from stalwart.diagnose.aggregate import ItemCounter, Itemset, aggregate, failure_groups
+from stalwart.diagnose.aggregate import (
+    ItemCounter,
+    Itemset,
+    aggregate,
+    failure_groups,
+    in_memory_budget,
+)
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
 from stalwart.diagnose.fpgrowth import fpgrowth
 from stalwart.diagnose.options import DiagnoseOptions
@@ -210,15 +216,17 @@ def _run(
     for s in itemsets:
         for c, v in s:
             used.setdefault(c, set()).add(v)
+    budget = in_memory_budget(opts.memory_limit)
     agg = aggregate(
         src,
         plan,
         {c: sorted(v) for c, v in used.items()},
         target_sql=masses.target,
         reference_sql=masses.reference,
+        in_memory_bytes=budget,
     )
     lap("aggregate")
-    counter = ItemCounter(agg)
+    counter = ItemCounter(agg, cache_bytes=budget)
     counter.prepare()
     scored = _count_levels(itemsets, counter, total_r, base, opts)
     lap("count")

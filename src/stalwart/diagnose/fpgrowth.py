@@ -26,6 +26,8 @@ import numpy as np
 
 __all__ = ["fpgrowth"]
 
+_DENSE_TRIPLES = 1 << 22  # count triples in a dense array up to this many (32 MB)
+
 
 class _Tree:
     __slots__ = ("children", "header", "item", "parent", "weight")
@@ -214,7 +216,10 @@ def _mine_flat(
         out[(key % k, key // k)] = float(pair[key])
     if max_len < 3 or not frequent_pair.any():
         return out
-    triples: dict[int, float] = defaultdict(float)
+    # every (node, ancestor, older ancestor) triple whose pairs are frequent, weighted by the
+    # node; summed in one pass at the end
+    keys_parts: list[np.ndarray] = []
+    weight_parts: list[np.ndarray] = []
     for q in range(depth):
         y = anc[:, q]
         m = (y >= 0) & frequent_pair[np.where(y >= 0, item * k + y, 0)]
@@ -226,12 +231,18 @@ def _mine_flat(
             mm = (z >= 0) & frequent_pair[np.where(z >= 0, xs * k + z, 0)] & keep[np.maximum(z, 0)]
             if not mm.any():
                 continue
-            keys = (xs[mm] * k + ys[mm]) * k + z[mm]
-            uk, inv = np.unique(keys, return_inverse=True)
-            sums = np.bincount(inv, weights=ws[mm])
-            for key, val in zip(uk.tolist(), sums.tolist(), strict=True):
-                triples[key] += val
-    for key, val in triples.items():
-        if val >= min_weight:
-            out[(key % k, (key // k) % k, key // (k * k))] = val
+            keys_parts.append((xs[mm] * k + ys[mm]) * k + z[mm])
+            weight_parts.append(ws[mm])
+    if not keys_parts:
+        return out
+    keys, ws = np.concatenate(keys_parts), np.concatenate(weight_parts)
+    if k**3 <= _DENSE_TRIPLES:
+        sums = np.bincount(keys, weights=ws, minlength=k**3)
+        uk = np.arange(k**3)
+    else:
+        uk, inv = np.unique(keys, return_inverse=True)
+        sums = np.bincount(inv, weights=ws)
+    hit = sums >= min_weight
+    for key, val in zip(uk[hit].tolist(), sums[hit].tolist(), strict=True):
+        out[(key % k, (key // k) % k, key // (k * k))] = val
     return out

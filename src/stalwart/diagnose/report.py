@@ -79,8 +79,8 @@ def render_html(d: Diagnosis, *, title: str) -> str:
     ]
     parts.append(
         f"<p>Mode <b>{_e(d.mode)}</b>: {_n(d.total_failures)} {what} over {_n(d.total_rows)} "
-        f"rows (base rate {d.base_rate:.4%}), {d.groups:,} distinct groups after "
-        f"pre-aggregation, {d.candidates:,} item-sets scored. The findings' rows hold "
+        f"rows (base rate {d.base_rate:.4%}), {d.groups:,} coded rows or groups "
+        f"counted, {d.candidates:,} item-sets scored. The findings' rows hold "
         f"{d.covered:.1%} of the {what}.</p>"
     )
     if d.message:

@@ -61,6 +61,8 @@ class Diagnosis:
     total_failures: float
     total_rows: float
     groups: int
+    """Rows the reference counts ran over: the coded input rows when they fit in memory, else
+    the distinct groups of DuckDB's GROUP BY."""
     columns: tuple[str, ...]
     cleaning: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

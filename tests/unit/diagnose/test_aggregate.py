@@ -1,0 +1,96 @@
+"""Counting over the aggregate: the in-memory path (coded rows, unit rows as bitsets) and the
+grouped path (DuckDB GROUP BY, streamed or cached) give the same masses, with and without a
+mask, for plain and for weighted rows."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stalwart.diagnose import DiagnoseOptions, analyze
+from stalwart.diagnose.aggregate import ItemCounter, aggregate, in_memory_budget
+from stalwart.diagnose.clean import plan_cleaning
+from stalwart.diagnose.source import open_source
+from stalwart.diagnose.synth import make_failure_log
+from stalwart.diagnose.target import event_masses
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _weighted_table() -> pa.Table:
+    log = make_failure_log(6_000, columns=6, causes=1, depth=2, seed=11, coverage=(0.02, 0.1))
+    rng = np.random.default_rng(0)
+    # a third of the rows stand for several events: they are counted outside the bitsets
+    n = np.where(rng.random(log.table.num_rows) < 0.3, rng.integers(2, 6, log.table.num_rows), 1)
+    return log.table.drop_columns(["host_id"]).append_column("n", pa.array(n.astype(np.int64)))
+
+
+@pytest.mark.parametrize("weight", [None, "n"])
+def test_in_memory_and_grouped_counts_agree(weight: str | None) -> None:
+    table = _weighted_table()
+    with open_source(table) as src:
+        masses = event_masses(src, "failed", weight)
+        attrs = [c for c in src.columns if c not in masses.used and c != "n"]
+        plan = plan_cleaning(
+            src,
+            attrs,
+            target_sql=masses.target,
+            weight_sql=masses.reference,
+            options=DiagnoseOptions(),
+        )
+        values = {
+            c: [
+                str(v)
+                for (v,) in src.sql(
+                    f"SELECT DISTINCT {e} AS v FROM {{src}} ORDER BY v LIMIT 3"
+                ).fetchall()
+            ]
+            for c, e in enumerate(plan.exprs)
+        }
+        kw = {"target_sql": masses.target, "reference_sql": masses.reference}
+        held = aggregate(src, plan, values, **kw)
+        grouped = aggregate(src, plan, values, in_memory_bytes=0, **kw)
+        assert held.arrays is not None and grouped.arrays is None
+        assert held.total_reference == pytest.approx(grouped.total_reference)
+        items = [(c, v) for c, vs in values.items() for v in vs]
+        sets = [
+            tuple(s)
+            for k in (1, 2, 3)
+            for s in itertools.combinations(items, k)
+            if len({c for c, _ in s}) == k
+        ][:400]
+        counters = [ItemCounter(held), ItemCounter(grouped), ItemCounter(grouped, cache_bytes=0)]
+        for counter in counters:
+            counter.prepare()
+        want_t, want_r = counters[-1].count(sets)
+        assert want_r.sum() > 0
+        for counter in counters[:2]:
+            t, r = counter.count(sets)
+            np.testing.assert_allclose(t, want_t)
+            np.testing.assert_allclose(r, want_r)
+        # a mask (aligned with each aggregate's own scan order) restricts the counts alike
+        probe = sets[0]
+        outside = [c.count(sets[:50], mask=~c.match(probe)) for c in (counters[0], counters[-1])]
+        np.testing.assert_allclose(outside[0][0], outside[1][0])
+        np.testing.assert_allclose(outside[0][1], outside[1][1])
+
+
+def test_findings_do_not_depend_on_the_in_memory_budget() -> None:
+    log = make_failure_log(60_000, columns=10, causes=2, depth=(1, 2), seed=4)
+    held = analyze(log.table, "failed", example_rows=0)
+    grouped = analyze(log.table, "failed", example_rows=0, memory_limit="8MB")
+    assert held.groups == 60_000 and grouped.groups < 60_000
+    assert len(held.findings) == 2
+    assert [f.items for f in held.findings] == [f.items for f in grouped.findings]
+    assert [f.rows for f in held.findings] == [f.rows for f in grouped.findings]
+
+
+def test_in_memory_budget_follows_the_memory_limit() -> None:
+    assert in_memory_budget(None) == 1 << 30
+    assert in_memory_budget("4GB") == 500_000_000
+    assert in_memory_budget("512MiB") == 64 << 20
+    assert in_memory_budget("100 mb") == 12_500_000
+    assert in_memory_budget("not a size") == 1 << 30
