@@ -1,8 +1,12 @@
 """A two-layer GCN on a generated stochastic block-model graph (4 classes x 150 nodes).
 
-The normalized adjacency ``D^-1/2 (A + I) D^-1/2`` is a buffer (``adj``), so edge-weight
-faults are buffer faults; node features are the model's input. Nodes exchange messages,
-so one node's fault reaches others: campaigns must use ``independent_samples=False``.
+Graph inputs are fault targets: the normalized adjacency ``D^-1/2 (A + I) D^-1/2`` is a
+dense buffer (``adj``), so edge-weight faults are buffer faults (:func:`edge_elements`
+restricts them to the graph's edges); node features pass through ``features`` (an
+``nn.Identity``), so activation faults there corrupt one node's input features (``sample``
+is the node). Adjacency *indices* of a sparse (COO/CSR) graph are out of scope: this
+graph is dense, and its values are what a fault hits. Nodes exchange messages, so one
+node's fault reaches others: campaigns must use ``independent_samples=False``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import nn
 
 from stalwart.models.base import ReferenceModel, register
 
-__all__ = ["GCN", "sbm_graph"]
+__all__ = ["GCN", "edge_elements", "sbm_graph"]
 
 
 class GCN(nn.Module):
@@ -24,12 +28,20 @@ class GCN(nn.Module):
     ) -> None:
         super().__init__()
         self.register_buffer("adj", adj)
+        self.features = nn.Identity()  # a hook point: node-feature faults are its outputs
         self.lin1 = nn.Linear(features, hidden)
         self.lin2 = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.adj @ self.lin1(x))
+        h = F.relu(self.adj @ self.lin1(self.features(x)))
         return self.adj @ self.lin2(h)
+
+
+def edge_elements(adj: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the adjacency's stored edges (nonzero entries, self-loops included):
+    pass as ``sample_faults(..., elements={"adj": edge_elements(model.adj)})`` so faults hit
+    edge weights, not the zeros between unconnected nodes."""
+    return adj.reshape(-1).nonzero().flatten()
 
 
 def sbm_graph(
