@@ -109,8 +109,8 @@ def layout_of(dtype: torch.dtype, what: str = "tensor") -> BitLayout:
     except KeyError:
         raise UnsupportedValueError(
             f"{what} has dtype {dtype}, whose bits stalwart cannot address; supported: "
-            f"{', '.join(supported_dtypes())}. For a torch quantized tensor, inject into its "
-            "int_repr() and its scale/zero-point tensors instead"
+            f"{', '.join(supported_dtypes())}. A torch quantized tensor is addressed by name "
+            "(NAME, NAME:scale, NAME:zero_point; see stalwart.inject.quantized)"
         ) from None
 
 
