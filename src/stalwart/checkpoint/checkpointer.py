@@ -10,6 +10,7 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stalwart.checkpoint.async_save import AsyncSaver, PendingSave, guard
-from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
 from stalwart.checkpoint.commit import build_manifest
 from stalwart.checkpoint.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.manifest import (
@@ -35,13 +36,12 @@ from stalwart.checkpoint.manifest import (
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.plan import LocalItem, local_items, merge_skeletons, plan_writes
-from stalwart.checkpoint.restore import load_step
+from stalwart.checkpoint.restore import load_first_that_verifies, load_step
 from stalwart.checkpoint.results import LoadResult, SaveResult
 from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    DistributedError,
     ObjectNotFoundError,
 )
 from stalwart.storage import open_storage
@@ -254,22 +254,12 @@ class Checkpointer:
         return pending
 
     def _background_group(self) -> Group:
-        """A gloo group of our own for background collectives.
-
-        Background saves must never issue collectives on the training's group: two threads
-        on one group interleave and deadlock. Created on the first ``save_async``, which all
-        ranks make together.
-        """
+        # Background saves never share the training's group (see dedicated_group); made on
+        # the first save_async, which all ranks make together.
         g = self._group
-        if g.world == 1:
-            return g
-        if self._background is None:
-            import torch.distributed as dist
-
-            ranks = dist.get_process_group_ranks(g.pg)
-            pg = dist.new_group(ranks=ranks, backend="gloo")
-            self._background = Group(pg=pg, rank=dist.get_rank(pg), world=len(ranks))
-        return self._background
+        if g.world > 1 and self._background is None:
+            self._background = dedicated_group(g)
+        return self._background if g.world > 1 and self._background else g
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first failure nobody has seen."""
@@ -326,7 +316,7 @@ class Checkpointer:
             local["fast_index"], stats.fast_index = stats.fast_index, {}  # stays on this rank
             return {k: s.to_json() for k, s in shards.items()}, stats
 
-        with lease if g.rank == 0 else _nullcontext():
+        with lease if g.rank == 0 else contextlib.nullcontext():
             results = g.run(f"saving step {step}", persist)
 
             def commit() -> Manifest | None:
@@ -420,46 +410,15 @@ class Checkpointer:
             )
         if not fallback:
             candidates = candidates[:1]
-        skipped: list[tuple[int, str]] = []
-        err: Exception | None = None
-        for s in candidates:
-            # Outcome kinds: "ok"; "corrupt" (fallback may try an older step); "error" (any
-            # other failure, e.g. a state mismatch on one rank only: every rank stops).
-            try:
-                tree, read, mismatched = self._load_step(s, state, strict)
-                ok: tuple[str, str] = ("ok", "")
-            except CorruptCheckpointError as e:
-                if not fallback and g.world == 1:
-                    raise
-                ok, err = ("corrupt", str(e)), e
-            except Exception as e:
-                if g.world == 1:
-                    raise
-                ok, err = ("error", f"{type(e).__name__}: {e}"), e
-            outcomes = g.all_gather(ok)
-            failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
-            if failed:
-                if ok[0] == "error" and err is not None:
-                    raise err
-                r, msg = failed[0]
-                raise DistributedError(f"loading step {s} failed on rank {r}: {msg}")
-            bad = [msg for kind, msg in outcomes if kind != "ok"]
-            if not bad:
-                self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
-                if skipped:
-                    log.warning("loaded step %s after skipping damaged steps %s", s, skipped)
-                return tree
-            if not fallback:
-                if ok[0] != "ok" and err is not None:
-                    raise err
-                raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
-            skipped.append((s, bad[0]))
-            log.warning("step %s is damaged, falling back to an older one: %s", s, bad[0])
-        raise CorruptCheckpointError(
-            f"no checkpoint in {self.url} verifies (tried steps {[s for s, _ in skipped]}); "
-            "see the reasons in .damaged",
-            damaged=[f"step {s}: {why}" for s, why in skipped],
+        s, tree, read, mismatched, skipped = load_first_that_verifies(
+            candidates,
+            lambda s: self._load_step(s, state, strict),
+            g,
+            fallback=fallback,
+            where=self.url,
         )
+        self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
+        return tree
 
     def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:
         store = self._store(create=False)
@@ -527,14 +486,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _check_save_args(step: Any, metadata: Any) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from stalwart.errors import DistributedError
 
-__all__ = ["Group", "resolve_group"]
+__all__ = ["Group", "dedicated_group", "resolve_group"]
 
 T = TypeVar("T")
 
@@ -85,3 +85,15 @@ def resolve_group(process_group: Any = None) -> Group:
         return Group(pg=None, rank=0, world=1)
     pg = process_group if process_group is not None else dist.group.WORLD
     return Group(pg=pg, rank=dist.get_rank(pg), world=dist.get_world_size(pg))
+
+
+def dedicated_group(g: Group) -> Group:
+    """A new gloo group over ``g``'s ranks, for collectives issued from background threads.
+
+    Two threads issuing collectives on one group interleave and deadlock (a known DCP async
+    failure); background work gets a group of its own. Collective: every rank of ``g`` must
+    call it, in the same order.
+    """
+    ranks = dist.get_process_group_ranks(g.pg)
+    pg = dist.new_group(ranks=ranks, backend="gloo")
+    return Group(pg=pg, rank=dist.get_rank(pg), world=len(ranks))

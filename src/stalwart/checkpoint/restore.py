@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.gc import Lease
 from stalwart.checkpoint.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.plan import local_box
 from stalwart.checkpoint.reshard import read_box
-from stalwart.errors import CorruptCheckpointError, StalwartError, StateMismatchError
+from stalwart.errors import (
+    CorruptCheckpointError,
+    DistributedError,
+    StalwartError,
+    StateMismatchError,
+)
 from stalwart.storage.base import Storage
 from stalwart.tree import (
     FlatTree,
@@ -30,7 +37,7 @@ from stalwart.tree import (
     unflatten,
 )
 
-__all__ = ["fill_tensor", "load_step"]
+__all__ = ["fill_tensor", "load_first_that_verifies", "load_step"]
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +160,62 @@ def _restore_stateful(
             ) from e
         problems.append(msg)
         log.warning("%s", msg)
+
+
+def load_first_that_verifies(
+    candidates: list[int],
+    load_one: Callable[[int], tuple[Any, int, list[str]]],
+    g: Group,
+    *,
+    fallback: bool,
+    where: str,
+) -> tuple[int, Any, int, list[str], list[tuple[int, str]]]:
+    """Load the first of ``candidates`` that loads on every rank.
+
+    Every rank reports its outcome after each try, so all ranks move to the next (older)
+    step together, or all raise. Outcome kinds: ``ok``; ``corrupt`` (fallback may try an
+    older step); ``error`` (any other failure, such as a state mismatch on one rank only:
+    every rank stops).
+
+    Returns:
+        ``(step, tree, bytes_read, ignored_problems, skipped)``.
+    """
+    skipped: list[tuple[int, str]] = []
+    err: Exception | None = None
+    for s in candidates:
+        # Outcome kinds: "ok"; "corrupt" (fallback may try an older step); "error" (any
+        # other failure, e.g. a state mismatch on one rank only: every rank stops).
+        try:
+            tree, read, mismatched = load_one(s)
+            ok: tuple[str, str] = ("ok", "")
+        except CorruptCheckpointError as e:
+            if not fallback and g.world == 1:
+                raise
+            ok, err = ("corrupt", str(e)), e
+        except Exception as e:
+            if g.world == 1:
+                raise
+            ok, err = ("error", f"{type(e).__name__}: {e}"), e
+        outcomes = g.all_gather(ok)
+        failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
+        if failed:
+            if ok[0] == "error" and err is not None:
+                raise err
+            r, msg = failed[0]
+            raise DistributedError(f"loading step {s} failed on rank {r}: {msg}")
+        bad = [msg for kind, msg in outcomes if kind != "ok"]
+        if not bad:
+            if skipped:
+                log.warning("loaded step %s after skipping damaged steps %s", s, skipped)
+            return s, tree, read, mismatched, skipped
+        if not fallback:
+            if ok[0] != "ok" and err is not None:
+                raise err
+            raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
+        skipped.append((s, bad[0]))
+        log.warning("step %s is damaged, falling back to an older one: %s", s, bad[0])
+    raise CorruptCheckpointError(
+        f"no checkpoint in {where} verifies (tried steps {[s for s, _ in skipped]}); "
+        "see the reasons in .damaged",
+        damaged=[f"step {s}: {why}" for s, why in skipped],
+    )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
 from stalwart.checkpoint.snapshot_keeper import SnapshotKeeper
@@ -235,11 +235,7 @@ class TieredCheckpointer:
             from stalwart.checkpoint.erasure import ErasureGroup
 
             g = resolve_group(self._process_group)
-            pg = g.pg
-            if g.world > 1:
-                import torch.distributed as dist
-
-                pg = dist.new_group(ranks=dist.get_process_group_ranks(g.pg), backend="gloo")
+            pg = dedicated_group(g).pg if g.world > 1 else g.pg
             k, m = self._erasure_cfg
             self._eg = ErasureGroup(k, m, process_group=pg, codec=self._codec)
         return self._eg
