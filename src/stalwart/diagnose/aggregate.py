@@ -21,7 +21,7 @@ import logging
 import re
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +50,7 @@ _BATCH_ROWS = 1 << 20
 _DENSE_BINS = 1 << 22
 _IN_MEMORY_BYTES = 1 << 30
 _PAIR_CACHE_BYTES = 1 << 26
+_GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
 _CASE_VALUES = 32  # a CASE chain beats list_position up to about this many values
 
 
@@ -152,15 +153,32 @@ def aggregate(
         return Aggregate(
             src, None, values, float(t.sum()), float(r.sum()), len(t), arrays=(cols, t, r)
         )
+    # Out of core: the coded rows go to a temporary table first (a projection, streamed and
+    # spilled); they are grouped only when that shrinks them several times over, since a GROUP
+    # BY of rows that are nearly all distinct costs a spilled hash table for nothing.
     name = "stalwart_agg_" + uuid.uuid4().hex[:8]
     src.con.execute(
-        f"CREATE TEMP TABLE {name} AS SELECT {sel}sum({target_sql})::DOUBLE AS t, "
-        f"sum({reference_sql})::DOUBLE AS r FROM {src.name} GROUP BY ALL"
+        f"CREATE TEMP TABLE {name}_rows AS SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
+        f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {src.name}"
     )
+    keys = ", ".join(f"k{c}" for c in values)
+    distinct = (
+        src.con.sql(f"SELECT approx_count_distinct(hash({keys})) FROM {name}_rows").fetchall()[0][0]
+        if keys
+        else 1
+    )
+    if distinct * _GROUP_GAIN <= plan.rows:
+        src.con.execute(
+            f"CREATE TEMP TABLE {name} AS SELECT {keys + ', ' if keys else ''}sum(t) AS t, "
+            f"sum(r) AS r FROM {name}_rows GROUP BY ALL"
+        )
+        src.con.execute(f"DROP TABLE {name}_rows")
+    else:
+        name += "_rows"
     tot = src.con.sql(
         f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {name}"
     ).fetchall()[0]
-    log.info("aggregated into %d groups", tot[2])
+    log.info("aggregated into %d groups (about %d distinct)", tot[2], distinct)
     return Aggregate(src, name, values, float(tot[0]), float(tot[1]), int(tot[2]))
 
 
@@ -288,26 +306,26 @@ class ItemCounter:
         out_r = np.zeros(len(itemsets))
         if not itemsets:
             return out_t, out_r
-        if self._cache is not None and self._bits is not None:
-            cols, t, r = self._cache
-            bits = self._bits
-            codes = [tuple((c, self._code[c][v]) for c, v in s) for s in itemsets]
-            bits.count(codes, mask, target, out_t, out_r)
-            if len(bits.rest):
-                rest = bits.rest if mask is None else bits.rest[mask[bits.rest]]
-                sub = {c: v[rest] for c, v in cols.items()}
-                plans = self._radix_plans(itemsets)
-                self._count_batch(sub, t[rest] if target else None, r[rest], plans, out_t, out_r)
-            return out_t, out_r
-        plans = self._radix_plans(itemsets)
+        codes = [tuple((c, self._code[c][v]) for c, v in s) for s in itemsets]
+        plans = None
+        parts: Iterable[tuple[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray], _UnitBits]]
+        if self._cache is not None:
+            assert self._bits is not None
+            parts = [(self._cache, self._bits)]
+        else:
+            # streamed: each batch gets its own bitsets, built for the items asked about
+            parts = ((b, _UnitBits(*b)) for b in self._batches())
         offset = 0
-        for cols, t, r in self._batches():
+        for (cols, t, r), bits in parts:
             n = len(t)
-            if mask is not None:
-                m = mask[offset : offset + n]
-                t, r = t * m, r * m
+            m = None if mask is None else np.asarray(mask[offset : offset + n], dtype=bool)
             offset += n
-            self._count_batch(cols, t if target else None, r, plans, out_t, out_r)
+            bits.count(codes, m, target, out_t, out_r)
+            if len(bits.rest):
+                rest = bits.rest if m is None else bits.rest[m[bits.rest]]
+                sub = {c: v[rest] for c, v in cols.items()}
+                plans = plans or self._radix_plans(itemsets)
+                self._count_batch(sub, t[rest] if target else None, r[rest], plans, out_t, out_r)
         return out_t, out_r
 
     def _radix_plans(
