@@ -21,7 +21,7 @@ from stalwart.diagnose.aggregate import (
     in_memory_budget,
 )
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
-from stalwart.diagnose.fpgrowth import fpgrowth
+from stalwart.diagnose.fpgrowth import fpgrowth_rows
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
 from stalwart.diagnose.score import Scored, Tester, prune, select, wilson
@@ -335,8 +335,7 @@ def _mine(
     for c in range(n_cols):
         frequent[:, c] = keepers[c][codes[:, c]]
     items = np.where(frequent, items, -1)
-    transactions = [tuple(x for x in row if x >= 0) for row in items.tolist()]
-    found = fpgrowth(transactions, t.tolist(), min_weight=min_weight, max_len=opts.max_len)
+    found = fpgrowth_rows(items, t, min_weight=min_weight, max_len=opts.max_len)
     col_of = np.searchsorted(offsets, np.arange(offsets[-1]), side="right") - 1
     groups = [set(columns.index(c) for c in h if c in columns) for h in opts.hierarchies]
     out = {}

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["fpgrowth"]
+__all__ = ["fpgrowth", "fpgrowth_rows"]
 
 _DENSE_TRIPLES = 1 << 22  # count triples in a dense array up to this many (32 MB)
 
@@ -152,19 +152,69 @@ def fpgrowth(
     return {tuple(sorted(order[k] for k in s)): w for s, w in ranked.items()}
 
 
+def fpgrowth_rows(
+    items: np.ndarray, weights: np.ndarray, *, min_weight: float, max_len: int
+) -> dict[tuple[int, ...], float]:
+    """``fpgrowth`` for transactions given as a matrix, without a Python loop per transaction.
+
+    Args:
+        items: transactions x slots, int: the items of each transaction, -1 in empty slots
+            (each item at most once per transaction).
+        weights: one non-negative weight per transaction.
+        min_weight: the smallest total weight of a frequent item-set (> 0).
+        max_len: the longest item-set reported (>= 1).
+
+    Returns:
+        item-set (items sorted ascending) -> supporting weight, as ``fpgrowth`` returns.
+    """
+    items = np.asarray(items, dtype=np.int64)
+    w = np.asarray(weights, dtype=np.float64)
+    if items.ndim != 2 or len(items) != len(w):
+        raise ValueError("one weight per transaction (row of items)")
+    if max_len > 3:
+        tx = [[i for i in row if i >= 0] for row in items.tolist()]
+        return fpgrowth(tx, w.tolist(), min_weight=min_weight, max_len=max_len)
+    present = items >= 0
+    n_items = int(items.max()) + 1 if present.any() else 0
+    counts = np.bincount(
+        items[present], weights=np.broadcast_to(w[:, None], items.shape)[present], minlength=n_items
+    )
+    frequent = np.flatnonzero(counts >= min_weight)
+    order = frequent[np.lexsort((frequent, -counts[frequent]))]  # most frequent first
+    k = len(order)
+    rank = np.full(n_items + 1, k, dtype=np.int64)  # slot n_items: the empty slot, ranked last
+    rank[order] = np.arange(k)
+    ranked = np.sort(rank[np.where(present, items, n_items)], axis=1)
+    depth = int((ranked < k).sum(axis=1).max()) if len(ranked) else 0
+    keep = (w > 0) & (ranked[:, 0] < k) if depth else np.zeros(len(w), dtype=bool)
+    found = _mine_flat_rows(ranked[keep, :depth], w[keep], k, min_weight, max_len)
+    return {tuple(sorted(int(order[j]) for j in s)): v for s, v in found.items()}
+
+
 def _mine_flat(
     merged: dict[tuple[int, ...], float], n_items: int, min_weight: float, max_len: int
 ) -> dict[tuple[int, ...], float]:
     """Frequent sets of up to 3 items from the FP-tree held in arrays."""
-    out: dict[tuple[int, ...], float] = {}
     if not merged:
-        return out
+        return {}
     k = n_items
     depth = max(len(p) for p in merged)
     rows = np.full((len(merged), depth), k, dtype=np.int64)  # k pads: after every item
     for i, path in enumerate(merged):
         rows[i, : len(path)] = path
     w = np.fromiter(merged.values(), dtype=np.float64, count=len(merged))
+    return _mine_flat_rows(rows, w, k, min_weight, max_len)
+
+
+def _mine_flat_rows(
+    rows: np.ndarray, w: np.ndarray, k: int, min_weight: float, max_len: int
+) -> dict[tuple[int, ...], float]:
+    """``_mine_flat`` on paths as rows of ranks sorted ascending, padded with ``k``; identical
+    paths may repeat (they become one node chain)."""
+    out: dict[tuple[int, ...], float] = {}
+    if len(rows) == 0 or rows.shape[1] == 0:
+        return out
+    depth = rows.shape[1]
     order = np.lexsort(rows.T[::-1])
     rows, w = rows[order], w[order]
     # node of row i at depth d: a new node wherever the prefix [0..d] changes

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.diagnose import DiagnoseOptions, analyze, localize
-from stalwart.diagnose.fpgrowth import fpgrowth
+from stalwart.diagnose.fpgrowth import fpgrowth, fpgrowth_rows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,6 +40,31 @@ def test_fpgrowth_matches_brute_force(
                 brute[c] += w
     want = {k: v for k, v in brute.items() if v >= min_weight}
     assert fpgrowth(tx, ws, min_weight=min_weight, max_len=max_len) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sets(st.integers(0, 9), max_size=6), st.integers(0, 5)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(1, 30),
+    st.integers(1, 4),
+)
+def test_fpgrowth_rows_matches_fpgrowth(
+    rows: list[tuple[set[int], int]], min_weight: int, max_len: int
+) -> None:
+    tx = [sorted(t) for t, _ in rows]
+    ws = [float(w) for _, w in rows]
+    matrix = np.full((len(tx), 6), -1)
+    for i, t in enumerate(tx):
+        matrix[i, 6 - len(t) :] = t[::-1]  # any slot order, empty slots anywhere
+    want = fpgrowth(tx, ws, min_weight=min_weight, max_len=max_len)
+    got = fpgrowth_rows(matrix, np.array(ws), min_weight=min_weight, max_len=max_len)
+    assert got.keys() == want.keys()
+    for s, w in want.items():
+        assert got[s] == pytest.approx(w)
 
 
 def test_cleaning_drops_ids_buckets_numbers_keeps_nulls_and_exclusions() -> None:
