@@ -26,8 +26,6 @@ import logging
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import blake3
@@ -43,6 +41,8 @@ from stalwart.checkpoint.erasure_codec import (
     XorCodec,
     make_codec,
 )
+from stalwart.checkpoint.erasure_records import ErasureStats, ProtectedSnapshot
+from stalwart.checkpoint.erasure_transfers import PeerTransfers
 from stalwart.checkpoint.snapshot import Snapshot, SnapshotBuffer
 from stalwart.errors import ConfigError, CorruptCheckpointError, DistributedError
 
@@ -58,112 +58,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Message kinds; the gloo tag is kind * _TAG_STRIDE + stripe, unique per pair and call.
+# Message kinds; the gloo tag is kind * TAG_STRIDE + stripe, unique per pair and call.
 _INDEX, _DATA, _PARITY, _META, _REBUILT = range(5)
-_TAG_STRIDE = 4096
-
-
-@dataclass
-class ErasureStats:
-    """What one ``protect`` or ``rebuild`` cost on this rank.
-
-    Attributes:
-        total_s: wall time of the whole collective on this rank.
-        codec_s: time spent in the codec (encode in protect, decode in rebuild).
-        verify_s: time spent checking digests (rebuilt ranks only).
-        bytes_sent: payload bytes this rank sent.
-        bytes_received: payload bytes this rank received.
-    """
-
-    total_s: float = 0.0
-    codec_s: float = 0.0
-    verify_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-
-@dataclass
-class ProtectedSnapshot:
-    """A rank's snapshot plus its share of its group's redundancy.
-
-    Attributes:
-        snapshot: this rank's own snapshot.
-        k: data pieces per stripe.
-        m: parity pieces per stripe (losses tolerated per group).
-        codec: the codec's name (``xor`` or ``rs``).
-        members: process-group ranks of the group, by member index.
-        member: this rank's member index.
-        piece_nbytes: ``S``, the length of every piece.
-        lengths: every member's blob length.
-        indexes: every member's snapshot index JSON (to rebuild any of them).
-        parity: ``stripe -> parity piece`` this rank holds (``m`` entries).
-        meta: ``stripe -> codec metadata`` for those stripes.
-        protect_id: the same on every member of one protect call (survivors must agree).
-        stats: what the protect cost on this rank.
-    """
-
-    snapshot: Snapshot
-    k: int
-    m: int
-    codec: str
-    members: tuple[int, ...]
-    member: int
-    piece_nbytes: int
-    lengths: tuple[int, ...]
-    indexes: tuple[bytes, ...]
-    parity: dict[int, torch.Tensor]
-    meta: dict[int, bytes]
-    protect_id: int
-    stats: ErasureStats = field(default_factory=ErasureStats)
-
-    @property
-    def step(self) -> int:
-        return self.snapshot.step
-
-    @property
-    def redundancy_nbytes(self) -> int:
-        """Bytes this rank keeps beyond its own snapshot (parity and peers' indexes)."""
-        return sum(int(p.numel()) for p in self.parity.values()) + sum(len(b) for b in self.indexes)
-
-
-class _Transfers:
-    """Point-to-point sends and receives posted now, waited on later, with byte counts."""
-
-    def __init__(self, eg: ErasureGroup, stats: ErasureStats) -> None:
-        self.eg, self.stats = eg, stats
-        self.works: list[tuple[Any, str]] = []
-        self.keep: list[torch.Tensor] = []  # tensors in flight stay alive until wait()
-
-    def send(self, t: torch.Tensor, member: int, kind: int, stripe: int = 0) -> None:
-        if t.numel() == 0:
-            return
-        dst = self.eg._global(self.eg.members[member])
-        w = dist.isend(t, dst=dst, group=self.eg.pg, tag=kind * _TAG_STRIDE + stripe)
-        self.works.append((w, f"send to member {member} (rank {dst})"))
-        self.keep.append(t)
-        self.stats.bytes_sent += int(t.numel())
-
-    def recv(self, t: torch.Tensor, member: int, kind: int, stripe: int = 0) -> None:
-        if t.numel() == 0:
-            return
-        src = self.eg._global(self.eg.members[member])
-        w = dist.irecv(t, src=src, group=self.eg.pg, tag=kind * _TAG_STRIDE + stripe)
-        self.works.append((w, f"receive from member {member} (rank {src})"))
-        self.keep.append(t)
-        self.stats.bytes_received += int(t.numel())
-
-    def wait(self) -> None:
-        timeout = timedelta(seconds=self.eg.timeout_s)
-        for w, what in self.works:
-            try:
-                w.wait(timeout)
-            except RuntimeError as e:
-                raise DistributedError(
-                    f"erasure group {self.eg.group_index}: {what} failed or timed out after "
-                    f"{self.eg.timeout_s:g}s ({e}); a peer crashed or is stuck"
-                ) from e
-        self.works.clear()
-        self.keep.clear()
 
 
 class ErasureGroup:
@@ -299,7 +195,7 @@ class ErasureGroup:
         size = total // k
         error: BaseException | None = None
         try:
-            tx = _Transfers(self, stats)
+            tx = PeerTransfers(self, stats)
             idx_t = torch.frombuffer(bytearray(index), dtype=torch.uint8)
             indexes: list[torch.Tensor] = []
             for y in range(n):
@@ -320,7 +216,7 @@ class ErasureGroup:
                 tx.recv(work[i * size : i * size + real], y, _DATA, x)
                 work[i * size + real : (i + 1) * size].zero_()
             tx.wait()
-            later = _Transfers(self, stats)
+            later = PeerTransfers(self, stats)
             pbuf = parity_buffer if parity_buffer is not None else SnapshotBuffer()
             slots = iter(pbuf.acquire(self.m * size).split(size))
             parity: dict[int, torch.Tensor] = {}
@@ -480,7 +376,7 @@ class ErasureGroup:
         lay, k, x = self.layout, self.k, self.member
         lost_set = set(lost_m)
         alive = [y for y in range(self.n) if y not in lost_set]
-        tx = _Transfers(self, stats)
+        tx = PeerTransfers(self, stats)
         # Stripes with a lost data piece; each is decoded by its first surviving parity
         # holder (one exists: if all m parity holders are lost, no data member is).
         plan: dict[int, tuple[int, list[int]]] = {}
@@ -548,7 +444,7 @@ class ErasureGroup:
         lengths: list[int],
         idx_lens: list[int],
         buffer: SnapshotBuffer | None,
-        tx: _Transfers,
+        tx: PeerTransfers,
     ) -> Snapshot:
         """On a lost rank: receive the index and every rebuilt piece, then verify."""
         x, lay = self.member, self.layout
