@@ -247,7 +247,8 @@ def _mine_flat_rows(
     if max_len < 2:
         return out
     # ancestors of every node, as items by depth (-1 below the node's own depth)
-    anc = np.full((len(item), depth), -1, dtype=np.int64)
+    # the largest array of the walk (nodes x depth): ranks fit in 16 bits for any realistic k
+    anc = np.full((len(item), depth), -1, dtype=np.int16 if k < 2**15 else np.int32)
     cur = par.copy()
     for _ in range(depth):
         ok = cur >= 0
