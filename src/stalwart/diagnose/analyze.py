@@ -68,14 +68,7 @@ def analyze(
         ConfigError: unreadable input, a missing column (with the closest names), bad options.
     """
     opts = _options(options, overrides)
-    with open_source(
-        data,
-        connection=connection,
-        memory_limit=opts.memory_limit,
-        temp_directory=opts.temp_directory,
-        threads=opts.threads,
-        skip_bad_lines=skip_bad_lines,
-    ) as src:
+    with _open(data, opts, connection, skip_bad_lines) as src:
         masses = event_masses(src, label, weight)
         return _run(src, masses, columns, opts, mode="events")
 
@@ -98,14 +91,7 @@ def localize(
     pairs for a ratio KPI (success rate = successes / requests). See ``analyze`` for the rest.
     """
     opts = _options(options, overrides)
-    with open_source(
-        data,
-        connection=connection,
-        memory_limit=opts.memory_limit,
-        temp_directory=opts.temp_directory,
-        threads=opts.threads,
-        skip_bad_lines=skip_bad_lines,
-    ) as src:
+    with _open(data, opts, connection, skip_bad_lines) as src:
         masses = kpi_masses(src, actual, expected)
         mode = "kpi-additive" if isinstance(actual, str) else "kpi-ratio"
         return _run(src, masses, columns, opts, mode=mode)
@@ -417,3 +403,20 @@ def _count_levels(
         for s, r in zip(exact, rows.tolist(), strict=False):
             scored[s] = Scored(s, itemsets[s], r)
     return scored
+
+
+def _open(
+    data: Any,
+    opts: DiagnoseOptions,
+    connection: duckdb.DuckDBPyConnection | None,
+    skip_bad_lines: bool,
+) -> Any:
+    """The input as a DuckDB source, with the engine settings of ``opts``."""
+    return open_source(
+        data,
+        connection=connection,
+        memory_limit=opts.memory_limit,
+        temp_directory=opts.temp_directory,
+        threads=opts.threads,
+        skip_bad_lines=skip_bad_lines,
+    )
