@@ -190,9 +190,7 @@ def write_diff_html(report: DiffReport, path: str | os.PathLike[str]) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o644 & ~umask)  # mkstemp makes it private; a report is for sharing
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
