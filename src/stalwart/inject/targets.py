@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from stalwart.errors import ConfigError
 from stalwart.inject.quantized import find_slot, quantized_slots, quantized_targets
 
 __all__ = [
+    "forward_with_hooks",
     "module_of",
     "resolve",
     "rows_read",
@@ -179,3 +180,23 @@ def rows_read(indices: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Sorted distinct embedding rows an input batch reads (ids outside the table dropped)."""
     ids = torch.unique(indices.reshape(-1).long())
     return ids[(ids >= 0) & (ids < num_rows)]
+
+
+def forward_with_hooks(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    modules: Mapping[str, nn.Module],
+    make_hook: Callable[[str], Callable[[nn.Module, Any, Any], None]],
+) -> None:
+    """Run one no-grad forward with ``make_hook(name)`` on each module; remove them after.
+
+    The hooks observe (profiling shapes, activation ranges); they are removed even when the
+    forward raises.
+    """
+    handles = [m.register_forward_hook(make_hook(name)) for name, m in modules.items()]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from stalwart.inject import select_modules
-from stalwart.inject.targets import Pattern
+from stalwart.inject.targets import Pattern, forward_with_hooks
 from stalwart.vulnerability import FaultList
 
 __all__ = ["ActivationClipping"]
@@ -58,13 +58,7 @@ class ActivationClipping:
 
             return hook
 
-        handles = [mods[n].register_forward_hook(grab(n)) for n in names]
-        try:
-            with torch.no_grad():
-                model(*inputs)
-        finally:
-            for h in handles:
-                h.remove()
+        forward_with_hooks(model, inputs, {n: mods[n] for n in names}, grab)
         for n, (lo, hi) in seen.items():
             pad = (hi - lo) * margin
             self.bounds[n] = (lo - pad, hi + pad)
