@@ -322,7 +322,7 @@ class Checkpointer:
             def commit() -> Manifest | None:
                 if g.rank != 0:
                     return None
-                return self._commit(step, plan.tensors, skeleton, results, metadata, t0)
+                return self._commit(step, plan.tensors, skeleton, results, g.world, metadata, t0)
 
             g.run(f"committing step {step}", commit)
         if g.rank == 0:
@@ -331,17 +331,8 @@ class Checkpointer:
             except Exception:  # the checkpoint is committed; retention retries next save
                 log.warning("retention after step %s failed", step, exc_info=True)
         self._fast_index = local["fast_index"]  # committed: valid for the next save
-        stats = [r[1] for r in results]
         g.all_gather(None)  # nobody returns before retention finished on rank 0
-        return SaveResult(
-            step=step,
-            seconds=time.perf_counter() - t0,
-            bytes_total=sum(s.bytes_total for s in stats),
-            bytes_written=sum(s.bytes_written for s in stats),
-            bytes_reused=sum(s.bytes_reused for s in stats),
-            chunks_written=sum(s.chunks_written for s in stats),
-            chunks_reused=sum(s.chunks_reused for s in stats),
-        )
+        return SaveResult.summed(step, time.perf_counter() - t0, [r[1] for r in results])
 
     def _commit(
         self,
@@ -349,10 +340,11 @@ class Checkpointer:
         tensors: dict[str, tuple[str, tuple[int, ...]]],
         skeleton: dict[str, Any],
         results: list[Any],
+        world: int,
         metadata: dict[str, str] | None,
         t0: float,
     ) -> Manifest:
-        m = build_manifest(step, tensors, skeleton, results, self._group.world, metadata, t0)
+        m = build_manifest(step, tensors, skeleton, results, world, metadata, t0)
         self._store(create=True).write(manifest_key(step), [m.to_bytes()])
         self._manifests[step] = m
         return m

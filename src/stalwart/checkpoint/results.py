@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["LoadResult", "SaveResult"]
 
@@ -28,6 +30,19 @@ class SaveResult:
     bytes_reused: int
     chunks_written: int
     chunks_reused: int
+
+    @classmethod
+    def summed(cls, step: int, seconds: float, stats: Sequence[Any]) -> SaveResult:
+        """The job-wide result from every rank's ``PersistStats``."""
+        return cls(
+            step=step,
+            seconds=seconds,
+            bytes_total=sum(s.bytes_total for s in stats),
+            bytes_written=sum(s.bytes_written for s in stats),
+            bytes_reused=sum(s.bytes_reused for s in stats),
+            chunks_written=sum(s.chunks_written for s in stats),
+            chunks_reused=sum(s.chunks_reused for s in stats),
+        )
 
 
 @dataclass
