@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint import Checkpointer
-from stalwart.checkpoint.erasure import ErasureGroup
-from stalwart.checkpoint.erasure_codec import ErasureCodec, ReedSolomonCodec, XorCodec
-from stalwart.checkpoint.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.erasure import ErasureGroup
+from stalwart.checkpoint.memory.erasure_codec import ErasureCodec, ReedSolomonCodec, XorCodec
+from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
 from stalwart.testing import run_ranks
 
 MiB = 1 << 20

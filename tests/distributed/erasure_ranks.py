@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from stalwart.checkpoint.erasure import ErasureGroup
-from stalwart.checkpoint.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.erasure import ErasureGroup
+from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
 from stalwart.errors import CorruptCheckpointError
 
 Scenario = tuple[int, int, str, list[int], str, int, int]

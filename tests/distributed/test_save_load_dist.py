@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stalwart.checkpoint import Checkpointer
-from stalwart.checkpoint.manifest import Manifest
+from stalwart.checkpoint.durable.manifest import Manifest
 from stalwart.testing import run_ranks
 
 from . import ranks

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast
-from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
 
 
 def state_at(step: int, rank: int) -> dict[str, Any]:

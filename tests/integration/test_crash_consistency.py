@@ -47,8 +47,8 @@ import pytest
 import torch
 
 from stalwart.checkpoint import Checkpointer
-from stalwart.checkpoint.gc import read_leases
-from stalwart.checkpoint.manifest import step_from_key
+from stalwart.checkpoint.durable.gc import read_leases
+from stalwart.checkpoint.durable.manifest import step_from_key
 from stalwart.storage.local import TEMP_PREFIX, LocalStorage
 from stalwart.testing.run_ranks import run_ranks
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from stalwart import demo as demo_mod
-from stalwart.demo import default_kill_step, run_demo
+from stalwart.demos import resume as demo_mod
+from stalwart.demos.resume import default_kill_step, run_demo
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
+from stalwart.demos.rca import run_rca_demo
 from stalwart.diagnose import analyze
-from stalwart.diagnose.demo import run_rca_demo
 from stalwart.diagnose.synth import make_failure_log
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from stalwart.checkpoint.erasure import ErasureGroup
-from stalwart.checkpoint.erasure_codec import (
+from stalwart.checkpoint.memory.erasure import ErasureGroup
+from stalwart.checkpoint.memory.erasure_codec import (
     ReedSolomonCodec,
     StripeLayout,
     XorCodec,
     make_codec,
 )
-from stalwart.checkpoint.snapshot import ALIGN_BYTES, Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.snapshot import ALIGN_BYTES, Snapshot, SnapshotBuffer
 from stalwart.errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 pytestmark = pytest.mark.timeout(60)

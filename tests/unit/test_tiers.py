@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.checkpoint.manifest import manifest_key
+from stalwart.checkpoint.durable.manifest import manifest_key
+from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 from stalwart.checkpoint.policy import AnyOf, EveryNSeconds, EveryNSteps, KeepLast
-from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
 from stalwart.errors import CheckpointNotFoundError, ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,7 +121,7 @@ def test_damaged_newest_local_step_falls_back_within_the_tier(tmp_path: Path) ->
 KEEPER_CHILD = """
 import os, signal, sys, torch
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast
-from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
+from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 tc = TieredCheckpointer([Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2),
                               keep_in=sys.argv[1])])
 for step in (1, 2, 3):

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from stalwart import Checkpointer, CheckpointOptions
-from stalwart.checkpoint.diff import diff_steps, write_diff_html
-from stalwart.checkpoint.export import export_step, import_file
-from stalwart.checkpoint.manifest import manifest_key
-from stalwart.checkpoint.verify import verify_all, verify_step
+from stalwart.checkpoint.durable.manifest import manifest_key
+from stalwart.checkpoint.tools.diff import diff_steps
+from stalwart.checkpoint.tools.export import export_step, import_file
+from stalwart.checkpoint.tools.verify import verify_all, verify_step
+from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from stalwart.storage import LocalStorage
 from stalwart.storage.base import Buffer, ObjectInfo

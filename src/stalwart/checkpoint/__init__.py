@@ -3,10 +3,18 @@
 See ``docs/format.md`` for the on-disk format and ``checkpointer.py`` for the flow.
 """
 
-from stalwart.checkpoint.async_save import PendingSave, guard
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.gc import GCReport
-from stalwart.checkpoint.manifest import FORMAT_VERSION, ChunkRef, Manifest, ShardEntry, TensorEntry
+from stalwart.checkpoint.durable.async_save import PendingSave, guard
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.gc import GCReport
+from stalwart.checkpoint.durable.manifest import (
+    FORMAT_VERSION,
+    ChunkRef,
+    Manifest,
+    ShardEntry,
+    TensorEntry,
+)
+from stalwart.checkpoint.durable.results import LoadResult, SaveResult
+from stalwart.checkpoint.memory.tiers import RecoveryReport, Tier, TieredCheckpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import (
     AnyOf,
@@ -18,8 +26,6 @@ from stalwart.checkpoint.policy import (
     RetentionPolicy,
     SavePolicy,
 )
-from stalwart.checkpoint.results import LoadResult, SaveResult
-from stalwart.checkpoint.tiers import RecoveryReport, Tier, TieredCheckpointer
 from stalwart.checkpoint.training_state import TrainingState
 
 __all__ = [

@@ -22,12 +22,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.diff import diff_steps, write_diff_html
-from stalwart.checkpoint.export import FORMATS, export_step, import_file
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import KeepLast
-from stalwart.checkpoint.verify import verify_all, verify_step
+from stalwart.checkpoint.tools.diff import diff_steps
+from stalwart.checkpoint.tools.export import FORMATS, export_step, import_file
+from stalwart.checkpoint.tools.verify import verify_all, verify_step
+from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import ConfigError, CorruptCheckpointError, StalwartError
 
 __all__ = ["ckpt_app", "register"]

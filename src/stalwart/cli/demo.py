@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from stalwart.demo import REPORT_NAME, run_demo
+from stalwart.demos.resume import REPORT_NAME, run_demo
 from stalwart.errors import ConfigError
 
 __all__ = ["demo", "register"]
@@ -69,15 +69,15 @@ def demo(
         raise typer.Exit(code=2) from e
     ok = report.ok
     if recovery:
-        from stalwart.checkpoint.recovery_demo import run_recovery_demo
+        from stalwart.demos.recovery import run_recovery_demo
 
         ok = run_recovery_demo(console) and ok
     if pvf:
-        from stalwart.vulnerability.demo import run_pvf_demo
+        from stalwart.demos.pvf import run_pvf_demo
 
         run_pvf_demo(console)
     if rca:
-        from stalwart.diagnose.demo import run_rca_demo
+        from stalwart.demos.rca import run_rca_demo
 
         run_rca_demo(console)
     console.print(f"demo finished in {time.perf_counter() - started:.1f} s; folder: {root}")

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.gc import Lease
-from stalwart.checkpoint.manifest import ChunkRef, Manifest, TensorEntry, manifest_key
-from stalwart.checkpoint.reshard import verify_chunk
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.gc import Lease
+from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, TensorEntry, manifest_key
+from stalwart.checkpoint.durable.reshard import verify_chunk
 from stalwart.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -172,7 +172,7 @@ def verify_step(
     Raises:
         CheckpointNotFoundError: the root or the step does not exist.
     """
-    store = ckpt._store(create=False)
+    store = ckpt.storage
     report = VerifyReport(step=step)
     try:
         m = _read_manifest(ckpt, store, step)
@@ -202,8 +202,13 @@ def verify_step(
                 places.append((where, c))
     distinct = list(dict.fromkeys(c for _, c in places))
     bad: dict[ChunkRef, str] = {}
-    run = pool or ckpt._pool
-    with reader_lease(store, steps=[step], packs=m.packs(), lease_s=ckpt.options.lease_s):
+    own = None if pool is not None else ThreadPoolExecutor(ckpt.options.io_threads)
+    run = pool or own
+    assert run is not None
+    with (
+        reader_lease(store, steps=[step], packs=m.packs(), lease_s=ckpt.options.lease_s),
+        own if own is not None else contextlib.nullcontext(),
+    ):
         futures = {run.submit(verify_chunk, store, c, "chunk"): c for c in distinct}
         for done, fut in enumerate(as_completed(futures), 1):
             try:
@@ -234,7 +239,7 @@ def verify_all(
     Raises:
         CheckpointNotFoundError: the root does not exist.
     """
-    ckpt._store(create=False)  # a missing root is an error, not an empty success
+    _ = ckpt.storage  # a missing root is an error, not an empty success
     reports = []
     for step in ckpt.steps():
         cb = None if progress is None else _for_step(progress, step)

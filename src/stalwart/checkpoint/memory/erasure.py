@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.collective import resolve_group
-from stalwart.checkpoint.erasure_codec import (
+from stalwart.checkpoint.memory.erasure_codec import (
     PIECE_ALIGN,
     ErasureCodec,
     ReedSolomonCodec,
@@ -41,9 +41,9 @@ from stalwart.checkpoint.erasure_codec import (
     XorCodec,
     make_codec,
 )
-from stalwart.checkpoint.erasure_records import ErasureStats, ProtectedSnapshot
-from stalwart.checkpoint.erasure_transfers import PeerTransfers
-from stalwart.checkpoint.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.erasure_records import ErasureStats, ProtectedSnapshot
+from stalwart.checkpoint.memory.erasure_transfers import PeerTransfers
+from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
 from stalwart.errors import ConfigError, CorruptCheckpointError, DistributedError
 
 __all__ = [

@@ -20,15 +20,11 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.manifest import Manifest, TensorEntry
-from stalwart.checkpoint.report_html import write_diff_html
-from stalwart.checkpoint.reshard import read_box
-from stalwart.checkpoint.verify import reader_lease
-from stalwart.storage.base import Storage
-from stalwart.tree import dtype_from_name
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
+from stalwart.checkpoint.tools.verify import reader_lease
 
-__all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps", "write_diff_html"]
+__all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps"]
 
 _BLOCK_ELEMS = 1 << 20
 """Elements compared per block: bounds the float64 scratch to ~8 MiB per operand."""
@@ -172,7 +168,7 @@ def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
     """
     t0 = time.perf_counter()
     ma, mb = ckpt.manifest(a), ckpt.manifest(b)
-    store = ckpt._store(create=False)
+    store = ckpt.storage
     report = DiffReport(a=a, b=b)
     to_read: list[TensorDiff] = []
     for name, ea in ma.tensors.items():
@@ -195,13 +191,12 @@ def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
         if name not in ma.tensors:
             report.tensors.append(TensorDiff(name, "added", eb.dtype, eb.shape, _numel(eb.shape)))
     if to_read:
-        where = f"checkpoint {store.url}"
         with reader_lease(
             store, steps=[a, b], packs=ma.packs() | mb.packs(), lease_s=ckpt.options.lease_s
         ):
             for row in to_read:
-                ta, na = _read(ckpt, store, ma, row.name, f"{where} step {a}")
-                tb, nb = _read(ckpt, store, mb, row.name, f"{where} step {b}")
+                ta, na = ckpt.read_tensor(a, row.name)
+                tb, nb = ckpt.read_tensor(b, row.name)
                 report.bytes_read += na + nb
                 report.tensors_read += 1
                 _compare(row, ta, tb)
@@ -213,15 +208,6 @@ def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
 
 def _signature(e: TensorEntry) -> tuple[Any, ...]:
     return tuple((s.offsets, s.sizes, tuple(c.hash for c in s.chunks)) for s in e.shards)
-
-
-def _read(
-    ckpt: Checkpointer, store: Storage, m: Manifest, name: str, where: str
-) -> tuple[torch.Tensor, int]:
-    e = m.tensors[name]
-    dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-    stats = read_box(store, e, name, (0,) * len(e.shape), dest, pool=ckpt._pool, where=where)
-    return dest, stats.bytes_read
 
 
 def _compare(row: TensorDiff, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -22,22 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stalwart.checkpoint.async_save import AsyncSaver, PendingSave, guard
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
-from stalwart.checkpoint.commit import build_manifest
-from stalwart.checkpoint.gc import GCReport, Lease, apply_retention, collect_garbage
-from stalwart.checkpoint.manifest import (
+from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
+from stalwart.checkpoint.durable.commit import build_manifest
+from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
+from stalwart.checkpoint.durable.manifest import (
     MANIFEST_PREFIX,
     ChunkRef,
     Manifest,
     manifest_key,
     step_from_key,
 )
+from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
+from stalwart.checkpoint.durable.plan import LocalItem, local_items, merge_skeletons, plan_writes
+from stalwart.checkpoint.durable.reshard import read_box
+from stalwart.checkpoint.durable.restore import load_first_that_verifies, load_step
+from stalwart.checkpoint.durable.results import LoadResult, SaveResult
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.checkpoint.persist import FastIndex, persist_boxes
-from stalwart.checkpoint.plan import LocalItem, local_items, merge_skeletons, plan_writes
-from stalwart.checkpoint.restore import load_first_that_verifies, load_step
-from stalwart.checkpoint.results import LoadResult, SaveResult
 from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -46,12 +47,10 @@ from stalwart.errors import (
 )
 from stalwart.storage import open_storage
 from stalwart.storage.base import Storage
-from stalwart.tree import (
-    flatten,
-)
+from stalwart.tree import dtype_from_name, flatten
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.verify import VerifyReport
+    from stalwart.checkpoint.tools.verify import VerifyReport
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
@@ -127,6 +126,33 @@ class Checkpointer:
                 self._root, storage_options=self._storage_options, create=True
             )
         return self._storage
+
+    @property
+    def storage(self) -> Storage:
+        """The store under the root (read API for tools such as verify, diff and export).
+
+        Raises:
+            CheckpointNotFoundError: the root does not exist.
+        """
+        return self._store(create=False)
+
+    def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
+        """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified.
+
+        Returns:
+            The tensor and the number of bytes read from the store.
+
+        Raises:
+            CheckpointNotFoundError: no such step.
+            KeyError: the step holds no tensor of that name.
+            CorruptCheckpointError: a chunk fails its checksum.
+        """
+        e = self.manifest(step).tensors[name]
+        store = self.storage
+        dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+        where = f"checkpoint {store.url} step {step}"
+        stats = read_box(store, e, name, (0,) * len(e.shape), dest, pool=self._pool, where=where)
+        return dest, stats.bytes_read
 
     # -- listing -----------------------------------------------------------------------
 
@@ -433,7 +459,7 @@ class Checkpointer:
         Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
         every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
         """
-        from stalwart.checkpoint.verify import verify_step
+        from stalwart.checkpoint.tools.verify import verify_step
 
         if step is None:
             step = self.latest_step()

@@ -17,9 +17,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.checkpoint.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast
-from stalwart.checkpoint.tiers import Tier, TieredCheckpointer
 
 __all__ = ["run_recovery_demo"]
 

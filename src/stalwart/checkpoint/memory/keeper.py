@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from stalwart.checkpoint.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
 from stalwart.errors import CorruptCheckpointError
 
 __all__ = ["SharedSnapshotBuffer", "SnapshotKeeper"]

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint.checkpointer import Checkpointer
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
-from stalwart.checkpoint.snapshot_keeper import SnapshotKeeper
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
 from stalwart.tree import flatten, unflatten
@@ -232,7 +232,7 @@ class TieredCheckpointer:
         if self._erasure_cfg is None:
             return None
         if self._eg is None:
-            from stalwart.checkpoint.erasure import ErasureGroup
+            from stalwart.checkpoint.memory.erasure import ErasureGroup
 
             g = resolve_group(self._process_group)
             pg = dedicated_group(g).pg if g.world > 1 else g.pg
@@ -241,7 +241,7 @@ class TieredCheckpointer:
         return self._eg
 
     def _snapshot(self, step: int, state: Any) -> Any:
-        from stalwart.checkpoint.snapshot import Snapshot
+        from stalwart.checkpoint.memory.snapshot import Snapshot
 
         buffer = None
         slot = -1

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpoint.erasure_records import ErasureStats
+from stalwart.checkpoint.memory.erasure_records import ErasureStats
 from stalwart.errors import DistributedError
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.erasure import ErasureGroup
+    from stalwart.checkpoint.memory.erasure import ErasureGroup
 
 __all__ = ["TAG_STRIDE", "PeerTransfers"]
 

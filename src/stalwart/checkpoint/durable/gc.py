@@ -21,7 +21,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from stalwart.checkpoint.manifest import MANIFEST_PREFIX, Manifest, manifest_key, step_from_key
+from stalwart.checkpoint.durable.manifest import (
+    MANIFEST_PREFIX,
+    Manifest,
+    manifest_key,
+    step_from_key,
+)
 from stalwart.checkpoint.policy import RetentionPolicy
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError, StoragePermissionError
 from stalwart.storage.base import Storage

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.checkpoint.checkpointer import Checkpointer
-from stalwart.checkpoint.results import SaveResult
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.results import SaveResult
 from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten

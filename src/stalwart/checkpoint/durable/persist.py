@@ -21,9 +21,9 @@ import blake3
 import torch
 import xxhash
 
-from stalwart.checkpoint.manifest import ChunkRef, ShardEntry
+from stalwart.checkpoint.durable.manifest import ChunkRef, ShardEntry
+from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.checkpoint.plan import BoxKey, LocalItem
 from stalwart.storage.base import Buffer, Storage
 
 __all__ = ["PersistStats", "chunk_hash", "persist_boxes", "tensor_bytes"]

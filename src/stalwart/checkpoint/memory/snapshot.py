@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint.persist import chunk_hash
-from stalwart.checkpoint.plan import is_dtensor, local_box
+from stalwart.checkpoint.durable.persist import chunk_hash
+from stalwart.checkpoint.durable.plan import is_dtensor, local_box
 from stalwart.errors import CorruptCheckpointError, StateMismatchError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, get_path, unflatten
 

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stalwart.checkpoint.plan import BoxKey, LocalItem
+from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
 from stalwart.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.results import SaveResult
+    from stalwart.checkpoint.durable.results import SaveResult
 
 __all__ = ["AsyncSaver", "PendingSave", "StagingSlot", "guard"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.diff import DiffReport, TensorDiff
+    from stalwart.checkpoint.tools.diff import DiffReport, TensorDiff
 
 __all__ = ["write_diff_html"]
 

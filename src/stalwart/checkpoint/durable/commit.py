@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stalwart.checkpoint.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
+from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
 
 __all__ = ["build_manifest"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stalwart.checkpoint.snapshot import Snapshot
+from stalwart.checkpoint.memory.snapshot import Snapshot
 
 __all__ = ["ErasureStats", "ProtectedSnapshot"]
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stalwart.checkpoint.manifest import ChunkRef, ShardEntry, TensorEntry
-from stalwart.checkpoint.persist import chunk_hash
+from stalwart.checkpoint.durable.manifest import ChunkRef, ShardEntry, TensorEntry
+from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
 from stalwart.storage.base import Storage
 from stalwart.tree import dtype_from_name

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.collective import Group
-from stalwart.checkpoint.gc import Lease
-from stalwart.checkpoint.manifest import Manifest, TensorEntry
-from stalwart.checkpoint.plan import local_box
-from stalwart.checkpoint.reshard import read_box
+from stalwart.checkpoint.durable.gc import Lease
+from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
+from stalwart.checkpoint.durable.plan import local_box
+from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.errors import (
     CorruptCheckpointError,
     DistributedError,

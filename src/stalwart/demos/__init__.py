@@ -1,0 +1,1 @@
+"""Demo code for ``stalwart demo``: one module per section. Nothing in the library imports it."""
