@@ -487,7 +487,7 @@ def test_verify_reports_every_damaged_chunk(tmp_path: Path) -> None:
 
 
 def test_unchanged_chunks_skip_the_strong_hash(tmp_path: Path, monkeypatch) -> None:
-    from stalwart.checkpoint import persist
+    from stalwart.checkpoint.durable import persist
 
     hashed: list[int] = []
     real = persist.chunk_hash
