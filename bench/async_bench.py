@@ -2,14 +2,20 @@
 
 Runs, in one process and one run, on the same state:
 
-1. blocking time (the part that stalls training) of ``torch.distributed.checkpoint.async_save``,
-   of stalwart's ``save_async`` eager and lazy, of a plain copy into reused buffers and of a
-   copy into freshly allocated buffers (fresh pages cost more than reused ones);
-2. a small real training loop (MLP + AdamW) without checkpoints, with a stalwart lazy
-   ``save_async`` every step (guarded optimizer), and with ``dcp.async_save`` every step
-   (waiting for the previous one, as DCP documents), reporting steps/s and overhead.
+1. blocking time (the part that stalls training) of ``torch.distributed.checkpoint.async_save``
+   with its default stager (a fresh ``DefaultStager`` per call, so fresh staging pages every
+   save), of ``dcp.async_save`` with one ``DefaultStager(StagingOptions(False, False, False,
+   False))`` kept across saves (its staging buffers are cached per source storage and reused:
+   DCP's best configuration on a CPU-only machine, where pinned memory, CUDA streams and
+   non-blocking copies are unavailable), of a plain ``copy_`` into reused buffers, of
+   stalwart's ``save_async`` eager and lazy, and of a copy into freshly allocated buffers.
+   Contenders run interleaved, their order rotating every repetition; medians and ranges.
+2. a small real training loop (MLP + AdamW) with a checkpoint every step: none, stalwart lazy
+   ``save_async`` to disk (guarded optimizer), stalwart memory tier every step + disk every
+   20, ``dcp.async_save`` with the default stager and with a persistent stager (each waiting
+   for the previous save, as DCP documents). Runs interleaved; medians and ranges.
 
-    .venv/bin/python bench/async_bench.py --state-mib 512 --reps 5 --steps 60
+    .venv/bin/python bench/async_bench.py --state-mib 256 --reps 9 --steps 40 --runs 5
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,8 +35,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import stalwart
+
+BLOCKING = {
+    "dcp": "dcp.async_save, default stager",
+    "dcp_stager": "dcp.async_save, persistent stager",
+    "copy": "copy_ into reused buffers",
+    "eager": "stalwart save_async (eager)",
+    "lazy": "stalwart save_async (lazy)",
+    "fresh": "clone into fresh buffers",
+}
+TRAIN = {
+    "none": "no checkpoints",
+    "stalwart": "stalwart lazy save_async, disk",
+    "tiered": "stalwart memory every step + disk/20",
+    "dcp": "dcp.async_save, default stager",
+    "dcp_stager": "dcp.async_save, persistent stager",
+}
 
 
 def make_state(mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,64 +74,82 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def blocking(state: dict[str, torch.Tensor], reps: int, root: Path) -> dict[str, float]:
-    """Blocking time per save, each mode saving repeatedly as a training job would."""
-    out: dict[str, list[float]] = {k: [] for k in ("dcp", "eager", "lazy", "copy", "fresh")}
+def persistent_stager() -> DefaultStager:
+    """DCP's stager with every CUDA-only option off, kept across saves (buffers cached)."""
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+
+
+def _timed(save: Callable[[], Any], finish: Callable[[Any], Any]) -> float:
+    """Seconds ``save`` blocks the caller; ``finish`` then waits for the background work."""
+    t = time.perf_counter()
+    handle = save()
+    blocked = time.perf_counter() - t
+    finish(handle)
+    return blocked
+
+
+def blocking(state: dict[str, torch.Tensor], reps: int, root: Path) -> dict[str, list[float]]:
+    """Blocking time per save, each mode saving repeatedly as a training job would.
+
+    Contenders are interleaved and their order rotates every repetition, so that a burst of
+    load from other jobs does not land on one contender only.
+    """
+    out: dict[str, list[float]] = {k: [] for k in BLOCKING}
     reused = {k: torch.empty_like(v) for k, v in state.items()}
-    eager = stalwart.Checkpointer(
-        root / "eager", stalwart.CheckpointOptions(keep=stalwart.KeepLast(1))
-    )
-    lazy = stalwart.Checkpointer(
-        root / "lazy", stalwart.CheckpointOptions(keep=stalwart.KeepLast(1))
-    )
-    for rep in range(reps + 1):  # rep 0 warms up allocators, buffers and thread pools
-        t = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(root / "dcp" / f"s{rep % 2}"))
-        t_dcp = time.perf_counter() - t
-        fut.result()
+    opts = stalwart.CheckpointOptions(keep=stalwart.KeepLast(1))
+    eager = stalwart.Checkpointer(root / "eager", opts)
+    lazy = stalwart.Checkpointer(root / "lazy", opts)
+    stager = persistent_stager()
 
-        t = time.perf_counter()
-        p = eager.save_async(rep, state)
-        t_eager = time.perf_counter() - t
-        p.wait()
-
-        t = time.perf_counter()
-        p = lazy.save_async(rep, state, lazy=True)
-        t_lazy = time.perf_counter() - t
-        p.wait()
-
-        t = time.perf_counter()
+    def copy() -> None:
         for k, v in state.items():
             reused[k].copy_(v)
-        t_copy = time.perf_counter() - t
-        t = time.perf_counter()
-        fresh = {k: v.clone() for k, v in state.items()}
-        t_fresh = time.perf_counter() - t
-        del fresh
-        if rep:
-            for k, v in zip(out, (t_dcp, t_eager, t_lazy, t_copy, t_fresh), strict=True):
-                out[k].append(v)
-    eager.close()
-    lazy.close()
-    return {k: med(v) for k, v in out.items()}
+
+    def run(mode: str, rep: int) -> float:
+        if mode == "dcp":
+            cid = str(root / "dcp" / f"s{rep % 2}")
+            return _timed(lambda: dcp.async_save(state, checkpoint_id=cid), lambda f: f.result())
+        if mode == "dcp_stager":
+            cid = str(root / "dcps" / f"s{rep % 2}")
+            return _timed(
+                lambda: dcp.async_save(state, checkpoint_id=cid, async_stager=stager),
+                lambda f: f.result(),
+            )
+        if mode == "eager":
+            return _timed(lambda: eager.save_async(rep, state), lambda p: p.wait())
+        if mode == "lazy":
+            return _timed(lambda: lazy.save_async(rep, state, lazy=True), lambda p: p.wait())
+        if mode == "copy":
+            return _timed(copy, lambda _: None)
+        return _timed(lambda: {k: v.clone() for k, v in state.items()}, lambda _: None)
+
+    modes = list(BLOCKING)
+    try:
+        for rep in range(reps + 1):  # rep 0 warms up allocators, buffers and thread pools
+            shift = rep % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                t = run(mode, rep)
+                if rep:
+                    out[mode].append(t)
+    finally:
+        eager.close()
+        lazy.close()
+        stager.close()
+    return out
 
 
-def train(mode: str, steps: int, root: Path) -> float:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # one core computes, the other is left to background I/O
-    model = torch.nn.Sequential(
-        *[m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())],
-        torch.nn.Linear(512, 10),
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(512, 512), torch.randint(0, 10, (512,))
-    ck: Any = None
-    fut = None
+def _checkpointer(mode: str, root: Path, opt: torch.optim.Optimizer) -> Any:
     if mode == "stalwart":
-        ck = stalwart.Checkpointer(
+        ck: Any = stalwart.Checkpointer(
             root / "stalwart", stalwart.CheckpointOptions(keep=stalwart.KeepLast(2))
         )
-        ck.guard(opt)
     elif mode == "tiered":
         ck = stalwart.TieredCheckpointer(
             [
@@ -122,18 +164,38 @@ def train(mode: str, steps: int, root: Path) -> float:
                 ),
             ]
         )
-        ck.guard(opt)
+    else:
+        return None
+    ck.guard(opt)
+    return ck
+
+
+def train(mode: str, steps: int, root: Path) -> float:
+    """Steps/s of a small MLP + AdamW with ``mode``'s checkpoint every step."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # one core computes, the other is left to background I/O
+    model = torch.nn.Sequential(
+        *[m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())],
+        torch.nn.Linear(512, 10),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(512, 512), torch.randint(0, 10, (512,))
+    ck = _checkpointer(mode, root, opt)
+    stager = persistent_stager() if mode == "dcp_stager" else None
+    fut = None
     t0 = 0.0
     for step in range(steps + 5):
         if step == 5:
             t0 = time.perf_counter()  # after warm-up
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        if mode in ("stalwart", "tiered"):
+        if ck is not None:
             ck.save_async(step, state, lazy=True)
-        elif mode == "dcp":
+        elif mode in ("dcp", "dcp_stager"):
             if fut is not None:
-                fut.result()
-            fut = dcp.async_save(state, checkpoint_id=str(root / "dcp" / f"s{step % 2}"))
+                fut.result()  # DCP: the previous save must finish before the next
+            fut = dcp.async_save(
+                state, checkpoint_id=str(root / mode / f"s{step % 2}"), async_stager=stager
+            )
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -142,14 +204,54 @@ def train(mode: str, steps: int, root: Path) -> float:
         ck.close()
     if fut is not None:
         fut.result()
+    if stager is not None:
+        stager.close()
     return steps / (time.perf_counter() - t0)
+
+
+def _range(xs: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    return f"{min(xs) * scale:{fmt}}-{max(xs) * scale:{fmt}}"
+
+
+def report_blocking(b: dict[str, list[float]], mib: int, n: int, reps: int) -> None:
+    m = {k: med(v) for k, v in b.items()}
+    print(f"\nblocking time of one save of {mib} MiB ({n} tensors), median [min-max] of {reps}:")
+    print("| blocking time | ms (median) | range ms | x plain copy | x DCP persistent stager |")
+    print("|---|---:|---:|---:|---:|")
+    for k, label in BLOCKING.items():
+        print(
+            f"| {label} | {m[k] * 1e3:.1f} | {_range(b[k], 1e3)} | {m[k] / m['copy']:.3f} "
+            f"| {m[k] / m['dcp_stager']:.3f} |"
+        )
+    per_rep = [e / c for e, c in zip(b["eager"], b["copy"], strict=True)]
+    print(
+        f"\ntargets: eager / DCP persistent stager = {m['eager'] / m['dcp_stager']:.2f} "
+        f"(<= 1.0); eager / plain copy = {m['eager'] / m['copy']:.2f} (<= 1.2; per rep "
+        f"{_range(per_rep, fmt='.2f')}); lazy / plain copy = {m['lazy'] / m['copy']:.3f} "
+        f"(< 0.05); eager / DCP default = {m['eager'] / m['dcp']:.2f}; "
+        f"fresh / reused copy = {m['fresh'] / m['copy']:.2f}"
+    )
+
+
+def report_training(rates: dict[str, list[float]], steps: int, runs: int) -> None:
+    r = {m: med(v) for m, v in rates.items()}
+    print(
+        f"\ntraining with a checkpoint every step ({steps} steps; median [min-max] of {runs} "
+        "interleaved runs; overhead = 1 - median rate / median rate without checkpoints):"
+    )
+    print("| training with a checkpoint every step | steps/s | range | overhead |")
+    print("|---|---:|---:|---:|")
+    for m, label in TRAIN.items():
+        ovh = "—" if m == "none" else f"{100 * (1 - r[m] / r['none']):.1f} %"
+        print(f"| {label} | {r[m]:.2f} | {_range(rates[m], fmt='.2f')} | {ovh} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--state-mib", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--state-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=9, help="blocking-time repetitions")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--runs", type=int, default=5, help="training runs per mode")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message=".*existing checkpoint.*")
@@ -159,45 +261,20 @@ def main() -> None:
         "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=600)
     )
     print(
-        f"machine: nproc={os.cpu_count()}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"
+        f"machine: nproc={os.cpu_count()}, torch {torch.__version__}, "
+        f"load {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     try:
         state = make_state(args.state_mib)
-        b = blocking(state, args.reps, root)
-        print(
-            f"\nblocking time of one save of {args.state_mib} MiB ({len(state)} tensors), "
-            f"median of {args.reps}:"
-        )
-        for k, label in (
-            ("dcp", "dcp.async_save"),
-            ("eager", "stalwart save_async (eager)"),
-            ("lazy", "stalwart save_async (lazy)"),
-            ("copy", "copy_ into reused buffers"),
-            ("fresh", "clone into fresh buffers"),
-        ):
-            print(f"  {label:32s} {b[k] * 1e3:9.1f} ms   {b[k] / b['copy']:6.2f}x copy")
-        print(
-            f"  eager / dcp = {b['eager'] / b['dcp']:.2f} (target <= 0.5); eager / copy = "
-            f"{b['eager'] / b['copy']:.2f} (target <= 1.5); "
-            f"lazy / copy = {b['lazy'] / b['copy']:.3f} "
-            f"(target < 0.10); fresh / reused copy = {b['fresh'] / b['copy']:.2f}"
-        )
-        rates: dict[str, list[float]] = {m: [] for m in ("none", "stalwart", "tiered", "dcp")}
-        for _ in range(3):
-            for m in rates:
+        report_blocking(blocking(state, args.reps, root), args.state_mib, len(state), args.reps)
+        rates: dict[str, list[float]] = {m: [] for m in TRAIN}
+        modes = list(TRAIN)
+        for run in range(args.runs):
+            shift = run % len(modes)
+            for m in modes[shift:] + modes[:shift]:
                 rates[m].append(train(m, args.steps, root))
-        r = {m: med(v) for m, v in rates.items()}
-        print(f"\ntraining with a checkpoint every step ({args.steps} steps, median of 3 runs):")
-        for m, label in (
-            ("none", "no checkpoints"),
-            ("stalwart", "stalwart lazy save_async"),
-            ("tiered", "stalwart memory + disk/20"),
-            ("dcp", "dcp.async_save"),
-        ):
-            print(
-                f"  {label:28s} {r[m]:7.2f} steps/s   "
-                f"overhead {100 * (1 - r[m] / r['none']):5.1f} %"
-            )
+        report_training(rates, args.steps, args.runs)
+        print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     finally:
         dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
