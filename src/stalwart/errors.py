@@ -18,12 +18,18 @@ once, at the storage boundary, with ``raise ... from``.
     │   │   └── UnsafeManifestError                     manifest points outside the store
     │   ├── StateMismatchError (ValueError)             keys, shapes or dtypes differ
     │   └── UnsupportedValueError (TypeError)           an object the format cannot hold
-    └── DistributedError (RuntimeError)            another rank failed or disagreed
+    ├── DistributedError (RuntimeError)            another rank failed or disagreed
+    └── MissingDependencyError (ImportError)       an optional extra is not installed
 
-Messages say what was expected, what was found, and what to do next.
+Messages say what was expected, what was found, and what to do next. :func:`require`
+imports an optional engine (DuckDB, SciPy, ...) at the point of use, or raises
+:class:`MissingDependencyError` naming the extra that provides it.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +37,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DistributedError",
+    "MissingDependencyError",
     "ObjectNotFoundError",
     "StalwartError",
     "StateMismatchError",
@@ -40,6 +47,7 @@ __all__ = [
     "TransientStorageError",
     "UnsafeManifestError",
     "UnsupportedValueError",
+    "require",
 ]
 
 
@@ -106,3 +114,44 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class DistributedError(StalwartError, RuntimeError):
     """Ranks disagreed, or another rank failed during a collective operation."""
+
+
+class MissingDependencyError(StalwartError, ImportError):
+    """A feature needs a package from an optional extra that is not installed."""
+
+
+# Names people know the import names by, for the message.
+_PACKAGES = {
+    "duckdb": "DuckDB",
+    "pyarrow": "PyArrow",
+    "matplotlib": "matplotlib",
+    "sklearn": "scikit-learn",
+    "scipy": "SciPy",
+    "pyeclib": "PyECLib",
+    "pyspark": "PySpark",
+    "s3fs": "s3fs",
+}
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """Import ``module`` for ``feature``, or say which extra installs it.
+
+    Optional engines are imported where they are used (never by ``import stalwart``), so a
+    container that only checkpoints needs none of them.
+
+    Args:
+        module: import name, e.g. ``"duckdb"`` or ``"scipy.special"``.
+        extra: the ``stalwart[...]`` extra that provides it, e.g. ``"rca"``.
+        feature: what needs it, for the message, e.g. ``"stalwart.diagnose"``.
+
+    Raises:
+        MissingDependencyError: the import failed; the message names the install command.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.partition(".")[0]
+        raise MissingDependencyError(
+            f"{feature} needs {_PACKAGES.get(top, top)}, which is not installed ({e}): "
+            f"pip install 'stalwart[{extra}]'"
+        ) from e
