@@ -1,12 +1,16 @@
-"""The manifest: what a committed checkpoint holds and where its bytes live (format v1).
+"""The manifest: what a committed checkpoint holds and where its bytes live (format v2).
 
 A manifest is one JSON object per checkpoint, written last (see ``commit.py``). Its presence
 is the commit: a checkpoint without a manifest does not exist. ``docs/format.md`` is the
 normative spec; this module is its reference reader and writer.
 
-Parsing is strict and pickle-free: every field is type-checked and every storage key passes
-``validate_key`` so that an untrusted manifest can neither run code nor point outside its
-store.
+Parsing is strict and pickle-free: every field is type-checked, every number bounded, every
+storage key passes ``validate_key``, and the structure is checked (``integrity.py``) before
+anything is allocated or read, so that an untrusted manifest can neither run code, point
+outside its store, ask for absurd amounts of memory, nor leave part of a tensor unread.
+Version 2 adds a BLAKE3 checksum of the manifest itself (the last member, ``checksum``),
+so that a flipped byte in a plain value is caught too; version 1 manifests (no checksum)
+still load.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
+
+from stalwart.checkpoint.durable.integrity import brief, check_skeleton, tiling_problems
 from stalwart.errors import CorruptCheckpointError
 from stalwart.storage.base import validate_key
 from stalwart.tree import dtype_from_name
@@ -24,6 +31,7 @@ from stalwart.tree import dtype_from_name
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_STEP",
     "ChunkRef",
     "Manifest",
     "ShardEntry",
@@ -33,10 +41,21 @@ __all__ = [
 ]
 
 FORMAT_NAME = "stalwart.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+"""Versions this reader understands: v1 (no manifest checksum) and v2."""
 MANIFEST_PREFIX = "manifests/"
+MAX_STEP = 10**20 - 1
+"""Largest step: the manifest key holds the step in 20 digits."""
+MAX_BYTES = 1 << 62
+"""Bound on every byte count, offset and length (and a tensor's size) a manifest may state."""
+MAX_NDIM = 64
+MAX_WORLD_SIZE = (1 << 31) - 1
+ZSTD_MAX_RATIO = 1 << 16
+"""A zstd frame cannot expand more than this (an RLE block: 4 bytes for 128 KiB)."""
 _MANIFEST_RE = re.compile(r"^manifests/step-(\d{20})\.json$")
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_CHECKSUM_HEAD = b',"checksum":"'
 CODECS = ("none", "zstd")
 
 
@@ -81,12 +100,21 @@ class ChunkRef:
             raise CorruptCheckpointError(f"malformed chunk reference {obj!r}")
         h, nbytes, pack, offset, length, codec = obj
         if not (isinstance(h, str) and _HASH_RE.match(h)):
-            raise CorruptCheckpointError(f"malformed chunk hash {h!r}")
+            raise CorruptCheckpointError(f"malformed chunk hash {brief(h)}")
         for name, v in (("nbytes", nbytes), ("offset", offset), ("length", length)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise CorruptCheckpointError(f"chunk {h}: {name} must be a non-negative int")
+            _uint(v, f"chunk {h}: {name}")
+        if offset + length > MAX_BYTES:
+            raise CorruptCheckpointError(f"chunk {h}: offset + length exceeds {MAX_BYTES}")
         if codec not in CODECS:
-            raise CorruptCheckpointError(f"chunk {h}: unknown codec {codec!r}")
+            raise CorruptCheckpointError(f"chunk {h}: unknown codec {brief(codec)}")
+        if codec == "none" and nbytes != length:
+            raise CorruptCheckpointError(
+                f"chunk {h}: uncompressed, yet {nbytes} raw bytes are stored in {length}"
+            )
+        if codec == "zstd" and nbytes > ZSTD_MAX_RATIO * length:
+            raise CorruptCheckpointError(
+                f"chunk {h}: {length} zstd bytes cannot hold {nbytes} raw bytes"
+            )
         return cls(h, nbytes, validate_key(pack), offset, length, codec)
 
 
@@ -167,6 +195,7 @@ class Manifest:
         return {c.pack for c in self.chunks()}
 
     def to_bytes(self) -> bytes:
+        """The manifest as written: compact JSON whose last member is its checksum."""
         doc = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -178,74 +207,169 @@ class Manifest:
             "tensors": {name: t.to_json() for name, t in self.tensors.items()},
             "skeleton": self.skeleton,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        digest = blake3.blake3(body).hexdigest().encode("ascii")
+        return body[:-1] + _CHECKSUM_HEAD + digest + b'"}'
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
-        """Parse and validate a manifest; raise CorruptCheckpointError naming ``where``."""
+        """Parse and validate a manifest; raise CorruptCheckpointError naming ``where``.
+
+        Every field is type-checked and bounded, the skeleton and the tiling of every tensor
+        are checked, and (version 2) the checksum is verified, all before any tensor memory
+        is allocated or any chunk read.
+        """
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            # ValueError covers JSONDecodeError and integers of more than 4,300 digits;
+            # RecursionError, nesting deeper than the parser's stack.
             raise CorruptCheckpointError(
-                f"{where} is not valid JSON ({e}); the file is damaged or truncated — "
-                "load an earlier step or use fallback=True"
+                f"{where} is not valid JSON ({type(e).__name__}: {brief(str(e))}); the file is "
+                "damaged or truncated — load an earlier step or use fallback=True"
             ) from e
         try:
-            return cls._from_doc(doc)
+            m, problems = cls._from_doc(doc)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"{len(problems)} problem(s): " + "; ".join(problems[:3]), problems
+                )
+            _check_checksum(doc, bytes(data))
+            return m
         except CorruptCheckpointError as e:
-            raise type(e)(f"{where}: {e}") from e
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{where}: malformed manifest ({e!r})") from e
+            raise type(e)(
+                f"{where}: {e} — load an earlier step or use fallback=True, and run "
+                "`stalwart ckpt verify` for the full report",
+                [f"{where}: {d}" for d in e.damaged],
+            ) from e
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: malformed manifest ({type(e).__name__}: {brief(str(e))}) — load an "
+                "earlier step or use fallback=True"
+            ) from e
 
     @classmethod
-    def _from_doc(cls, doc: Any) -> Manifest:
+    def _from_doc(cls, doc: Any) -> tuple[Manifest, list[str]]:
+        """The manifest of a parsed document, and every tiling problem found in it."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError("not a stalwart manifest (missing 'format')")
         version = doc.get("version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS or isinstance(version, bool):
             raise CorruptCheckpointError(
-                f"manifest format version {version!r} is not supported by this stalwart "
-                f"(reads version {FORMAT_VERSION}); upgrade stalwart to read it"
+                f"manifest format version {brief(version)} is not supported by this stalwart "
+                f"(reads versions {list(READ_VERSIONS)}); upgrade stalwart to read it"
             )
-        tensors: dict[str, TensorEntry] = {}
-        for name, t in doc["tensors"].items():
-            dtype_from_name(t["dtype"])
-            shape = _int_tuple(t["shape"], f"tensor {name!r} shape")
-            shards = []
-            for s in t["shards"]:
-                offsets = _int_tuple(s["offsets"], f"tensor {name!r} shard offsets")
-                sizes = _int_tuple(s["sizes"], f"tensor {name!r} shard sizes")
-                if len(offsets) != len(shape) or len(sizes) != len(shape):
-                    raise CorruptCheckpointError(f"tensor {name!r}: shard rank != tensor rank")
-                if any(o + z > d for o, z, d in zip(offsets, sizes, shape, strict=True)):
-                    raise CorruptCheckpointError(f"tensor {name!r}: shard outside the tensor")
-                chunks = tuple(ChunkRef.from_json(c) for c in s["chunks"])
-                shards.append(ShardEntry(offsets, sizes, chunks))
-            tensors[name] = TensorEntry(t["dtype"], shape, tuple(shards))
-        step = doc["step"]
-        if not isinstance(step, int) or step < 0:
-            raise CorruptCheckpointError(f"step {step!r} is not a non-negative int")
-        meta = doc.get("metadata", {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        tensors = _dict(doc["tensors"], "tensors")
+        entries = {name: _tensor_entry(name, t) for name, t in tensors.items()}
+        problems = [p for name, e in entries.items() for p in tiling_problems(name, e)]
+        check_skeleton(doc["skeleton"], entries)
+        step = _uint(doc["step"], "step", MAX_STEP)
+        meta = _dict(doc.get("metadata", {}), "metadata")
+        if not all(isinstance(v, str) for v in meta.values()):
             raise CorruptCheckpointError("metadata must map strings to strings")
-        stats = {str(k): float(v) for k, v in doc.get("stats", {}).items()}
-        created = float(doc.get("created_unix", 0.0))
-        if not math.isfinite(created):
-            created = 0.0
-        return cls(
+        stats = {
+            k: _finite(v, f"stats[{k!r}]") for k, v in _dict(doc.get("stats", {}), "stats").items()
+        }
+        m = cls(
             step=step,
-            tensors=tensors,
+            tensors=entries,
             skeleton=doc["skeleton"],
-            world_size=int(doc.get("world_size", 1)),
-            created_unix=created,
+            world_size=_uint(doc.get("world_size", 1), "world_size", MAX_WORLD_SIZE),
+            created_unix=_finite(doc.get("created_unix", 0.0), "created_unix"),
             metadata=meta,
             stats=stats,
         )
+        return m, problems
+
+
+def _check_checksum(doc: dict[str, Any], data: bytes) -> None:
+    """Verify the manifest's checksum: required from version 2, checked whenever present.
+
+    The checksum is BLAKE3 of the manifest's bytes without its last member
+    ``,"checksum":"<hex>"`` (the writer puts it last; see docs/format.md §3). A version 1
+    manifest that carries one (a damaged version number) is checked too.
+    """
+    if "checksum" not in doc:
+        if doc["version"] == 1:
+            return
+        raise CorruptCheckpointError(
+            f"a version {doc['version']} manifest must end with its checksum, and this one has none"
+        )
+    want = doc["checksum"]
+    tail = _CHECKSUM_HEAD + (want.encode("ascii") if isinstance(want, str) else b"") + b'"}'
+    if not (isinstance(want, str) and _HASH_RE.match(want) and data.endswith(tail)):
+        raise CorruptCheckpointError(
+            "the manifest checksum is malformed or not the last member (damaged manifest)"
+        )
+    body = data[: len(data) - len(tail)] + b"}"
+    if blake3.blake3(body).hexdigest() != want:
+        raise CorruptCheckpointError(
+            "the manifest does not match its checksum: it changed after it was written "
+            "(bit rot, a partial overwrite or an edit)"
+        )
+
+
+def _tensor_entry(name: str, t: Any) -> TensorEntry:
+    """A tensor entry, its numbers bounded and its shards inside its shape."""
+    t = _dict(t, f"tensor {name!r}")
+    dtype = t["dtype"]
+    esize = dtype_from_name(dtype).itemsize
+    shape = _int_tuple(t["shape"], f"tensor {name!r} shape")
+    if _numel(shape) * esize > MAX_BYTES:
+        raise CorruptCheckpointError(f"tensor {name!r}: shape {list(shape)} is impossibly large")
+    shards = []
+    for s in _list(t["shards"], f"tensor {name!r} shards"):
+        s = _dict(s, f"tensor {name!r} shard")
+        offsets = _int_tuple(s["offsets"], f"tensor {name!r} shard offsets")
+        sizes = _int_tuple(s["sizes"], f"tensor {name!r} shard sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise CorruptCheckpointError(f"tensor {name!r}: shard rank != tensor rank")
+        if any(o + z > d for o, z, d in zip(offsets, sizes, shape, strict=True)):
+            raise CorruptCheckpointError(f"tensor {name!r}: shard outside the tensor")
+        chunks = _list(s["chunks"], f"tensor {name!r} chunks")
+        shards.append(ShardEntry(offsets, sizes, tuple(ChunkRef.from_json(c) for c in chunks)))
+    return TensorEntry(dtype, shape, tuple(shards))
+
+
+def _uint(value: Any, what: str, limit: int = MAX_BYTES) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+        raise CorruptCheckpointError(f"{what} must be an int in [0, {limit}], not {brief(value)}")
+    return value
+
+
+def _finite(value: Any, what: str) -> float:
+    try:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        f = float(value) if ok else math.nan
+    except OverflowError:
+        f = math.nan
+    if not math.isfinite(f):
+        raise CorruptCheckpointError(f"{what} must be a finite number, not {brief(value)}")
+    return f
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{what} must be a JSON object, not {brief(value)}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CorruptCheckpointError(f"{what} must be a JSON list, not {brief(value)}")
+    return value
 
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise CorruptCheckpointError(f"{what} must be a list of non-negative ints")
-    return tuple(value)
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{what} must be a list of at most {MAX_NDIM} ints")
+    return tuple(_uint(v, what) for v in value)
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+        if n > MAX_BYTES:
+            return MAX_BYTES + 1  # stop early: a hostile shape may multiply to 10**5000
+    return n
