@@ -16,9 +16,25 @@ import typer
 from rich.console import Console
 
 from stalwart.demos.resume import REPORT_NAME, run_demo
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, MissingDependencyError, require
 
 __all__ = ["demo", "register"]
+
+# What each optional section imports, checked before the run rather than a minute into it.
+_SECTION_NEEDS = {
+    "pvf": (("scipy", "sdc"), ("pyarrow", "sdc"), ("sklearn", "sdc")),
+    "rca": (("duckdb", "rca"), ("pyarrow", "rca")),
+}
+
+
+def _check_extras(sections: dict[str, bool]) -> None:
+    """Raise MissingDependencyError, with the flag that skips it, when a section lacks its extra."""
+    for section, wanted in sections.items():
+        for module, extra in _SECTION_NEEDS[section] if wanted else ():
+            try:
+                require(module, extra, f"the demo's {section} section")
+            except MissingDependencyError as e:
+                raise MissingDependencyError(f"{e}; or pass --no-{section}") from e.__cause__
 
 
 def demo(
@@ -49,6 +65,11 @@ def demo(
     """
     started = time.perf_counter()
     console = Console()
+    try:
+        _check_extras({"pvf": pvf, "rca": rca})
+    except MissingDependencyError as e:
+        console.print(str(e), style="red", markup=False)
+        raise typer.Exit(code=2) from e
     root = root.absolute()
     run_root = root / "run"
     if fresh and run_root.exists():

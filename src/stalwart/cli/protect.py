@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stalwart.cli.pvf import handled, load_spec
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, require
 
 __all__ = ["protect_command", "register"]
 
@@ -129,8 +129,7 @@ def protect_command(
 def _write(out: Path, spec: str, ref: Any, results: list[Any], sweep: dict[str, Any]) -> None:
     import dataclasses
 
-    import matplotlib
-
+    matplotlib = require("matplotlib", "sdc", "stalwart protect --out")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -4,13 +4,22 @@ the failures (``analyze``) or explain a KPI's deviation from its forecast (``loc
     load ─► clean ─► pre-aggregate (DuckDB GROUP BY) ─► mine failures (weighted FP-Growth)
          ─► count and score (lift, Wilson interval) ─► prune ─► select ─► report
 
-Depends on no other stalwart package but ``stalwart.errors``.
+Depends on no other stalwart package but ``stalwart.errors``. Needs the ``rca`` extra
+(DuckDB, PyArrow; matplotlib for the HTML report's plot): importing this package without it
+raises :class:`stalwart.errors.MissingDependencyError` with the install command.
 """
 
 from __future__ import annotations
 
-from stalwart.diagnose.analyze import analyze, localize
-from stalwart.diagnose.options import DiagnoseOptions
-from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
+from stalwart.errors import require
+
+# Before the submodules, which import these at their top: one clear error, not a bare
+# ModuleNotFoundError from deep inside.
+require("duckdb", "rca", "stalwart.diagnose")
+require("pyarrow", "rca", "stalwart.diagnose")
+
+from stalwart.diagnose.analyze import analyze, localize  # noqa: E402
+from stalwart.diagnose.options import DiagnoseOptions  # noqa: E402
+from stalwart.diagnose.result import Diagnosis, Finding, Neighbour  # noqa: E402
 
 __all__ = ["Diagnosis", "DiagnoseOptions", "Finding", "Neighbour", "analyze", "localize"]

@@ -8,6 +8,8 @@ import html
 import io
 from typing import TYPE_CHECKING
 
+from stalwart.errors import require
+
 if TYPE_CHECKING:
     from stalwart.diagnose.result import Diagnosis
 
@@ -44,8 +46,7 @@ def _table(head: list[str], rows: list[list[str]], numeric: set[int] | None = No
 def _plot(d: Diagnosis) -> str:
     if not d.findings:
         return ""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "rca", "the root-cause HTML report")
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 

@@ -18,7 +18,7 @@ from stalwart.diagnose.analyze import analyze
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis
 from stalwart.diagnose.source import suggest
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, require
 
 __all__ = ["analyze_spark"]
 
@@ -28,13 +28,10 @@ _FAILED, _COUNT = "__stalwart_failed", "__stalwart_count"
 
 
 def _pyspark() -> Any:
-    try:
-        import pyspark.sql.functions as F
-        from pyspark.sql import SparkSession
-    except ImportError as e:
-        raise ConfigError(
-            "the spark engine needs pyspark: pip install 'stalwart[spark]' (and Java 17+)"
-        ) from e
+    require("pyspark", "spark", "the spark engine (with Java 17+)")
+    import pyspark.sql.functions as F
+    from pyspark.sql import SparkSession
+
     return SparkSession, F
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, require
 
 __all__ = ["ReferenceModel", "available", "cache_folder", "load", "model_hash", "register"]
 
@@ -53,6 +53,7 @@ class ReferenceModel:
         with torch.no_grad():
             out = (model or self.model)(*self.inputs)
         if self.metric == "auc":
+            require("sklearn", "sdc", "the AUC metric")
             from sklearn.metrics import roc_auc_score
 
             score = torch.nan_to_num(out.reshape(-1).float(), nan=0.0, posinf=1e30, neginf=-1e30)

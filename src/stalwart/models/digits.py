@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stalwart.errors import require
 from stalwart.models.base import ReferenceModel, register
 
 __all__ = ["DigitsCNN", "MLP", "digits_data"]
@@ -48,6 +49,7 @@ class MLP(nn.Module):
 
 def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train/test images (N, 1, 8, 8) in [0, 1] and labels; 1,437 / 360, fixed split."""
+    require("sklearn", "sdc", "the digits reference models")
     from sklearn.datasets import load_digits
 
     d = load_digits()
