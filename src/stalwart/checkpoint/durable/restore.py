@@ -17,6 +17,7 @@ import torch
 
 from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable.gc import Lease
+from stalwart.checkpoint.durable.integrity import pack_problems
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.durable.plan import local_box
 from stalwart.checkpoint.durable.reshard import read_box
@@ -90,6 +91,9 @@ def load_step(
             + ("\n  …" if len(problems) > 20 else "")
             + "\npass strict=False to load what matches and leave the rest untouched"
         )
+    beyond = pack_problems(m, store)  # before any buffer is sized by a stored length
+    if beyond:
+        raise CorruptCheckpointError(f"{where}: {next(iter(beyond.values()))}", [*beyond.values()])
     tensors = dict(targets)
     for fqn in iter_skeleton_tensors(m.skeleton):
         if fqn in tensors:
@@ -97,7 +101,7 @@ def load_step(
         e = m.tensors.get(fqn)
         if e is None:
             raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
-        tensors[fqn] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+        tensors[fqn] = _allocate(e, fqn, where)
     with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s):
         # Tensors in parallel (many small ones are latency-bound); each tensor's chunks
         # in parallel on the I/O pool.
@@ -117,6 +121,19 @@ def load_step(
             continue
         _restore_stateful(obj, sub, path, strict, where, problems)
     return tree, read, problems
+
+
+def _allocate(e: TensorEntry, fqn: str, where: str) -> torch.Tensor:
+    """A tensor for entry ``e``; a manifest asking for more memory than exists is refused."""
+    try:
+        return torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+    except (RuntimeError, MemoryError) as err:
+        raise CorruptCheckpointError(
+            f"{where}: tensor {fqn!r} of shape {list(e.shape)} ({e.nbytes} bytes) cannot be "
+            f"allocated ({err}); if the manifest is damaged load an earlier step or use "
+            "fallback=True, else load into a state whose tensors are already allocated",
+            [fqn],
+        ) from err
 
 
 def fill_tensor(
