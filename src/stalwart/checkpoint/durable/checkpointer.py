@@ -28,6 +28,7 @@ from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.durable.manifest import (
     MANIFEST_PREFIX,
+    MAX_STEP,
     ChunkRef,
     Manifest,
     manifest_key,
@@ -509,6 +510,11 @@ class Checkpointer:
 def _check_save_args(step: Any, metadata: Any) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step {step} is too large: manifest names hold 20 digits, so steps go up to "
+            f"{MAX_STEP}; number steps from 0 (a counter, not a timestamp in nanoseconds)"
+        )
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ConfigError("metadata must map str to str")
 
