@@ -1,28 +1,41 @@
-"""Load a tensor's box from whatever shards a checkpoint holds, verifying every chunk.
+"""Load tensors' boxes from whatever shards a checkpoint holds, verifying every chunk.
 
-The loading rank wants a box of the global tensor (the whole tensor for a plain tensor, the
-local shard for a DTensor). For each saved shard that overlaps it, only the leading-dimension
-rows that overlap are read, chunk by chunk; every chunk read is hashed and compared with its
-name before its bytes are used. When the overlap spans whole rows of both the saved shard and
-the wanted box (same sharding, or ``Shard(0)`` to ``Shard(0)`` at another world size),
-chunks are read straight into the destination tensor's memory; otherwise rows go through a
-temporary buffer and the overlapping sub-box is copied out.
+The loading rank wants a box of each global tensor (the whole tensor for a plain tensor, the
+local shard for a DTensor). For each saved shard that overlaps it, only the chunks holding
+leading-dimension rows that overlap are read. A load is planned first, then read:
+
+1. **Plan.** Each chunk needed becomes one read, with the places its bytes go (a slice of
+   the destination tensor when the overlap spans whole rows of both the saved shard and the
+   box, else a slice of a temporary the overlapping sub-box is copied out of afterwards).
+   A chunk shared by several tensors (same content) is read once.
+2. **Read.** Chunks adjacent in a pack are merged into spans of up to ``SPAN_BYTES``, read
+   in pack order by the I/O pool: while one thread hashes and copies its span, the others
+   are already reading the next ones. A store with ``read_view`` (``LocalStorage``) reads
+   each span with one O_DIRECT request into a reused aligned buffer.
+3. **Verify, then copy.** Each chunk's BLAKE3 hash (which releases the GIL) is checked
+   where it was read; only then are its bytes copied into the destination. A damaged chunk
+   never lands in a caller's tensor, and a failed load waits for every read in flight
+   before it raises, so nothing is written into the tensors after it returns.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import torch
 
-from stalwart.checkpoint.durable.manifest import ChunkRef, ShardEntry, TensorEntry
+from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
 from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
 from stalwart.storage.base import Storage
 from stalwart.tree import dtype_from_name
 
-__all__ = ["ReadStats", "read_box", "verify_chunk"]
+__all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
+
+SPAN_BYTES = 16 << 20
+"""Adjacent chunks of one pack are read together, up to this many bytes per read."""
 
 
 @dataclass
@@ -33,102 +46,223 @@ class ReadStats:
     chunks_verified: int = 0
 
 
-def _describe(where: str, fqn: str, shard: ShardEntry, c: ChunkRef) -> str:
-    return (
-        f"{where}: tensor {fqn!r}, shard at offsets {list(shard.offsets)} sizes "
-        f"{list(shard.sizes)}, chunk {c.hash[:16]}… in {c.pack} at byte {c.offset}"
-    )
+@dataclass(frozen=True)
+class Box:
+    """A box of tensor ``fqn`` at ``offsets`` to fill into ``dest`` (contiguous, CPU)."""
+
+    entry: TensorEntry
+    fqn: str
+    offsets: tuple[int, ...]
+    dest: torch.Tensor
 
 
-def _fetch(storage: Storage, c: ChunkRef, out: memoryview | None, what: str) -> memoryview:
-    """Read chunk ``c``'s stored bytes (into ``out`` when given and uncompressed)."""
-    direct = out is not None and c.codec == "none"
-    buf = out if direct else memoryview(bytearray(c.length))
-    assert buf is not None
-    try:
-        n = storage.read_into(c.pack, c.offset, buf[: c.length]) if c.length else 0
-    except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"{what}: pack file is missing; the checkpoint is incomplete — load an earlier "
-            "step or use fallback=True",
-            damaged=[what],
-        ) from e
-    if n != c.length:
-        raise CorruptCheckpointError(
-            f"{what}: truncated (read {n} of {c.length} bytes); load an earlier step or use "
-            "fallback=True",
-            damaged=[what],
-        )
-    if c.codec == "zstd":
-        import zstandard
+@dataclass
+class _Need:
+    """One chunk to read and verify, and the ``(dest, a, b)`` its raw bytes ``[a, b)`` fill."""
 
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(bytes(buf), max_output_size=c.nbytes)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"{what}: cannot decompress ({e})", [what]) from e
-        if out is not None and len(raw) == len(out):
-            out[:] = raw
-            return out
-        buf = memoryview(raw)
-    return buf
+    ref: ChunkRef
+    what: str
+    sinks: list[tuple[memoryview, int, int]] = field(default_factory=list)
+
+
+def _describe(where: str, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
+    return f"{where}: tensor {fqn!r}, shard at offsets {list(offsets)} sizes {list(sizes)}"
+
+
+def _chunk_what(prefix: str, c: ChunkRef) -> str:
+    return f"{prefix}, chunk {c.hash[:16]}… in {c.pack} at byte {c.offset}"
 
 
 def verify_chunk(storage: Storage, c: ChunkRef, what: str, out: memoryview | None = None) -> int:
     """Read chunk ``c``, check its hash and length; return the stored bytes read.
 
+    With ``out`` (``c.nbytes`` long), the verified raw bytes are copied there.
+
     Raises:
         CorruptCheckpointError: missing pack, truncated data, or a hash mismatch.
     """
-    raw = _fetch(storage, c, out, what)
-    if len(raw) != c.nbytes or chunk_hash(raw) != c.hash:
-        raise CorruptCheckpointError(
-            f"{what}: content does not match its hash (bit rot or tampering); "
-            "load an earlier step or use fallback=True",
-            damaged=[what],
-        )
-    return c.length
+    need = _Need(c, what)
+    if out is not None:
+        need.sinks.append((out, 0, c.nbytes))
+    return _read_span(storage, c.pack, c.offset, c.offset + c.length, [need])
 
 
-def _copy_range(
-    storage: Storage,
-    shard: ShardEntry,
-    lo: int,
-    hi: int,
-    dest: memoryview,
-    pool: ThreadPoolExecutor,
-    what: tuple[str, str],
-    stats: ReadStats,
-) -> None:
-    """Fill ``dest`` with bytes ``[lo, hi)`` of ``shard``'s raw byte stream, verified."""
-    tasks = []
-    start = 0
-    for c in shard.chunks:
-        cs, ce = start, start + c.nbytes
-        start = ce
-        if ce <= lo or cs >= hi:
-            continue
-        desc = _describe(what[0], what[1], shard, c)
-        if cs >= lo and ce <= hi:
-            tasks.append(pool.submit(verify_chunk, storage, c, desc, dest[cs - lo : ce - lo]))
+def _check_and_copy(stored_all: memoryview, start: int, needs: list[_Need]) -> None:
+    """Verify each chunk of a span read at pack offset ``start``, then copy it to its sinks."""
+    for need in needs:
+        c, what = need.ref, need.what
+        stored = stored_all[c.offset - start : c.offset - start + c.length]
+        if len(stored) != c.length:
+            raise CorruptCheckpointError(
+                f"{what}: truncated (read {len(stored)} of {c.length} bytes); load an earlier "
+                "step or use fallback=True",
+                damaged=[what],
+            )
+        raw = stored
+        if c.codec == "zstd":
+            import zstandard
+
+            try:
+                raw = memoryview(
+                    zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=c.nbytes)
+                )
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpointError(f"{what}: cannot decompress ({e})", [what]) from e
+        if len(raw) != c.nbytes or chunk_hash(raw) != c.hash:
+            raise CorruptCheckpointError(
+                f"{what}: content does not match its hash (bit rot or tampering); "
+                "load an earlier step or use fallback=True",
+                damaged=[what],
+            )
+        for dest, a, b in need.sinks:  # verified: now, and only now, it may land
+            dest[:] = raw[a:b]
+
+
+def _read_span(storage: Storage, pack: str, start: int, end: int, needs: list[_Need]) -> int:
+    """Read pack bytes ``[start, end)`` holding ``needs``' chunks; verify and place each."""
+    read_view = getattr(storage, "read_view", None)
+    try:
+        if end == start:
+            _check_and_copy(memoryview(b""), start, needs)
+        elif read_view is not None:
+            with read_view(pack, start, end - start) as view:
+                _check_and_copy(view, start, needs)
         else:
+            buf = memoryview(bytearray(end - start))
+            n = storage.read_into(pack, start, buf)
+            _check_and_copy(buf[:n], start, needs)
+    except ObjectNotFoundError as e:
+        what = needs[0].what
+        raise CorruptCheckpointError(
+            f"{what}: pack file is missing; the checkpoint is incomplete — load an earlier "
+            "step or use fallback=True",
+            damaged=[what],
+        ) from e
+    return end - start
 
-            def partial(c: ChunkRef = c, cs: int = cs, desc: str = desc) -> int:
-                tmp = memoryview(bytearray(c.nbytes))
-                n = verify_chunk(storage, c, desc, tmp)
-                a, b = max(lo, cs), min(hi, cs + c.nbytes)
-                dest[a - lo : b - lo] = tmp[a - cs : b - cs]
-                return n
 
-            tasks.append(pool.submit(partial))
-    for t in tasks:
-        stats.bytes_read += t.result()
-        stats.chunks_verified += 1
+def _spans(needs: Iterable[_Need]) -> list[tuple[str, int, int, list[_Need]]]:
+    """Merge chunks adjacent in a pack into spans of at most ``SPAN_BYTES`` (pack order)."""
+    spans: list[tuple[str, int, int, list[_Need]]] = []
+    for need in sorted(needs, key=lambda n: (n.ref.pack, n.ref.offset)):
+        c = need.ref
+        if spans:
+            pack, start, end, group = spans[-1]
+            if pack == c.pack and end == c.offset and end + c.length - start <= SPAN_BYTES:
+                spans[-1] = (pack, start, end + c.length, [*group, need])
+                continue
+        spans.append((c.pack, c.offset, c.offset + c.length, [need]))
+    return spans
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
     return memoryview(t.reshape(-1).view(torch.uint8).numpy().data).cast("B")
+
+
+def _plan_box(
+    box: Box, where: str, needs: dict[tuple[str, int], _Need], after: list[Callable[[], None]]
+) -> None:
+    """Add the chunk reads that fill ``box`` to ``needs``; copies to run after to ``after``.
+
+    Raises:
+        CorruptCheckpointError: the shards do not cover the box.
+    """
+    entry, fqn, offsets, dest = box.entry, box.fqn, box.offsets, box.dest
+    sizes = tuple(dest.shape)
+    dtype = dtype_from_name(entry.dtype)
+    if dest.dtype != dtype or not dest.is_contiguous() or dest.device.type != "cpu":
+        raise AssertionError("read_box needs a contiguous CPU tensor of the entry's dtype")
+    esize = dest.element_size()
+    dest_bytes = _as_bytes(dest)
+
+    def add(shard_i: int, lo: int, hi: int, out: memoryview) -> None:
+        """Chunks of shard ``shard_i`` covering its raw bytes ``[lo, hi)`` fill ``out``."""
+        shard = entry.shards[shard_i]
+        prefix = _describe(where, fqn, shard.offsets, shard.sizes)
+        cs = 0
+        for c in shard.chunks:
+            ce = cs + c.nbytes
+            if ce > lo and cs < hi:
+                need = needs.setdefault((c.pack, c.offset), _Need(c, _chunk_what(prefix, c)))
+                a, b = max(lo, cs), min(hi, ce)
+                need.sinks.append((out[a - lo : b - lo], a - cs, b - cs))
+            cs = ce
+
+    if not sizes:  # 0-dim tensor: one shard, one element
+        if not entry.shards:
+            raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no shard", [fqn])
+        add(0, 0, esize, dest_bytes)
+        return
+    covered = 0
+    for i, shard in enumerate(entry.shards):
+        lo_g = [max(o, so) for o, so in zip(offsets, shard.offsets, strict=True)]
+        hi_g = [
+            min(o + s, so + ss)
+            for o, s, so, ss in zip(offsets, sizes, shard.offsets, shard.sizes, strict=True)
+        ]
+        if any(a >= b for a, b in zip(lo_g, hi_g, strict=True)):
+            continue
+        ov_sizes = [b - a for a, b in zip(lo_g, hi_g, strict=True)]
+        covered += _numel(ov_sizes)
+        row_bytes = _numel(shard.sizes[1:]) * esize
+        r0, r1 = lo_g[0] - shard.offsets[0], hi_g[0] - shard.offsets[0]
+        if list(shard.sizes[1:]) == ov_sizes[1:] == list(sizes[1:]):
+            # Whole rows on both sides: a straight byte range of the destination.
+            d0 = (lo_g[0] - offsets[0]) * row_bytes
+            add(i, r0 * row_bytes, r1 * row_bytes, dest_bytes[d0 : d0 + (r1 - r0) * row_bytes])
+            continue
+        rows = torch.empty((r1 - r0, *shard.sizes[1:]), dtype=dtype)
+        add(i, r0 * row_bytes, r1 * row_bytes, _as_bytes(rows))
+        src, dst = rows, dest
+        for d in range(1, len(sizes)):
+            src = src.narrow(d, lo_g[d] - shard.offsets[d], ov_sizes[d])
+        for d in range(len(sizes)):
+            dst = dst.narrow(d, lo_g[d] - offsets[d], ov_sizes[d])
+        after.append(lambda dst=dst, src=src: dst.copy_(src))
+    if covered < dest.numel():
+        raise CorruptCheckpointError(
+            f"{where}: tensor {fqn!r}: the saved shards cover {covered} of the {dest.numel()} "
+            f"elements of the box at {list(offsets)} {list(sizes)}; the checkpoint is "
+            "incomplete",
+            [fqn],
+        )
+
+
+def read_boxes(
+    storage: Storage, boxes: Iterable[Box], *, pool: ThreadPoolExecutor, where: str
+) -> ReadStats:
+    """Fill every box's ``dest`` with its data, each chunk verified before it lands.
+
+    Reads run on ``pool`` (call from outside it); on failure, reads in flight finish (and
+    queued ones are dropped) before the first error is raised.
+
+    Raises:
+        CorruptCheckpointError: the shards do not cover a box, or a chunk is damaged.
+    """
+    needs: dict[tuple[str, int], _Need] = {}
+    after: list[Callable[[], None]] = []
+    for box in boxes:
+        _plan_box(box, where, needs, after)
+    stats = ReadStats()
+    futures: list[Future[int]] = [
+        pool.submit(_read_span, storage, pack, start, end, group)
+        for pack, start, end, group in _spans(needs.values())
+    ]
+    try:
+        for f in futures:
+            stats.bytes_read += f.result()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        raise
+    stats.chunks_verified = len(needs)
+    with torch.no_grad():
+        for copy in after:
+            copy()
+    return stats
 
 
 def read_box(
@@ -146,56 +280,7 @@ def read_box(
     Raises:
         CorruptCheckpointError: the shards do not cover the box, or a chunk is damaged.
     """
-    stats = ReadStats()
-    sizes = tuple(dest.shape)
-    dtype = dtype_from_name(entry.dtype)
-    if dest.dtype != dtype or not dest.is_contiguous() or dest.device.type != "cpu":
-        raise AssertionError("read_box needs a contiguous CPU tensor of the entry's dtype")
-    esize = dest.element_size()
-    dest_bytes = _as_bytes(dest)
-    covered = 0
-    if not sizes:  # 0-dim tensor: one shard, one element
-        for shard in entry.shards:
-            _copy_range(storage, shard, 0, esize, dest_bytes, pool, (where, fqn), stats)
-            return stats
-        raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no shard", [fqn])
-    for shard in entry.shards:
-        lo_g = [max(o, so) for o, so in zip(offsets, shard.offsets, strict=True)]
-        hi_g = [
-            min(o + s, so + ss)
-            for o, s, so, ss in zip(offsets, sizes, shard.offsets, shard.sizes, strict=True)
-        ]
-        if any(a >= b for a, b in zip(lo_g, hi_g, strict=True)):
-            continue
-        ov_sizes = [b - a for a, b in zip(lo_g, hi_g, strict=True)]
-        covered += _numel(ov_sizes)
-        row_elems = _numel(shard.sizes[1:])
-        r0, r1 = lo_g[0] - shard.offsets[0], hi_g[0] - shard.offsets[0]
-        lo, hi = r0 * row_elems * esize, r1 * row_elems * esize
-        if list(shard.sizes[1:]) == ov_sizes[1:] == list(sizes[1:]):
-            # Whole rows on both sides: a straight byte range of the destination.
-            d0 = (lo_g[0] - offsets[0]) * row_elems * esize
-            _copy_range(
-                storage, shard, lo, hi, dest_bytes[d0 : d0 + hi - lo], pool, (where, fqn), stats
-            )
-            continue
-        rows = torch.empty((r1 - r0, *shard.sizes[1:]), dtype=dtype)
-        _copy_range(storage, shard, lo, hi, _as_bytes(rows), pool, (where, fqn), stats)
-        src = rows
-        dst = dest
-        for d in range(1, len(sizes)):
-            src = src.narrow(d, lo_g[d] - shard.offsets[d], ov_sizes[d])
-        for d in range(len(sizes)):
-            dst = dst.narrow(d, lo_g[d] - offsets[d], ov_sizes[d])
-        dst.copy_(src)
-    if covered < dest.numel():
-        raise CorruptCheckpointError(
-            f"{where}: tensor {fqn!r}: the saved shards cover {covered} of the {dest.numel()} "
-            f"elements of the box at {list(offsets)} {list(sizes)}; the checkpoint is "
-            "incomplete",
-            [fqn],
-        )
-    return stats
+    return read_boxes(storage, [Box(entry, fqn, offsets, dest)], pool=pool, where=where)
 
 
 def _numel(sizes: tuple[int, ...] | list[int]) -> int:

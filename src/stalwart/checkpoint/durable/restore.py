@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from stalwart.checkpoint.durable.gc import Lease
 from stalwart.checkpoint.durable.integrity import pack_problems
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.durable.plan import local_box
-from stalwart.checkpoint.durable.reshard import read_box
+from stalwart.checkpoint.durable.reshard import Box, read_boxes
 from stalwart.errors import (
     CorruptCheckpointError,
     DistributedError,
@@ -38,7 +38,10 @@ from stalwart.tree import (
     unflatten,
 )
 
-__all__ = ["fill_tensor", "load_first_that_verifies", "load_step"]
+__all__ = ["fill_tensor", "fill_tensors", "load_first_that_verifies", "load_step"]
+
+STAGING_BYTES = 1 << 30
+"""Most bytes staged on the CPU at once for targets not read in place (GPU, strided)."""
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +106,10 @@ def load_step(
             raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
         tensors[fqn] = _allocate(e, fqn, where)
     with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s):
-        # Tensors in parallel (many small ones are latency-bound); each tensor's chunks
-        # in parallel on the I/O pool.
-        futures = [
-            tensor_pool.submit(fill_tensor, store, m.tensors[fqn], fqn, t, where, io_pool)
-            for fqn, t in tensors.items()
-        ]
-        read = sum(f.result() for f in futures)
+        # One planned read of every tensor: chunks in pack order, read ahead and verified
+        # in parallel on the I/O pool; staged copies (GPU targets) on the tensor pool.
+        items = [(m.tensors[fqn], fqn, t) for fqn, t in tensors.items()]
+        read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool)
     tree = unflatten(m.skeleton, tensors.__getitem__)
     for path, obj in reversed(flat.statefuls):
         try:
@@ -145,16 +145,62 @@ def fill_tensor(
     pool: ThreadPoolExecutor,
 ) -> int:
     """Read ``target``'s box (local shard of a DTensor, or all of it) in place."""
-    offsets, _sizes, local = local_box(target)
-    if local.numel() == 0:
-        return 0
-    direct = local.is_contiguous() and local.device.type == "cpu"
-    dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
-    with torch.no_grad():
-        stats = read_box(store, entry, fqn, offsets, dest, pool=pool, where=where)
-        if not direct:
-            local.copy_(dest)
-    return stats.bytes_read
+    return fill_tensors(store, [(entry, fqn, target)], where, pool)
+
+
+def fill_tensors(
+    store: Storage,
+    items: list[tuple[TensorEntry, str, torch.Tensor]],
+    where: str,
+    pool: ThreadPoolExecutor,
+    *,
+    copy_pool: ThreadPoolExecutor | None = None,
+) -> int:
+    """Read each ``(entry, fqn, target)``'s box in place; return the stored bytes read.
+
+    Contiguous CPU targets are filled directly; others (GPU, strided) are read into CPU
+    staging tensors, at most ``STAGING_BYTES`` at a time, and copied over on ``copy_pool``
+    once verified.
+    """
+    read = 0
+    boxes: list[Box] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copies: list[Future[torch.Tensor]] = []
+
+    def flush() -> None:
+        nonlocal read
+        read += read_boxes(store, boxes, pool=pool, where=where).bytes_read
+        for local, dest in staged:
+            if copy_pool is None:
+                local.copy_(dest)
+            else:
+                copies.append(copy_pool.submit(local.copy_, dest))
+        boxes.clear()
+        staged.clear()
+
+    try:
+        with torch.no_grad():
+            staged_bytes = 0
+            for entry, fqn, target in items:
+                offsets, _sizes, local = local_box(target)
+                if local.numel() == 0:
+                    continue
+                if local.is_contiguous() and local.device.type == "cpu":
+                    boxes.append(Box(entry, fqn, offsets, local))
+                    continue
+                dest = torch.empty(local.shape, dtype=local.dtype)
+                boxes.append(Box(entry, fqn, offsets, dest))
+                staged.append((local, dest))
+                staged_bytes += dest.numel() * dest.element_size()
+                if staged_bytes >= STAGING_BYTES:
+                    flush()
+                    staged_bytes = 0
+            flush()
+    finally:
+        wait(copies)
+    for f in copies:
+        f.result()
+    return read
 
 
 def _restore_stateful(
