@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from stalwart.checkpoint.durable.integrity import MAX_TREE_DEPTH, check_skeleton
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
+from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = ["build_manifest"]
 
@@ -33,6 +35,9 @@ def build_manifest(
         world_size: ranks that saved.
         metadata: the user's string metadata.
         t0: ``time.perf_counter()`` at the start of the save, for the stats.
+
+    Raises:
+        UnsupportedValueError: the skeleton is one no reader would accept (too deep).
     """
     shards: dict[str, list[ShardEntry]] = {fqn: [] for fqn in tensors}
     for rank_shards, _ in results:
@@ -48,6 +53,13 @@ def build_manifest(
         fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
         for fqn, (dtype, shape) in tensors.items()
     }
+    try:  # refuse here what every reader would refuse (a tree too deep to read back)
+        check_skeleton(skeleton, entries)
+    except CorruptCheckpointError as e:
+        raise UnsupportedValueError(
+            f"the state tree cannot be stored: {e}; flatten the tree (at most "
+            f"{MAX_TREE_DEPTH} levels of dicts, lists and tuples)"
+        ) from e
     stats = [r[1] for r in results]
     return Manifest(
         step=step,

@@ -45,6 +45,7 @@ MAX_TREE_DEPTH = 128
 _MAX_GRID_CELLS = 1 << 22  # the exact-cover check's grid; beyond it, pairwise box tests
 _INT_RE = re.compile(r"-?[0-9]+")
 _FLOAT_WORDS = ("nan", "inf", "-inf")
+_NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # dtypes numpy cannot hold
 _KEY_TYPES: dict[str, tuple[type, ...]] = {"s": (str,), "i": (int,), "b": (bool,)}
 
 
@@ -65,8 +66,12 @@ def _numel(sizes: tuple[int, ...] | list[int]) -> int:
     return n
 
 
-def check_skeleton(skeleton: Any, tensor_names: Any) -> None:
+def check_skeleton(skeleton: Any, tensors: dict[str, Any]) -> None:
     """Check the skeleton's every node, iteratively (a deep one cannot exhaust the stack).
+
+    Args:
+        skeleton: the parsed skeleton.
+        tensors: the manifest's tensor entries by name.
 
     Raises:
         CorruptCheckpointError: a malformed node, a tree deeper than :data:`MAX_TREE_DEPTH`,
@@ -98,11 +103,12 @@ def check_skeleton(skeleton: Any, tensor_names: Any) -> None:
         elif kind == "stateful":
             stack.append((v, depth + 1))
         elif kind == "tensor":
-            if not isinstance(v, str) or v not in tensor_names:
+            if not isinstance(v, str) or v not in tensors:
                 raise CorruptCheckpointError(
                     f"skeleton names tensor {brief(v)}, which has no entry"
                 )
-            if not isinstance(node.get("numpy", False), bool):
+            numpy = node.get("numpy", False)
+            if not isinstance(numpy, bool) or (numpy and tensors[v].dtype in _NO_NUMPY):
                 raise CorruptCheckpointError(f"malformed tensor node {brief(node)}")
         elif not _scalar_ok(kind, v):
             raise CorruptCheckpointError(f"malformed skeleton {brief(kind)} node {brief(node)}")
