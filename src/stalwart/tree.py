@@ -59,6 +59,32 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# A specific way out for dtypes people meet; others get the generic advice.
+_DTYPE_HINTS = {
+    torch.complex32: "convert it with .to(torch.complex64)",
+    torch.uint16: "convert it with .to(torch.int32), or .view(torch.int16) to keep the bits",
+    torch.uint32: "convert it with .to(torch.int64), or .view(torch.int32) to keep the bits",
+    torch.uint64: "view it as .view(torch.int64) to keep the bits",
+}
+
+# numpy dtypes stored as tensors, by name (the name ignores byte order).
+_NUMPY_DTYPES = frozenset(
+    {"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+    | {"complex64", "complex128"}
+)
+_NUMPY_HINTS = {
+    "O": "convert it to a numeric array (np.asarray(x, dtype=np.float64)) or a list of values",
+    "U": "store it as a list of str",
+    "S": "store it as a list of bytes",
+    "M": "store x.astype(np.int64) and its unit",
+    "m": "store x.astype(np.int64) and its unit",
+    "V": "store each field as an array of its own",
+    "f": "convert it with x.astype(np.float64) (long double is not portable)",
+    "c": "convert it with x.astype(np.complex128) (long double is not portable)",
+    "u": "view it as the signed type of the same width (x.view(np.int32)), view back after load",
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the format's name for ``dtype`` (``float32``, ``bfloat16``, ...)."""
     name = str(dtype).removeprefix("torch.")
@@ -99,6 +125,23 @@ class Leaf:
     fqn: str
     tensor: torch.Tensor
     path: Path
+    source: np.ndarray | None = None
+    """The caller's numpy array when ``tensor`` is a copy of it (negative or uneven strides,
+    non-native byte order, read-only): an in-place load writes back into it."""
+
+    def check_writable(self) -> None:
+        """Raise UnsupportedValueError when an in-place load cannot write this leaf."""
+        if self.source is not None and not self.source.flags.writeable:
+            raise UnsupportedValueError(
+                f"numpy array {self.fqn!r} is read-only (flags.writeable is False), so load "
+                "cannot write into it; put a writable copy (arr.copy()) in the state, or load "
+                "without a target and take the array from the returned tree"
+            )
+
+    def write_back(self) -> None:
+        """After an in-place load: copy the tensor into :attr:`source`, if there is one."""
+        if self.source is not None:
+            np.copyto(self.source, self.tensor.numpy())
 
 
 @dataclass
@@ -156,8 +199,8 @@ def _encode_value(value: Any, path: Path) -> dict[str, Any]:
         return {"k": "bytes", "v": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
         return {"k": "dtype", "v": dtype_name(value)}
-    if isinstance(value, np.generic):
-        return _encode_value(value.item(), path)
+    if isinstance(value, np.generic) and not isinstance(value.item(), np.generic):
+        return _encode_value(value.item(), path)  # np.longdouble.item() stays numpy
     raise UnsupportedValueError(
         f"value at {_fqn(path) or '<root>'!r} has type {type(value).__name__}, which stalwart "
         "cannot store without pickle; convert it to a tensor, a dict/list of tensors and "
@@ -165,12 +208,57 @@ def _encode_value(value: Any, path: Path) -> dict[str, Any]:
     )
 
 
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    """Why the format cannot hold ``t`` and what to do instead; None when it can."""
+    if t.is_nested:
+        return "is a nested tensor; store t.unbind() (a list of tensors) or t.to_padded_tensor(0)"
+    if t.layout != torch.strided:
+        return (
+            f"is sparse ({t.layout}); stalwart stores dense tensors: use t.to_dense(), or "
+            "store its indices and values as tensors of their own"
+        )
+    if t.is_quantized:
+        return (
+            f"is quantized ({t.dtype}); store t.dequantize(), or t.int_repr() with "
+            "t.q_scale() and t.q_zero_point()"
+        )
+    if t.device.type == "meta":
+        return (
+            "is on the meta device and holds no data; materialize it first (e.g. "
+            "module.to_empty(device='cpu'), then initialize or load weights)"
+        )
+    if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+        hint = _DTYPE_HINTS.get(
+            t.dtype,
+            "convert it with .to(), or .view() it as an integer dtype of the same width",
+        )
+        return f"has dtype {t.dtype}, which the format cannot store ({sorted(_DTYPES)}); {hint}"
+    return None
+
+
+def _numpy_tensor(arr: np.ndarray, fqn: str) -> tuple[torch.Tensor, np.ndarray | None]:
+    """``arr`` as a tensor sharing its memory, or as a copy plus ``arr`` to write back into."""
+    if arr.dtype.name not in _NUMPY_DTYPES:
+        hint = _NUMPY_HINTS.get(arr.dtype.kind, f"convert it to one of {sorted(_NUMPY_DTYPES)}")
+        raise UnsupportedValueError(
+            f"numpy array {fqn!r} has dtype {arr.dtype}, which stalwart cannot store; {hint}"
+        )
+    if arr.flags.writeable and arr.dtype.isnative:
+        try:
+            return torch.from_numpy(arr), None  # shares memory: a load writes into arr
+        except ValueError:  # negative strides, or strides not a multiple of the item size
+            pass
+    copy = np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C")
+    return torch.from_numpy(copy), arr
+
+
 def flatten(state: Any) -> FlatTree:
     """Flatten ``state`` into a JSON skeleton plus named tensor leaves.
 
     Raises:
-        UnsupportedValueError: an object that cannot be stored without pickle, a cycle, or
-            two paths with the same FQN.
+        UnsupportedValueError: an object that cannot be stored without pickle (also meta,
+            sparse, nested or quantized tensors, and numpy arrays of object or long double
+            dtype), a cycle, or two paths with the same FQN.
     """
     flat = FlatTree(skeleton={})
     seen: set[int] = set()
@@ -179,7 +267,8 @@ def flatten(state: Any) -> FlatTree:
         if isinstance(obj, torch.Tensor):
             return add_leaf(obj, path, numpy=False)
         if isinstance(obj, np.ndarray):
-            return add_leaf(torch.from_numpy(np.ascontiguousarray(obj)), path, numpy=True)
+            tensor, source = _numpy_tensor(obj, _fqn(path))
+            return add_leaf(tensor, path, numpy=True, source=source)
         if isinstance(obj, (Mapping, list, tuple)) or is_stateful(obj):
             if id(obj) in seen:
                 raise UnsupportedValueError(f"state tree has a cycle at {_fqn(path)!r}")
@@ -197,15 +286,19 @@ def flatten(state: Any) -> FlatTree:
                 seen.discard(id(obj))
         return _encode_value(obj, path)
 
-    def add_leaf(tensor: torch.Tensor, path: Path, numpy: bool) -> dict[str, Any]:
+    def add_leaf(
+        tensor: torch.Tensor, path: Path, numpy: bool, source: np.ndarray | None = None
+    ) -> dict[str, Any]:
         fqn = _fqn(path)
         if fqn in flat.leaves:
             raise UnsupportedValueError(
                 f"two tensors map to the same name {fqn!r} (paths {flat.leaves[fqn].path!r} "
                 f"and {path!r}); rename one of the keys"
             )
-        dtype_name(tensor.dtype)  # validate early, with the leaf's name in the traceback
-        flat.leaves[fqn] = Leaf(fqn=fqn, tensor=tensor, path=path)
+        problem = _tensor_problem(tensor)
+        if problem:
+            raise UnsupportedValueError(f"tensor {fqn!r} {problem}")
+        flat.leaves[fqn] = Leaf(fqn=fqn, tensor=tensor, path=path, source=source)
         node: dict[str, Any] = {"k": "tensor", "v": fqn}
         if numpy:
             node["numpy"] = True

@@ -86,6 +86,7 @@ def load_step(
                 f"{fqn}: dtype {dtype_name(t.dtype)} in the state, {e.dtype} in the checkpoint"
             )
         else:
+            leaf.check_writable()  # a read-only numpy array: refuse before reading anything
             targets[fqn] = t
     if problems and strict:
         raise StateMismatchError(
@@ -110,6 +111,8 @@ def load_step(
         # in parallel on the I/O pool; staged copies (GPU targets) on the tensor pool.
         items = [(m.tensors[fqn], fqn, t) for fqn, t in tensors.items()]
         read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool)
+    for fqn in targets:
+        flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
     tree = unflatten(m.skeleton, tensors.__getitem__)
     for path, obj in reversed(flat.statefuls):
         try:
