@@ -5,7 +5,11 @@ Atomicity comes from writing a temporary file next to the target (``.tmp-<uuid>-
 the directory (and any directory created for it) after. Reads go straight into the caller's
 buffer with ``os.preadv``, so restoring a tensor does not copy through an intermediate ``bytes``.
 A crash can leave temporaries behind; they are invisible to :meth:`LocalStorage.list` and
-:meth:`LocalStorage.remove_stale_temps` deletes them.
+:meth:`LocalStorage.remove_stale_temps` deletes them (only names of the exact form it writes).
+
+Symbolic links: a folder under the root may be one (``packs/`` on a bigger disk is a common
+setup); an object that is itself a link may point anywhere, so it is never listed, read,
+replaced or deleted (a clear :class:`~stalwart.errors.StorageError` instead).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -41,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
 """Name prefix of in-flight temporaries; never a valid object name, never listed."""
+_ANY_TEMP = re.compile(re.escape(TEMP_PREFIX))
+_TEMP_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}-")  # exactly the names write() gives
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -113,7 +120,16 @@ class LocalStorage:
         return f"LocalStorage({self.root!r})"
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *validate_key(key).split("/"))
+        path = os.path.join(self.root, *validate_key(key).split("/"))
+        if os.path.islink(path):
+            # A linked object could point anywhere (``/etc/passwd``): never read, replace or
+            # delete through one. Linked *folders* (``packs/`` on a bigger disk) are fine.
+            raise StorageError(
+                f"{path} is a symbolic link; stalwart does not follow links to single objects, "
+                "which may point outside the root. Replace the link with the file itself "
+                "(a folder such as packs/ may be a link)"
+            )
+        return path
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -270,7 +286,7 @@ class LocalStorage:
             raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
         cutoff = time.time() - older_than_s
         removed = 0
-        for path, mtime in _walk_temps(self.root):
+        for path, mtime in _walk_temps(self.root, follow=True):
             if mtime < cutoff and _unlink_quietly(path):
                 removed += 1
         if removed:
@@ -296,14 +312,25 @@ def _walk(dirpath: str, key_prefix: str, stem: str = "") -> Iterator[ObjectInfo]
             try:
                 if entry.is_dir(follow_symlinks=False):
                     yield from _walk(entry.path, f"{key_prefix}{entry.name}/")
-                elif entry.is_file() and not entry.name.startswith(TEMP_PREFIX):
+                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(
+                    TEMP_PREFIX
+                ):  # a linked object is not ours: never listed, so never read or collected
                     st = entry.stat()
                     yield ObjectInfo(f"{key_prefix}{entry.name}", st.st_size, st.st_mtime)
             except FileNotFoundError:
                 continue  # deleted while we looked: not listed
 
 
-def _walk_temps(dirpath: str) -> Iterator[tuple[str, float]]:
+def _walk_temps(
+    dirpath: str, *, follow: bool = False, strict: bool = False
+) -> Iterator[tuple[str, float]]:
+    """Temporaries under ``dirpath``: names starting with ``.tmp-``.
+
+    ``follow`` descends into linked folders at this level only (the root's ``packs/`` may be
+    a link to a bigger disk; writes go there, so their temporaries do too). Behind such a
+    link the folder may hold other people's files, so only names of the exact form
+    :meth:`LocalStorage.write` gives (``.tmp-<32 hex>-``) count there (``strict``).
+    """
     try:
         it = os.scandir(dirpath)
     except (FileNotFoundError, NotADirectoryError):
@@ -312,8 +339,12 @@ def _walk_temps(dirpath: str) -> Iterator[tuple[str, float]]:
         for entry in it:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    yield from _walk_temps(entry.path)
-                elif entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                    yield from _walk_temps(entry.path, strict=strict)
+                elif follow and entry.is_symlink() and entry.is_dir():
+                    yield from _walk_temps(entry.path, strict=True)
+                elif (_TEMP_NAME if strict else _ANY_TEMP).match(entry.name) and entry.is_file(
+                    follow_symlinks=False
+                ):
                     yield entry.path, entry.stat(follow_symlinks=False).st_mtime
             except FileNotFoundError:
                 continue

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
@@ -48,6 +49,7 @@ from stalwart.errors import (
 )
 from stalwart.storage import open_storage
 from stalwart.storage.base import Storage
+from stalwart.storage.local import LocalStorage
 from stalwart.tree import dtype_from_name, flatten
 
 if TYPE_CHECKING:
@@ -90,6 +92,7 @@ class Checkpointer:
             self.options.io_threads, thread_name_prefix="stalwart-tensor"
         )
         self._manifests: dict[int, Manifest] = {}
+        self._parsed: dict[int, tuple[bytes, Manifest]] = {}  # by digest of the stored bytes
         self.last_load: LoadResult | None = None
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
         self._background: Group | None = None
@@ -117,6 +120,17 @@ class Checkpointer:
         ).is_dir()
 
     def _store(self, *, create: bool) -> Storage:
+        gone = isinstance(self._storage, LocalStorage) and not Path(self._storage.root).is_dir()
+        if create and gone:
+            # Deleted under us (by a person or a cleanup job): a save recreates it, loudly.
+            log.warning(
+                "checkpoint root %s was deleted while this Checkpointer was open; recreating "
+                "it (the checkpoints it held are gone)",
+                self._storage.url,  # type: ignore[union-attr]
+            )
+            os.makedirs(self._storage.root, exist_ok=True)  # type: ignore[union-attr]
+            self._manifests.clear()
+            self._parsed.clear()
         if self._storage is None:
             if not create and not self._exists():
                 raise CheckpointNotFoundError(
@@ -176,28 +190,38 @@ class Checkpointer:
             CheckpointNotFoundError: the step was never committed (or was deleted).
             CorruptCheckpointError: the manifest is damaged.
         """
-        if step in self._manifests:
-            return self._manifests[step]
+        # Always read the stored bytes: another process may have replaced or deleted the
+        # step since we cached it, and retention, dedup and load must act on what is there.
+        # Only the parse is cached, keyed by a digest of the bytes.
         store = self._store(create=False)
         key = manifest_key(step)
         try:
             data = store.read(key)
         except ObjectNotFoundError:
+            self._manifests.pop(step, None)
+            self._parsed.pop(step, None)
             steps = self.steps()
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{_short(steps)}" + ("" if steps else " (none yet)")
             ) from None
+        digest = xxhash.xxh3_128_digest(data)
+        cached = self._parsed.get(step)
+        if cached is not None and cached[0] == digest:
+            return cached[1]
         m = Manifest.from_bytes(data, where=f"{store.url}/{key}")
         if m.step != step:
             raise CorruptCheckpointError(f"{store.url}/{key} claims step {m.step}, not {step}")
-        self._manifests[step] = m
+        self._manifests[step], self._parsed[step] = m, (digest, m)
         return m
 
     def _known_chunks(self, steps: list[int]) -> dict[str, ChunkRef]:
-        for s in list(self._manifests):
+        # Every manifest is read afresh (see manifest()): dedup must never reference a pack
+        # that only an out-of-date copy of a manifest names.
+        for s in set(self._manifests) | set(self._parsed):
             if s not in steps:
-                del self._manifests[s]
+                self._manifests.pop(s, None)
+                self._parsed.pop(s, None)
         known: dict[str, ChunkRef] = {}
         for s in steps:
             try:
@@ -380,6 +404,7 @@ class Checkpointer:
         report = apply_retention(store, self.options.keep, self.steps(), self.manifest)
         for s in report.deleted_steps:
             self._manifests.pop(s, None)
+            self._parsed.pop(s, None)
         return report
 
     # -- load --------------------------------------------------------------------------

@@ -3,23 +3,42 @@
 Deleting a checkpoint deletes its manifest only (the un-commit); its pack files become
 garbage once no manifest references them. Collection deletes an unreferenced pack only when
 
+* its name is one this engine gives its packs (``packs/step-<20 digits>-rank<5 digits>-
+  <12 hex>.pack``): anything else under ``packs/`` was not written by stalwart and is left
+  alone and reported in :attr:`GCReport.skipped`;
 * it is older than ``grace_s`` (a save in flight elsewhere writes packs before its manifest
   exists, and those packs must survive until it commits), and
 * no live *lease* names it. A reader takes a lease on the packs of the step it loads, and a
   writer on the packs it deduplicates against, for ``lease_s`` seconds; retention also keeps
   the manifests of leased steps until the lease ends.
 
-Leases are small JSON objects under ``leases/``; an expired lease is ignored and removed.
+Every decision is taken from what is on the store at that moment (manifests and leases are
+read afresh), never from a copy cached in one process, because another process may have
+replaced or deleted a step since. Retention re-reads leases and manifests *after* its
+un-commit and before deleting packs, so a step committed or leased meanwhile keeps its packs.
+
+Leases are small JSON objects under ``leases/`` that name their owner (host, pid and pid
+namespace). A lease is dead, ignored and removed when it has expired, or when its owner ran on
+this host, in this pid namespace, and that process no longer exists (a killed job does not
+hold retention back for ``lease_s``).
+
+``packs/`` may be a symbolic link to a folder on a bigger disk; since collection only deletes
+files with pack names that no manifest or lease references, other files in that folder are
+safe. Symbolic links to single objects are never listed, read or deleted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from stalwart.checkpoint.durable.manifest import (
     MANIFEST_PREFIX,
@@ -28,7 +47,12 @@ from stalwart.checkpoint.durable.manifest import (
     step_from_key,
 )
 from stalwart.checkpoint.policy import RetentionPolicy
-from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError, StoragePermissionError
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StoragePermissionError,
+)
 from stalwart.storage.base import Storage
 
 __all__ = ["GCReport", "Lease", "apply_retention", "collect_garbage", "read_leases"]
@@ -36,6 +60,33 @@ __all__ = ["GCReport", "Lease", "apply_retention", "collect_garbage", "read_leas
 log = logging.getLogger(__name__)
 LEASE_PREFIX = "leases/"
 PACK_PREFIX = "packs/"
+PACK_NAME = re.compile(r"^packs/step-\d{20}-rank\d{5}-[0-9a-f]{12}\.pack$")
+"""The names :class:`~stalwart.Checkpointer` gives its packs; gc deletes no other file."""
+
+
+def _owner() -> dict[str, Any]:
+    """Who holds a lease: enough to tell, on the same host, whether that process still runs."""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pidns": pidns}
+
+
+def _owner_is_dead(owner: Any) -> bool:
+    """True only when ``owner`` provably ran on this host and pid namespace and is gone."""
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
+        return False
+    me = _owner()
+    if owner.get("host") != me["host"] or owner.get("pidns") != me["pidns"] or not me["pidns"]:
+        return False  # another machine or container: only expiry can tell
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists but belongs to someone else: alive
+        return False
+    return False
 
 
 class Lease:
@@ -50,6 +101,7 @@ class Lease:
             "steps": sorted(set(steps)),
             "packs": sorted(set(packs)),
             "expires_unix": time.time() + lease_s,
+            "owner": _owner(),
         }
         self.held = False
 
@@ -80,21 +132,27 @@ class _Leases:
 
 
 def read_leases(storage: Storage, *, remove_expired: bool = False) -> _Leases:
-    """Union of the steps and packs named by live leases."""
+    """Union of the steps and packs named by live leases.
+
+    A lease is dead when it expired or when its owner, on this host, no longer runs; with
+    ``remove_expired`` dead leases are deleted.
+    """
     live = _Leases()
     now = time.time()
     for info in storage.list(LEASE_PREFIX):
         try:
             doc = json.loads(storage.read(info.key))
             expires = float(doc["expires_unix"])
+            steps = {int(s) for s in doc.get("steps", [])}
+            packs = {str(p) for p in doc.get("packs", [])}
         except (ObjectNotFoundError, ValueError, KeyError, TypeError):
-            continue  # released meanwhile, or garbage
-        if expires < now:
+            continue  # released meanwhile, or garbage (a stray name is a ValueError too)
+        if expires < now or _owner_is_dead(doc.get("owner")):
             if remove_expired:
                 storage.delete(info.key)
             continue
-        live.steps.update(int(s) for s in doc.get("steps", []))
-        live.packs.update(str(p) for p in doc.get("packs", []))
+        live.steps |= steps
+        live.packs |= packs
     return live
 
 
@@ -107,24 +165,24 @@ class GCReport:
         deleted_packs: pack keys removed.
         bytes_freed: bytes of the removed packs.
         kept_packs: packs still referenced, leased or too young.
+        skipped: files under ``packs/`` whose names stalwart never gives a pack; left alone.
+        temps_removed: temporaries of crashed writes, older than the grace, removed.
     """
 
     deleted_steps: list[int] = field(default_factory=list)
     deleted_packs: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     kept_packs: int = 0
+    skipped: list[str] = field(default_factory=list)
+    temps_removed: int = 0
 
 
-def collect_garbage(
-    storage: Storage, *, grace_s: float, report: GCReport | None = None
-) -> GCReport:
-    """Delete pack files no committed manifest or live lease references.
+def _referenced_packs(storage: Storage) -> set[str]:
+    """Packs named by the manifests on the store now.
 
     Raises:
-        CorruptCheckpointError: a manifest cannot be parsed; nothing is deleted, since the
-            packs it references cannot be known. Delete or repair that step first.
+        CorruptCheckpointError: a manifest cannot be parsed (its references are unknown).
     """
-    report = report or GCReport()
     referenced: set[str] = set()
     for info in storage.list(MANIFEST_PREFIX):
         if step_from_key(info.key) is None:
@@ -133,25 +191,49 @@ def collect_garbage(
             data = storage.read(info.key)
         except ObjectNotFoundError:
             continue  # deleted meanwhile
-        try:
-            referenced |= Manifest.from_bytes(data, where=info.key).packs()
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(
-                f"garbage collection stopped without deleting anything: {e}. Remove the "
-                f"damaged manifest ({info.key}) with `stalwart ckpt verify` / delete, then retry"
-            ) from e
+        referenced |= Manifest.from_bytes(data, where=info.key).packs()
+    return referenced
+
+
+def collect_garbage(
+    storage: Storage, *, grace_s: float, report: GCReport | None = None
+) -> GCReport:
+    """Delete pack files stalwart wrote that no committed manifest or live lease references.
+
+    Raises:
+        CorruptCheckpointError: a manifest cannot be parsed; nothing is deleted, since the
+            packs it references cannot be known. Delete or repair that step first.
+    """
+    report = report or GCReport()
+    try:
+        referenced = _referenced_packs(storage)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(
+            f"garbage collection stopped without deleting anything: {e}. Remove the "
+            "damaged manifest with `stalwart ckpt verify` / `stalwart ckpt rm`, then retry"
+        ) from e
     leased = read_leases(storage, remove_expired=True).packs
     now = time.time()
     for info in storage.list(PACK_PREFIX):
+        if not PACK_NAME.match(info.key):
+            report.skipped.append(info.key)
+            continue
         if info.key in referenced or info.key in leased or now - info.mtime < grace_s:
             report.kept_packs += 1
             continue
         storage.delete(info.key)
         report.deleted_packs.append(info.key)
         report.bytes_freed += info.size
+    if report.skipped:
+        log.warning(
+            "gc left %d file(s) under packs/ that stalwart did not name, e.g. %r; move them "
+            "out of the checkpoint root",
+            len(report.skipped),
+            report.skipped[0],
+        )
     remove_temps = getattr(storage, "remove_stale_temps", None)
     if callable(remove_temps):
-        remove_temps(grace_s)
+        report.temps_removed = int(remove_temps(grace_s))
     return report
 
 
@@ -163,9 +245,11 @@ def apply_retention(
 ) -> GCReport:
     """Delete the steps ``policy`` does not keep (unless leased) and packs only they used.
 
-    Packs of deleted steps were committed, so no save in flight is writing them: they go at
-    once, without the grace period that protects never-committed packs. With a damaged
-    manifest among ``steps`` nothing is deleted (its references are unknown).
+    ``manifest`` must read the step's manifest as it is on the store now. Packs of deleted
+    steps were committed, so no save in flight is writing them: they go at once, without the
+    grace period that protects never-committed packs. After the un-commit, leases and
+    manifests are read again, so a pack that a step committed meanwhile (another writer's
+    dedup) or a leased step uses is kept. With a damaged manifest nothing is deleted.
     """
     report = GCReport()
     keep = set(policy.keep(steps))
@@ -173,21 +257,34 @@ def apply_retention(
     doomed = [s for s in steps if s not in keep and s not in leases.steps]
     if not doomed:
         return report
-    kept_packs: set[str] = set(leases.packs)
-    doomed_packs: set[str] = set()
+    packs_of: dict[int, set[str]] = {}
     for s in steps:
         try:
-            packs = manifest(s).packs()
+            packs_of[s] = manifest(s).packs()
+        except CheckpointNotFoundError:
+            continue  # another process deleted it meanwhile
         except CorruptCheckpointError:
             return report  # unknown references: delete nothing (gc() explains)
-        (doomed_packs if s in doomed else kept_packs).update(packs)
     for s in doomed:
-        store.delete(manifest_key(s))
-        report.deleted_steps.append(s)
-    sizes = {i.key: i.size for i in store.list("packs/")}
-    for p in sorted(doomed_packs - kept_packs):
+        if s in packs_of:
+            store.delete(manifest_key(s))
+            report.deleted_steps.append(s)
+    # Re-read what is on the store after the un-commit: whoever committed or leased since
+    # our first look keeps its packs (a writer leases the steps it reads before using them).
+    leases = read_leases(store)
+    try:
+        kept = _referenced_packs(store) | leases.packs
+    except CorruptCheckpointError:
+        return report
+    for s in leases.steps:
+        kept |= packs_of.get(s, set())
+    doomed_packs = set().union(*(packs_of.get(s, set()) for s in report.deleted_steps))
+    sizes = {i.key: i.size for i in store.list(PACK_PREFIX)}
+    for p in sorted(doomed_packs - kept):
         store.delete(p)
         report.deleted_packs.append(p)
         report.bytes_freed += sizes.get(p, 0)
-    log.info("retention deleted steps %s and %d packs", doomed, len(report.deleted_packs))
+    log.info(
+        "retention deleted steps %s and %d packs", report.deleted_steps, len(report.deleted_packs)
+    )
     return report

@@ -1,0 +1,170 @@
+"""Two writers on one root, in two real processes: nothing a committed step needs goes.
+
+The order that lost data (issue 9, item 1): A saves step 2; B saves step 1, then step 2 again,
+deduplicated entirely against step 1's pack; A saves step 3 with ``KeepLast(2)``. A's retention
+must read the step 2 that is on disk (B's), keep step 1's pack that it references, and A must
+load B's step 2, not the copy it wrote and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import stalwart
+from stalwart.checkpoint.durable.gc import Lease, read_leases
+from stalwart.checkpoint.durable.manifest import manifest_key
+from stalwart.checkpoint.policy import KeepLast
+from stalwart.storage import LocalStorage
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4096, generator=g), "seed": seed}
+
+
+def _writer(root: str, keep_last: int | None, conn: Connection) -> None:
+    """A process that owns one Checkpointer and runs the commands it receives, in order."""
+    keep = KeepLast(keep_last) if keep_last else stalwart.CheckpointOptions().keep
+    ckpt = stalwart.Checkpointer(root, stalwart.CheckpointOptions(keep=keep))
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "save":
+                ckpt.save(args[0], _state(args[1]))
+                conn.send(("ok", None))
+            elif cmd == "load":
+                tree = ckpt.load(None, args[0])
+                conn.send(("ok", (tree["w"].numpy().tobytes(), tree["seed"])))
+            elif cmd == "lease":  # hold a lease, then die without releasing it
+                Lease(ckpt.storage, steps=args[0], packs=[], lease_s=3600).__enter__()
+                conn.send(("ok", None))
+                os._exit(0)
+            else:
+                ckpt.close()
+                conn.send(("ok", None))
+                return
+        except Exception as e:
+            conn.send(("error", repr(e)))
+
+
+class _Process:
+    """A writer process driven step by step, so that the interleaving is deterministic."""
+
+    def __init__(self, root: Path, keep_last: int | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_writer, args=(str(root), keep_last, child), daemon=True)
+        self.proc.start()
+
+    def __call__(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        status, value = self.conn.recv()
+        assert status == "ok", value
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self("close")
+        self.proc.join(30)
+
+
+def _packs_of(root: Path, step: int) -> set[str]:
+    return stalwart.Checkpointer(root).manifest(step).packs()
+
+
+def test_second_writer_cannot_make_the_first_delete_its_packs(tmp_path: Path) -> None:
+    a, b = _Process(tmp_path, keep_last=2), _Process(tmp_path)
+    try:
+        a("save", 2, 20)
+        b("save", 1, 10)
+        step1_packs = _packs_of(tmp_path, 1)
+        b("save", 2, 10)  # same tensors as step 1: fully deduplicated against its pack
+        assert _packs_of(tmp_path, 2) == step1_packs, "scenario: B's step 2 reuses step 1's pack"
+        expected = _state(10)["w"].numpy().tobytes()
+        a("save", 3, 30)  # KeepLast(2): step 1 goes, but its pack is step 2's too
+
+        assert stalwart.Checkpointer(tmp_path).steps() == [2, 3]
+        assert all((tmp_path / p).is_file() for p in step1_packs)
+        assert a("load", 2) == (expected, 10)  # A sees the step 2 on disk, not its own copy
+        fresh = stalwart.Checkpointer(tmp_path)
+        loaded = fresh.load(None, 2)
+        assert loaded["w"].numpy().tobytes() == expected and loaded["seed"] == 10
+        assert fresh.verify(2).ok and fresh.verify(3).ok
+        # gc afterwards (A's old step-2 pack is garbage now) must not hurt either step.
+        report = fresh.gc(grace_s=0)
+        assert not set(report.deleted_packs) & (_packs_of(tmp_path, 2) | _packs_of(tmp_path, 3))
+        assert fresh.verify(2).ok and fresh.verify(3).ok
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_writers_lease_on_this_host_holds_nothing_back(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(tmp_path, stalwart.CheckpointOptions(keep=KeepLast(1)))
+    ckpt.save(1, _state(1))
+    dead = _Process(tmp_path)
+    dead("lease", [1])  # the process exits right after writing its lease
+    dead.proc.join(30)
+    store = LocalStorage(tmp_path)
+    assert len(store.list("leases/")) == 1 and read_leases(store).steps == set()
+    ckpt.save(2, _state(2))  # retention may delete step 1 at once: its lease's owner is gone
+    assert ckpt.steps() == [2]
+    ckpt.gc(grace_s=0)
+    assert store.list("leases/") == []
+
+
+def test_a_live_lease_keeps_its_step(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(tmp_path, stalwart.CheckpointOptions(keep=KeepLast(1)))
+    ckpt.save(1, _state(1))
+    with Lease(ckpt.storage, steps=[1], packs=[], lease_s=60):  # held by this live process
+        ckpt.save(2, _state(2))
+        assert ckpt.steps() == [1, 2]
+    ckpt.save(3, _state(3))
+    assert ckpt.steps() == [3]
+
+
+def test_a_step_committed_during_retention_keeps_its_packs(tmp_path: Path) -> None:
+    # Another writer commits step 5, deduplicated against step 1's pack, right after our
+    # retention read the manifests and before it deletes step 1's packs.
+    ckpt = stalwart.Checkpointer(tmp_path)
+    ckpt.save(1, _state(1))
+    ckpt.save(2, _state(2))
+    m1 = ckpt.manifest(1)
+    store = ckpt.storage
+    real_delete = store.delete
+
+    def delete(key: str) -> None:
+        real_delete(key)
+        if key == manifest_key(1):  # the un-commit: now someone commits a step using pack 1
+            store.write(manifest_key(5), [dataclasses.replace(m1, step=5).to_bytes()])
+
+    store.delete = delete  # type: ignore[method-assign]
+    from stalwart.checkpoint.durable.gc import apply_retention
+
+    report = apply_retention(store, KeepLast(1), [1, 2], ckpt.manifest)
+    assert report.deleted_steps == [1] and report.deleted_packs == []
+    assert ckpt.verify(5).ok
+
+
+def test_a_deleted_root_is_recreated_by_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    root = tmp_path / "ckpt"
+    ckpt = stalwart.Checkpointer(root)
+    ckpt.save(1, _state(1))
+    shutil.rmtree(root)
+    ckpt.save(2, _state(2))
+    assert "was deleted while this Checkpointer was open" in caplog.text
+    assert ckpt.steps() == [2] and ckpt.load(None)["seed"] == 2
