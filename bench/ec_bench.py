@@ -3,8 +3,9 @@
 Three parts, on the same data size (``--mib`` per rank, default 64):
 
 1. **Codecs**, one process, one thread: encode and decode GB/s (bytes of *data* per second,
-   medians and ranges of ``--reps``, codecs interleaved) of ``k`` pieces of ``mib / k`` MiB: XOR (``m = 1``) and Reed-Solomon
-   through pyeclib (ISA-L Cauchy and Vandermonde) for ``m = 1, 2``. Decode loses ``m`` *data*
+   medians and ranges of ``--reps``, codecs interleaved) of ``k`` pieces of ``mib / k`` MiB:
+   XOR (``m = 1``) and Reed-Solomon through pyeclib (ISA-L Cauchy and Vandermonde) for
+   ``m = 1, 2``. Decode loses ``m`` *data*
    pieces, the worst case.
 2. **Memory** per rank, relative to the snapshot alone: ``k+m`` erasure coding against
    keeping full replicas on 1 and 2 peers; the erasure rows are measured (parity and indexes

@@ -3,10 +3,16 @@
 Replays the same seeded weight faults with no protection and under each protection
 (paired), then sweeps bit-error rates; prints recovery and cost, and with ``--out`` writes
 ``protect.json`` and ``report.html`` (metric vs BER per protection, benefit vs cost).
+
+Clipping bounds and ABFT thresholds are calibrated on a held-out share of the model's inputs
+(``--calibration-fraction``) and every protection is scored on the other, disjoint share;
+every output says so, and says how each result was obtained (all are measured on the faulty
+model; selective bit protection runs a simulated SECDED code on the protected bits).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -24,7 +30,7 @@ __all__ = ["protect_command", "register"]
 CHOICES = ("clip", "abft", "sbp", "scrub")
 
 
-def _build(names: list[str], ref: Any, tmp: str) -> list[Any]:
+def _build(names: list[str], ref: Any, calibration: tuple[Any, ...], tmp: str) -> list[Any]:
     from stalwart import protect
 
     out: list[Any] = []
@@ -32,14 +38,78 @@ def _build(names: list[str], ref: Any, tmp: str) -> list[Any]:
         if n not in CHOICES:
             raise ConfigError(f"--protection {n!r}: choose from {', '.join(CHOICES)}")
         if n == "clip":
-            out.append(protect.ActivationClipping(ref.model, ref.inputs))
+            out.append(protect.ActivationClipping(ref.model, calibration))
         elif n == "abft":
-            out.append(protect.ABFT(ref.model, ref.inputs))
+            out.append(protect.ABFT(ref.model, calibration))
         elif n == "sbp":
             out.append(protect.SelectiveBitProtection(("sign", "exponent")))
         else:
             out.append(protect.ParameterScrubber(ref.model, root=Path(tmp) / "scrub"))
     return out
+
+
+def _split(ref: Any, spec: str, fraction: float, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Calibration inputs, the reference model restricted to the scored inputs, and a record."""
+    from stalwart.protect.evaluate import split_inputs
+
+    labels = ref.labels if len(ref.labels) else None
+    n = int(ref.inputs[0].shape[0])
+    if fraction == 0.0:
+        info = {"fraction": 0.0, "calibration_samples": n, "evaluation_samples": n}
+        info["note"] = "in-sample: calibrated on the scored inputs (--calibration-fraction 0)"
+        return ref.inputs, ref, info
+    if not ref.independent_samples:
+        raise ConfigError(
+            f"{spec}'s inputs are one graph whose samples reach each other: they cannot be "
+            "split into calibration and evaluation sets; pass --calibration-fraction 0 to "
+            "calibrate on the scored inputs (the report then says it is in-sample)"
+        )
+    split = split_inputs(ref.inputs, labels, fraction, seed=seed)
+    scored = dataclasses.replace(
+        ref, inputs=split.evaluation, labels=split.labels if labels is not None else ref.labels
+    )
+    scored.quality = scored.evaluate()
+    info = {
+        "fraction": fraction,
+        "calibration_samples": len(split.calibration_index),
+        "evaluation_samples": len(split.evaluation_index),
+        "seed": seed,
+        "note": "held out: calibration and evaluation inputs are disjoint",
+    }
+    return split.calibration, scored, info
+
+
+def _table(title: str, results: list[Any]) -> Table:
+    table = Table(title=title)
+    for col in (
+        "protection",
+        "failures",
+        "unprotected",
+        "fixed",
+        "broken",
+        "recovered",
+        "p (McNemar)",
+        "runtime",
+        "cost",
+        "how",
+    ):
+        left = col in ("protection", "cost", "how")
+        table.add_column(col, justify="left" if left else "right")
+    for r in results:
+        cost = ", ".join(f"{k}={v:.3g}" for k, v in r.cost.items())
+        table.add_row(
+            r.name,
+            str(r.failures),
+            str(r.baseline_failures),
+            str(r.fixed),
+            str(r.broken),
+            f"{r.recovered:.0%}",
+            f"{r.p_value:.2g}",
+            f"{r.overhead:+.0%}",
+            cost,
+            r.method,
+        )
+    return table
 
 
 def protect_command(
@@ -59,7 +129,16 @@ def protect_command(
         list[float] | None, typer.Option(help="Bit-error rates to sweep (repeatable).")
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Repeats per bit-error rate.")] = 3,
-    seed: Annotated[int, typer.Option(help="Fault-list seed.")] = 0,
+    seed: Annotated[int, typer.Option(help="Fault-list and calibration-split seed.")] = 0,
+    calibration_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.9,
+            help="Share of the inputs held out to calibrate clipping bounds and ABFT "
+            "thresholds; the rest are scored. 0: calibrate on the scored inputs (in-sample).",
+        ),
+    ] = 0.5,
     out: Annotated[
         Path | None, typer.Option(help="Write protect.json and report.html here.")
     ] = None,
@@ -68,50 +147,35 @@ def protect_command(
     from stalwart import inject, protect, vulnerability
 
     with handled(), tempfile.TemporaryDirectory() as tmp:
+        names = protection or list(CHOICES)
+        bad = [n for n in names if n not in CHOICES]
+        if bad:
+            raise ConfigError(f"--protection {bad[0]!r}: choose from {', '.join(CHOICES)}")
         ref = load_spec(model_spec)
-        ps = _build(protection or list(CHOICES), ref, tmp)
+        calibration, scored, split = _split(ref, model_spec, calibration_fraction, seed)
+        ps = _build(names, ref, calibration, tmp)
         crit = criterion or ref.criteria[0]
-        labels = ref.labels if len(ref.labels) else None
+        labels = scored.labels if len(scored.labels) else None
         faults = vulnerability.sample_faults(
             ref.model, trials, seed=seed, error=inject.BitFlip(bit)
         )
-        results = protect.evaluate(ref.model, ref.inputs, faults, ps, crit, labels=labels)
+        results = protect.evaluate(ref.model, scored.inputs, faults, ps, crit, labels=labels)
         console = Console()
-        table = Table(title=f"Protections on {model_spec}: {trials} replayed faults ({crit})")
-        for col in (
-            "protection",
-            "failures",
-            "unprotected",
-            "fixed",
-            "broken",
-            "recovered",
-            "p (McNemar)",
-            "runtime",
-            "cost",
-        ):
-            table.add_column(col, justify="left" if col in ("protection", "cost") else "right")
-        for r in results:
-            cost = ", ".join(f"{k}={v:.3g}" for k, v in r.cost.items())
-            table.add_row(
-                r.name,
-                str(r.failures),
-                str(r.baseline_failures),
-                str(r.fixed),
-                str(r.broken),
-                f"{r.recovered:.0%}",
-                f"{r.p_value:.2g}",
-                f"{r.overhead:+.0%}",
-                cost,
-            )
-        console.print(table)
+        title = (
+            f"Protections on {model_spec}: {trials} replayed faults ({crit}); calibrated on "
+            f"{split['calibration_samples']} inputs, scored on {split['evaluation_samples']} "
+            f"({split['note']})"
+        )
+        console.print(_table(title, results))
         sweep = (
-            protect.ber_sweep(ref.model, ref.evaluate, ber, ps, repeats=repeats, seed=seed)
+            protect.ber_sweep(ref.model, scored.evaluate, ber, ps, repeats=repeats, seed=seed)
             if ber
             else {}
         )
         if sweep:
             st = Table(
-                title=f"{ref.metric} vs bit-error rate (mean of {repeats}; clean {ref.quality:.4f})"
+                title=f"{ref.metric} on the scored inputs vs bit-error rate (mean of {repeats}; "
+                f"clean {scored.quality:.4f})"
             )
             st.add_column("BER", justify="right")
             for name in sweep:
@@ -122,12 +186,19 @@ def protect_command(
                 )
             console.print(st)
         if out is not None:
-            _write(out, model_spec, ref, results, sweep)
+            _write(out, model_spec, scored, results, sweep, split)
             console.print(f"wrote {out / 'protect.json'}, {out / 'report.html'}")
 
 
-def _write(out: Path, spec: str, ref: Any, results: list[Any], sweep: dict[str, Any]) -> None:
-    import dataclasses
+def _write(
+    out: Path,
+    spec: str,
+    ref: Any,
+    results: list[Any],
+    sweep: dict[str, Any],
+    split: dict[str, Any],
+) -> None:
+    import html
 
     matplotlib = require("matplotlib", "sdc", "stalwart protect --out")
     matplotlib.use("Agg")
@@ -139,11 +210,22 @@ def _write(out: Path, spec: str, ref: Any, results: list[Any], sweep: dict[str, 
     data = {
         "model": spec,
         "quality": ref.quality,
+        "calibration": split,
         "results": [dataclasses.asdict(r) for r in results],
         "ber_sweep": {k: {str(r): v for r, v in d.items()} for k, d in sweep.items()},
     }
     (out / "protect.json").write_text(json.dumps(data, indent=2))
-    sections = []
+    rows = "".join(
+        f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(r.method)}</td></tr>" for r in results
+    )
+    sections = [
+        (
+            "How each result was obtained",
+            f"<p>Calibration: {split['calibration_samples']} inputs; scored on "
+            f"{split['evaluation_samples']} ({html.escape(split['note'])}).</p>"
+            f"<table><tr><th>protection</th><th>method</th></tr>{rows}</table>",
+        )
+    ]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for r in results:
         ax.scatter(max(r.overhead, 0) * 100, r.recovered * 100)
@@ -164,7 +246,12 @@ def _write(out: Path, spec: str, ref: Any, results: list[Any], sweep: dict[str, 
         ax.legend(fontsize=7)
         fig.tight_layout()
         sections.append((f"{ref.metric} vs bit-error rate", figure_html(fig)))
-    write_html(out / "report.html", f"Protections on {spec}", sections, {"model": spec})
+    write_html(
+        out / "report.html",
+        f"Protections on {spec}",
+        sections,
+        {"model": spec, "calibration": split["note"]},
+    )
 
 
 def register(app: typer.Typer) -> None:

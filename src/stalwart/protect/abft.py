@@ -54,12 +54,19 @@ def _check(
     return (y.sum(-1) - pred).abs(), scale
 
 
+def _samples(inputs: Sequence[Any]) -> int:
+    """Rows of the first input tensor (the calibration batch size)."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else 0
+
+
 class ABFT:
     """Checksum-protect the matching Linear/Conv2d/EmbeddingBag modules.
 
     Args:
         model: the clean model (checksums and the clean copy are taken now).
-        inputs: clean inputs to calibrate the thresholds on.
+        inputs: clean inputs to calibrate the thresholds on; keep them apart from the inputs
+            the protection is scored on (:func:`stalwart.protect.split_inputs`).
         modules: name glob(s); default every supported module.
         factor: threshold = factor x the largest clean relative residual.
     """
@@ -114,6 +121,8 @@ class ABFT:
         with self._hooks(model, calibrate=worst), torch.no_grad():
             model(*inputs)
         self.threshold = {n: max(factor * worst.get(n, 0.0), 1e-12) for n in self.modules}
+        self.calibration_samples = _samples(inputs)
+        self.method = f"measured; thresholds calibrated on {self.calibration_samples} inputs"
         self.alarms = 0
         self.repairs = 0
 

@@ -25,7 +25,8 @@ class ActivationClipping:
 
     Args:
         model: the model to profile.
-        inputs: clean inputs (a tuple of ``model``'s positional arguments).
+        inputs: clean inputs (a tuple of ``model``'s positional arguments); keep them apart
+            from the inputs the protection is scored on (:func:`stalwart.protect.split_inputs`).
         modules: module-name glob(s); default every Linear/Conv2d/Embedding(Bag) but the
             last module (the output itself is not clipped).
         margin: widen bounds by this share of their range.
@@ -62,6 +63,9 @@ class ActivationClipping:
         for n, (lo, hi) in seen.items():
             pad = (hi - lo) * margin
             self.bounds[n] = (lo - pad, hi + pad)
+        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        self.calibration_samples = int(first.shape[0]) if first is not None else 0
+        self.method = f"measured; bounds calibrated on {self.calibration_samples} inputs"
 
     @contextlib.contextmanager
     def attach(self, model: nn.Module) -> Iterator[None]:

@@ -5,6 +5,10 @@ protection, and reports failures, what the protection fixed and broke (McNemar),
 of failures it recovered, its runtime overhead (median forward time ratio) and its static
 cost. :func:`ber_sweep` gives a quality metric (accuracy, AUC) against the bit-error rate,
 with and without each protection, on the same corrupted bits.
+
+Protections that learn from data (clipping bounds, ABFT thresholds) must be calibrated on
+inputs they are not scored on: :func:`split_inputs` draws a held-out calibration split and a
+disjoint evaluation split from one batch of inputs.
 """
 
 from __future__ import annotations
@@ -19,12 +23,81 @@ import numpy as np
 import torch
 from torch import nn
 
+from stalwart.errors import ConfigError
 from stalwart.inject import Fault, apply_faults, draw_ber, layout_of, select_tensors
 from stalwart.inject.targets import Pattern
 from stalwart.protect.base import Protection
 from stalwart.vulnerability import FaultList, check_eval, criterion, mcnemar, run_campaign
 
-__all__ = ["ProtectionResult", "ber_faults", "ber_sweep", "evaluate", "forward_time"]
+__all__ = [
+    "InputSplit",
+    "ProtectionResult",
+    "ber_faults",
+    "ber_sweep",
+    "evaluate",
+    "forward_time",
+    "split_inputs",
+]
+
+
+@dataclass(frozen=True)
+class InputSplit:
+    """Disjoint calibration and evaluation inputs drawn from one batch (rows of dim 0)."""
+
+    calibration: tuple[Any, ...]
+    evaluation: tuple[Any, ...]
+    labels: torch.Tensor | None
+    """Labels of the evaluation rows (None when none were given)."""
+    calibration_index: torch.Tensor
+    evaluation_index: torch.Tensor
+    seed: int
+
+
+def split_inputs(
+    inputs: Sequence[Any],
+    labels: torch.Tensor | None = None,
+    calibration_fraction: float = 0.5,
+    *,
+    seed: int = 0,
+) -> InputSplit:
+    """Split the rows of ``inputs`` (and ``labels``) into calibration and evaluation sets.
+
+    Every input tensor is indexed along dim 0, which must be the same batch of samples for
+    all of them; the rows are shuffled with ``seed`` and the first ``calibration_fraction``
+    go to calibration. Each row lands in exactly one set.
+
+    Raises:
+        ConfigError: the fraction is not in (0, 1), the inputs do not share a batch
+            dimension, or one of the two sets would be empty.
+    """
+    if not 0.0 < calibration_fraction < 1.0:
+        raise ConfigError(
+            f"calibration fraction {calibration_fraction} is outside (0, 1); "
+            "pass e.g. 0.5 to calibrate on half of the inputs and score on the other half"
+        )
+    sizes = {x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1 or any(not isinstance(x, torch.Tensor) for x in inputs):
+        raise ConfigError(
+            f"cannot split inputs into samples: expected tensors sharing dim 0, got first "
+            f"dims {sorted(sizes)}; calibrate on separate clean inputs instead"
+        )
+    n = sizes.pop()
+    n_cal = round(n * calibration_fraction)
+    if not 0 < n_cal < n:
+        raise ConfigError(
+            f"{n} samples at calibration fraction {calibration_fraction} leave an empty "
+            "calibration or evaluation set; use more inputs or a fraction nearer 0.5"
+        )
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    cal, ev = perm[:n_cal].sort().values, perm[n_cal:].sort().values
+    return InputSplit(
+        tuple(x[cal] for x in inputs),
+        tuple(x[ev] for x in inputs),
+        labels[ev] if labels is not None and len(labels) == n else None,
+        cal,
+        ev,
+        seed,
+    )
 
 
 @dataclass
@@ -43,6 +116,8 @@ class ProtectionResult:
     overhead: float
     """Median forward time with the protection over without, minus 1 (0.1 = +10 %)."""
     cost: dict[str, float] = field(default_factory=dict)
+    method: str = "measured"
+    """How the result was obtained (measured on the faulty model, and how)."""
 
 
 def forward_time(
@@ -112,6 +187,7 @@ def evaluate(
                 (fixed - broken) / k0 if k0 else 0.0,
                 t_prot / t_plain - 1,
                 p.cost(model),
+                getattr(p, "method", "measured"),
             )
         )
     return out
