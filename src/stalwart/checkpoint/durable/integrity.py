@@ -49,12 +49,16 @@ _NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # dtypes numpy cannot 
 _KEY_TYPES: dict[str, tuple[type, ...]] = {"s": (str,), "i": (int,), "b": (bool,)}
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 160, 80
+
+
 def brief(value: Any) -> str:
     """A short, always-printable rendering of an untrusted value for an error message."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"<a {value.bit_length()}-bit integer>"
     try:
-        return reprlib.repr(value)
+        return _REPR.repr(value)
     except (ValueError, RecursionError):
         return f"<{type(value).__name__}>"
 
