@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from stalwart.checkpoint.capture import HostBuffer
 from stalwart.checkpoint.memory.erasure import ErasureGroup
-from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.snapshot import Snapshot
 from stalwart.errors import CorruptCheckpointError
 
 Scenario = tuple[int, int, str, list[int], str, int, int]
@@ -81,7 +82,7 @@ def scenarios(rank: int, world: int, todo: list[Scenario]) -> list[Any]:
     # new_group is collective over the world: create every sub-group on every rank, in order.
     groups = [dist.new_group(list(range(f, f + n)), backend="gloo") for *_, f, n in todo]
     out: list[Any] = []
-    buf, parity_buf = SnapshotBuffer(), SnapshotBuffer()
+    buf, parity_buf = HostBuffer(), HostBuffer()
     for step, ((k, m, codec, lost, layout, first, size), pg) in enumerate(
         zip(todo, groups, strict=True), start=1
     ):
@@ -99,7 +100,7 @@ def scenarios(rank: int, world: int, todo: list[Scenario]) -> list[Any]:
             protected = None  # the memory is gone: snapshot, parity, peers' indexes
             state = make_state(rank, world, step, zeros=True)
         try:
-            rebuilt = eg.rebuild(lost, protected, buffer=SnapshotBuffer())
+            rebuilt = eg.rebuild(lost, protected, buffer=HostBuffer())
         except CorruptCheckpointError as e:
             out.append(("error", str(e)))
             continue

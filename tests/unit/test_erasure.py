@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from stalwart.checkpoint.capture import ALIGN_BYTES, HostBuffer
 from stalwart.checkpoint.memory.erasure import ErasureGroup
 from stalwart.checkpoint.memory.erasure_codec import (
     ReedSolomonCodec,
@@ -15,7 +16,7 @@ from stalwart.checkpoint.memory.erasure_codec import (
     XorCodec,
     make_codec,
 )
-from stalwart.checkpoint.memory.snapshot import ALIGN_BYTES, Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.snapshot import Snapshot
 from stalwart.errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 pytestmark = pytest.mark.timeout(60)
@@ -225,7 +226,7 @@ def test_snapshot_digest_mismatch_detected() -> None:
 
 
 def test_snapshot_buffer_is_reused_and_stale_snapshots_refuse() -> None:
-    buf = SnapshotBuffer()
+    buf = HostBuffer()
     first = Snapshot.capture(_state(1), step=1, buffer=buf)
     ptr = buf._data.data_ptr()
     second = Snapshot.capture(_state(2), step=2, buffer=buf)
@@ -242,7 +243,7 @@ def test_snapshot_buffer_is_reused_and_stale_snapshots_refuse() -> None:
 
 
 def test_snapshot_digest_ignores_stale_padding() -> None:
-    buf = SnapshotBuffer(1 << 16)
+    buf = HostBuffer(1 << 16)
     buf._data.fill_(0xAB)  # stale bytes where alignment gaps will be
     a = Snapshot.capture(_state(4), step=1, buffer=buf)
     b = Snapshot.capture(_state(4), step=1)

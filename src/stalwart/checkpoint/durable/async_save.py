@@ -10,7 +10,11 @@ that: parameters and optimizer state only change in ``optimizer.step()``, so the
 while the next forward and backward run, and :func:`guard` makes ``optimizer.step()`` wait
 for whatever copy is still in flight. Buffers are allocated once per in-flight slot and
 reused (fresh pages cost several times more than reused ones); on CUDA they are pinned and
-the copies run on a side stream.
+the copies run on a side stream ordered after the training's (see ``checkpoint/capture.py``).
+
+Lazy mode is exact: only boxes a guarded optimizer owns (parameters, optimizer state) are
+copied late; every other tensor (BatchNorm buffers, EMA weights, RNG, user tensors) is copied
+before ``save_async`` returns, and values other than tensors are read at the call.
 
 Errors in the background are never silent: ``PendingSave.wait()`` raises them, and so does
 the checkpointer's next ``save``, ``save_async`` or ``load`` if nobody waited. At interpreter
@@ -31,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
+from stalwart.checkpoint.capture import Capture, HostBuffer, stage
+from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.errors import CheckpointError
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaver", "PendingSave", "StagingSlot", "guard"]
+__all__ = ["AsyncSaver", "PendingSave", "guard"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,8 @@ class PendingSave:
         self.future: Future[SaveResult] = Future()
         self.blocking_s = 0.0
         self.staging_s = 0.0
-        self.slot: StagingSlot | None = None
+        self.slot: HostBuffer | None = None
+        self.capture: Capture | None = None
         self._observed = False
 
     def done(self) -> bool:
@@ -82,52 +88,12 @@ class PendingSave:
         return f"PendingSave(step={self.step}, {state})"
 
 
-class StagingSlot:
-    """Host buffers for one in-flight save, kept and reused across saves."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[BoxKey, torch.Tensor] = {}
-        self.reused_bytes = 0
-        self.allocated_bytes = 0
-
-    def buffer_for(self, item: LocalItem) -> torch.Tensor:
-        src = item.tensor
-        buf = self.buffers.get(item.key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            pin = src.device.type == "cuda"
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-            self.buffers[item.key] = buf
-            self.allocated_bytes += buf.numel() * buf.element_size()
-        else:
-            self.reused_bytes += buf.numel() * buf.element_size()
-        return buf
-
-
-def stage(items: list[LocalItem], slot: StagingSlot) -> list[LocalItem]:
-    """Copy every box into the slot's buffers; return items that point at the copies."""
-    cuda = any(it.tensor.device.type == "cuda" for it in items)
-    stream = torch.cuda.Stream() if cuda else None
-    staged = []
-    with torch.no_grad():
-        ctx = torch.cuda.stream(stream) if stream is not None else _null()
-        with ctx:
-            for it in items:
-                buf = slot.buffer_for(it)
-                buf.copy_(it.tensor.detach(), non_blocking=stream is not None)
-                staged.append(
-                    LocalItem(it.fqn, it.dtype, it.shape, it.offsets, it.sizes, tensor=buf)
-                )
-    if stream is not None:
-        stream.synchronize()
-    return staged
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _staged_items(items: list[LocalItem], cap: Capture) -> list[LocalItem]:
+    """``items`` pointing at their copies in the capture's host buffer."""
+    return [
+        LocalItem(it.fqn, it.dtype, it.shape, it.offsets, it.sizes, cap.view(rec), it.dtensor)
+        for it, rec in zip(items, cap.records, strict=True)
+    ]
 
 
 class AsyncSaver:
@@ -135,7 +101,7 @@ class AsyncSaver:
 
     def __init__(self, max_inflight: int, exit_flush_timeout_s: float) -> None:
         self.max_inflight = max_inflight
-        self.slots = [StagingSlot() for _ in range(max_inflight)]
+        self.slots = [HostBuffer() for _ in range(max_inflight)]
         self.pending: deque[PendingSave] = deque()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-persist")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
@@ -152,8 +118,15 @@ class AsyncSaver:
         skeleton: dict[str, Any],
         lazy: bool,
         write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+        *,
+        defer: frozenset[int] = frozenset(),
     ) -> PendingSave:
-        """Stage ``items`` (now, or in the stager when lazy) and persist them with ``write``."""
+        """Stage ``items`` and persist them with ``write``.
+
+        Every box is copied before this returns except, when ``lazy``, the boxes whose
+        storage is in ``defer`` (those only a guarded ``optimizer.step()`` changes): the
+        stager thread copies them, and the guard makes that step wait.
+        """
         t0 = time.perf_counter()
         self.raise_unobserved()
         while len(self.pending) >= self.max_inflight:
@@ -165,25 +138,72 @@ class AsyncSaver:
         slot = next(s for s in self.slots if id(s) not in busy)
         pending = PendingSave(step, lazy)
         pending.slot = slot
-        staged: dict[str, list[LocalItem]] = {}
-
-        def do_stage() -> None:
-            ts = time.perf_counter()
-            staged["items"] = stage(items, slot)
+        ts = time.perf_counter()
+        cap, finish = stage(items, slot, defer=defer if lazy else frozenset())
+        pending.capture = cap
+        stage_future: Future[None] | None = None
+        if finish is None:
             pending.staging_s = time.perf_counter() - ts
             pending.staged.set()
-
-        if lazy:
-            stage_future = self._stager.submit(do_stage)
         else:
-            do_stage()
-            stage_future = None
+
+            def do_stage() -> None:
+                try:
+                    finish()
+                finally:
+                    pending.staging_s = time.perf_counter() - ts
+                    pending.staged.set()
+
+            stage_future = self._stager.submit(do_stage)
 
         def capture() -> tuple[list[LocalItem], dict[str, Any]]:
             if stage_future is not None:
                 stage_future.result()  # a staging error fails the save on every rank
-            return staged["items"], skeleton
+            cap.ready()
+            return _staged_items(items, cap), skeleton
 
+        self._enqueue(pending, capture, write)
+        pending.blocking_s = time.perf_counter() - t0
+        return pending
+
+    def submit_captured(
+        self,
+        step: int,
+        cap: Capture,
+        items: list[LocalItem],
+        skeleton: dict[str, Any],
+        staged: Future[None],
+        write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+    ) -> PendingSave:
+        """Persist a capture another tier made (``staged`` completes once it is copied).
+
+        The capture's buffer belongs to the caller, who must not reuse it before the save
+        completes; no slot of this saver is used.
+        """
+        t0 = time.perf_counter()
+        self.raise_unobserved()
+        while len(self.pending) >= self.max_inflight:
+            self.pending[0].future.exception()
+            self._reap()
+        pending = PendingSave(step, lazy=not staged.done())
+        pending.capture = cap
+        staged.add_done_callback(lambda _f: pending.staged.set())
+
+        def capture() -> tuple[list[LocalItem], dict[str, Any]]:
+            staged.result()
+            cap.ready()
+            return _staged_items(items, cap), skeleton
+
+        self._enqueue(pending, capture, write)
+        pending.blocking_s = time.perf_counter() - t0
+        return pending
+
+    def _enqueue(
+        self,
+        pending: PendingSave,
+        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
+        write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+    ) -> None:
         def run() -> None:
             if not pending.future.set_running_or_notify_cancel():
                 return
@@ -195,8 +215,6 @@ class AsyncSaver:
 
         self.pending.append(pending)
         self._writer.submit(run)
-        pending.blocking_s = time.perf_counter() - t0
-        return pending
 
     def _reap(self) -> None:
         while self.pending and self.pending[0].done():
@@ -206,6 +224,8 @@ class AsyncSaver:
         """Block until every pending save has copied its state (the optimizer guard)."""
         for p in list(self.pending):
             p.staged.wait()
+            if p.capture is not None:
+                p.capture.order_after_copies()  # CUDA: the step's kernels after the copies
 
     def raise_unobserved(self) -> None:
         """Raise the first background failure that nobody has seen yet (once)."""

@@ -60,6 +60,7 @@ class LocalItem:
         offsets: the box's start in the global tensor.
         sizes: the box's extent.
         tensor: the local data of the box (any device, any strides).
+        dtensor: the state held a DTensor (the box is its local shard).
     """
 
     fqn: str
@@ -68,6 +69,7 @@ class LocalItem:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: torch.Tensor
+    dtensor: bool = False
 
     @property
     def key(self) -> BoxKey:
@@ -96,6 +98,7 @@ def local_items(flat: FlatTree) -> list[LocalItem]:
                 offsets=offsets,
                 sizes=sizes,
                 tensor=local,
+                dtensor=is_dtensor(t),
             )
         )
     return items

@@ -32,6 +32,7 @@ import blake3
 import torch
 import torch.distributed as dist
 
+from stalwart.checkpoint.capture import HostBuffer
 from stalwart.checkpoint.collective import resolve_group
 from stalwart.checkpoint.memory.erasure_codec import (
     PIECE_ALIGN,
@@ -43,7 +44,7 @@ from stalwart.checkpoint.memory.erasure_codec import (
 )
 from stalwart.checkpoint.memory.erasure_records import ErasureStats, ProtectedSnapshot
 from stalwart.checkpoint.memory.erasure_transfers import PeerTransfers
-from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.memory.snapshot import Snapshot
 from stalwart.errors import ConfigError, CorruptCheckpointError, DistributedError
 
 __all__ = [
@@ -120,7 +121,7 @@ class ErasureGroup:
         self.member = self.members.index(self.rank)
         self.last_protect: ErasureStats | None = None
         self.last_rebuild: ErasureStats | None = None
-        self._work = SnapshotBuffer()  # transient stripe data of protect and rebuild
+        self._work = HostBuffer()  # transient stripe data of protect and rebuild
 
     def _group_members(self, g: int, layout: str) -> tuple[int, ...]:
         if layout == "consecutive":
@@ -161,7 +162,7 @@ class ErasureGroup:
     # -- protect ---------------------------------------------------------------------------
 
     def protect(
-        self, snapshot: Snapshot, *, parity_buffer: SnapshotBuffer | None = None
+        self, snapshot: Snapshot, *, parity_buffer: HostBuffer | None = None
     ) -> ProtectedSnapshot:
         """Exchange parity for ``snapshot``; collective over the whole process group.
 
@@ -217,7 +218,7 @@ class ErasureGroup:
                 work[i * size + real : (i + 1) * size].zero_()
             tx.wait()
             later = PeerTransfers(self, stats)
-            pbuf = parity_buffer if parity_buffer is not None else SnapshotBuffer()
+            pbuf = parity_buffer if parity_buffer is not None else HostBuffer()
             slots = iter(pbuf.acquire(self.m * size).split(size))
             parity: dict[int, torch.Tensor] = {}
             meta: dict[int, bytes] = {}
@@ -280,7 +281,7 @@ class ErasureGroup:
         lost: Sequence[int],
         survivor: ProtectedSnapshot | None,
         *,
-        buffer: SnapshotBuffer | None = None,
+        buffer: HostBuffer | None = None,
     ) -> Snapshot | None:
         """Rebuild the snapshots of ``lost`` ranks from their groups' survivors.
 
@@ -370,7 +371,7 @@ class ErasureGroup:
         size: int,
         lengths: list[int],
         idx_lens: list[int],
-        buffer: SnapshotBuffer | None,
+        buffer: HostBuffer | None,
         stats: ErasureStats,
     ) -> Snapshot | None:
         lay, k, x = self.layout, self.k, self.member
@@ -443,14 +444,14 @@ class ErasureGroup:
         size: int,
         lengths: list[int],
         idx_lens: list[int],
-        buffer: SnapshotBuffer | None,
+        buffer: HostBuffer | None,
         tx: PeerTransfers,
     ) -> Snapshot:
         """On a lost rank: receive the index and every rebuilt piece, then verify."""
         x, lay = self.member, self.layout
         index = torch.empty(idx_lens[x], dtype=torch.uint8)
         tx.recv(index, sender, _INDEX)
-        buf = buffer if buffer is not None else SnapshotBuffer()
+        buf = buffer if buffer is not None else HostBuffer()
         data = buf.acquire(lengths[x])
         for p, j in enumerate(lay.data_stripes(x)):
             real = self._piece_len(lengths[x], p, size)

@@ -21,18 +21,21 @@ from pathlib import Path
 
 import torch
 
-from stalwart.checkpoint.memory.snapshot import Snapshot, SnapshotBuffer
+from stalwart.checkpoint.capture import HostBuffer
+from stalwart.checkpoint.memory.snapshot import Snapshot
 from stalwart.errors import CorruptCheckpointError
 
-__all__ = ["SharedSnapshotBuffer", "SnapshotKeeper"]
+__all__ = ["SharedHostBuffer", "SnapshotKeeper"]
 
 log = logging.getLogger(__name__)
 
 _GRANULE = 1 << 20  # grow mappings in whole MiB to avoid remapping for small changes
 
 
-class SharedSnapshotBuffer(SnapshotBuffer):
+class SharedHostBuffer(HostBuffer):
     """A snapshot buffer whose memory is a shared mapping of ``path`` (on a tmpfs)."""
+
+    can_pin = False  # mapped from a tmpfs file; cannot be re-allocated pinned
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -64,7 +67,7 @@ class SnapshotKeeper:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.buffers = [SharedSnapshotBuffer(self._blob(i)) for i in range(slots)]
+        self.buffers = [SharedHostBuffer(self._blob(i)) for i in range(slots)]
 
     def _blob(self, slot: int) -> Path:
         return self.folder / f"rank{self.rank:05d}-slot{slot}.buf"

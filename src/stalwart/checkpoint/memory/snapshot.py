@@ -8,7 +8,7 @@ JSON, never pickle) holds the state tree's skeleton, each box's place in the buf
 BLAKE3 digest of the buffer's first ``nbytes`` bytes, which is the blob erasure coding ships.
 
 Buffers are expensive to allocate (fresh pages fault in at a fraction of the copy rate), so a
-:class:`SnapshotBuffer` is allocated once and reused; it grows only when a state no longer
+:class:`HostBuffer` is allocated once and reused; it grows only when a state no longer
 fits. Reusing a buffer overwrites the snapshot it held: every capture bumps the buffer's
 generation and a snapshot whose generation is stale refuses to be read. Keep two buffers
 (double-buffering) when the previous snapshot must survive until the next one is protected.
@@ -22,117 +22,16 @@ from typing import Any
 
 import torch
 
+from stalwart.checkpoint.capture import BoxRecord, Capture, HostBuffer, box_view, stage
 from stalwart.checkpoint.durable.persist import chunk_hash
-from stalwart.checkpoint.durable.plan import is_dtensor, local_box
+from stalwart.checkpoint.durable.plan import local_box, local_items
 from stalwart.errors import CorruptCheckpointError, StateMismatchError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, get_path, unflatten
 
-__all__ = ["ALIGN_BYTES", "INDEX_FORMAT", "Snapshot", "SnapshotBuffer", "SnapshotTensor"]
-
-ALIGN_BYTES = 64
-"""Every box starts at a multiple of this offset in the buffer (cache line; any dtype)."""
+__all__ = ["INDEX_FORMAT", "Snapshot"]
 
 INDEX_FORMAT = 1
 """Version of the index JSON written by :meth:`Snapshot.to_bytes`."""
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
-
-
-class SnapshotBuffer:
-    """A grow-only ``uint8`` host buffer reused across snapshots.
-
-    Args:
-        nbytes: initial capacity (0 allocates on first use).
-        pin_memory: allocate page-locked memory (faster, asynchronous device-to-host copies);
-            only meaningful when CUDA is available.
-
-    Attributes:
-        generation: bumped every time the contents are about to be overwritten.
-        allocations: how many times memory was (re)allocated; a steady state has 1.
-    """
-
-    def __init__(self, nbytes: int = 0, *, pin_memory: bool = False) -> None:
-        self.pin_memory = pin_memory and torch.cuda.is_available()
-        self._data = torch.empty(0, dtype=torch.uint8)
-        self.generation = 0
-        self.allocations = 0
-        if nbytes > 0:
-            self._grow(nbytes)
-
-    @property
-    def capacity(self) -> int:
-        """Bytes available without reallocating."""
-        return int(self._data.numel())
-
-    def _grow(self, nbytes: int) -> None:
-        self._data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        self.allocations += 1
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` bytes, reallocating only if the capacity is too small.
-
-        Any snapshot that lived in this buffer becomes stale.
-        """
-        if nbytes > self.capacity:
-            self._grow(nbytes)
-        self.generation += 1
-        return self._data[:nbytes]
-
-
-@dataclass(frozen=True)
-class SnapshotTensor:
-    """Where one tensor box lives in a snapshot's buffer.
-
-    Attributes:
-        fqn: the tensor's fully qualified name in the state tree.
-        dtype: format dtype name (``float32``, ``bfloat16``, ...).
-        shape: the tensor's global shape.
-        offsets: start of this rank's box in the global tensor.
-        sizes: extent of the box (the local tensor's shape).
-        byte_offset: where the box's row-major bytes start in the buffer.
-        nbytes: length of those bytes.
-        dtensor: the state held a DTensor (the box is its local shard).
-    """
-
-    fqn: str
-    dtype: str
-    shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    byte_offset: int
-    nbytes: int
-    dtensor: bool = False
-
-    def to_json(self) -> list[Any]:
-        return [
-            self.fqn,
-            self.dtype,
-            list(self.shape),
-            list(self.offsets),
-            list(self.sizes),
-            self.byte_offset,
-            self.nbytes,
-            self.dtensor,
-        ]
-
-    @classmethod
-    def from_json(cls, v: Any) -> SnapshotTensor:
-        try:
-            fqn, dtype, shape, offsets, sizes, byte_offset, nbytes, dt = v
-            return cls(
-                str(fqn),
-                str(dtype),
-                tuple(int(x) for x in shape),
-                tuple(int(x) for x in offsets),
-                tuple(int(x) for x in sizes),
-                int(byte_offset),
-                int(nbytes),
-                bool(dt),
-            )
-        except (TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"malformed snapshot tensor entry {v!r}") from e
 
 
 @dataclass
@@ -154,10 +53,10 @@ class Snapshot:
 
     step: int
     skeleton: dict[str, Any]
-    tensors: list[SnapshotTensor]
+    tensors: list[BoxRecord]
     data: torch.Tensor
     digest: str
-    buffer: SnapshotBuffer | None = field(default=None, repr=False)
+    buffer: HostBuffer | None = field(default=None, repr=False)
     generation: int = 0
 
     @property
@@ -168,7 +67,7 @@ class Snapshot:
     # -- capture ---------------------------------------------------------------------------
 
     @classmethod
-    def capture(cls, state: Any, step: int, buffer: SnapshotBuffer | None = None) -> Snapshot:
+    def capture(cls, state: Any, step: int, buffer: HostBuffer | None = None) -> Snapshot:
         """Copy this rank's part of ``state`` into ``buffer`` (a new one when None).
 
         Plain tensors are captured whole, DTensors as their local shard; device tensors are
@@ -179,48 +78,22 @@ class Snapshot:
             UnsupportedValueError: the state holds something the format cannot store.
         """
         flat = flatten(state)
-        records: list[SnapshotTensor] = []
-        locals_: list[torch.Tensor] = []
-        end = 0
-        for leaf in flat.leaves.values():
-            t = leaf.tensor
-            offsets, sizes, local = local_box(t)
-            n = local.numel() * local.element_size()
-            start = _align(end)
-            records.append(
-                SnapshotTensor(
-                    leaf.fqn,
-                    dtype_name(t.dtype),
-                    tuple(int(s) for s in t.shape),
-                    offsets,
-                    sizes,
-                    start,
-                    n,
-                    is_dtensor(t),
-                )
-            )
-            locals_.append(local)
-            end = start + n
-        buf = buffer if buffer is not None else SnapshotBuffer()
-        data = buf.acquire(end)
-        prev = 0
-        with torch.no_grad():
-            for rec, local in zip(records, locals_, strict=True):
-                # Alignment gaps are zeroed: a reused buffer holds stale bytes there, and
-                # the digest (and erasure parity) must depend on the state alone.
-                if rec.byte_offset > prev:
-                    data[prev : rec.byte_offset].zero_()
-                if rec.nbytes:
-                    _view(data, rec).copy_(local)
-                prev = rec.byte_offset + rec.nbytes
+        cap, _ = stage(local_items(flat), buffer if buffer is not None else HostBuffer())
+        return cls.from_capture(cap, step, flat.skeleton)
+
+    @classmethod
+    def from_capture(cls, cap: Capture, step: int, skeleton: dict[str, Any]) -> Snapshot:
+        """The snapshot of a finished :class:`Capture` (every copy landed): digest it."""
+        cap.ready()
+        cap.check_fresh(f"capture of step {step}")
         return cls(
             step=int(step),
-            skeleton=flat.skeleton,
-            tensors=records,
-            data=data,
-            digest=chunk_hash(_bytes_of(data)),
-            buffer=buf,
-            generation=buf.generation,
+            skeleton=skeleton,
+            tensors=cap.records,
+            data=cap.data,
+            digest=chunk_hash(_bytes_of(cap.data)),
+            buffer=cap.buffer,
+            generation=cap.generation,
         )
 
     # -- checks ----------------------------------------------------------------------------
@@ -228,7 +101,7 @@ class Snapshot:
     def _check_fresh(self) -> None:
         if self.buffer is not None and self.buffer.generation != self.generation:
             raise CorruptCheckpointError(
-                f"the snapshot of step {self.step} was overwritten: its SnapshotBuffer was "
+                f"the snapshot of step {self.step} was overwritten: its HostBuffer was "
                 "reused by a later capture; keep one buffer per snapshot you still need"
             )
 
@@ -255,7 +128,7 @@ class Snapshot:
         self._check_fresh()
         for rec in self.tensors:
             if rec.fqn == fqn:
-                return _view(self.data, rec)
+                return box_view(self.data, rec)
         raise KeyError(fqn)
 
     def restore_into(self, state: Any) -> Any:
@@ -300,10 +173,10 @@ class Snapshot:
             for fqn, t in out.items():
                 rec = by_fqn[fqn]
                 if rec.nbytes:
-                    local_box(t)[2].copy_(_view(self.data, rec))
+                    local_box(t)[2].copy_(box_view(self.data, rec))
         for rec in self.tensors:
             if rec.fqn not in out:
-                out[rec.fqn] = _view(self.data, rec).clone()
+                out[rec.fqn] = box_view(self.data, rec).clone()
         tree = unflatten(self.skeleton, out.__getitem__)
         for path, obj in reversed(flat.statefuls):
             obj.load_state_dict(get_path(tree, path))
@@ -329,7 +202,7 @@ class Snapshot:
         index: bytes,
         data: torch.Tensor,
         *,
-        buffer: SnapshotBuffer | None = None,
+        buffer: HostBuffer | None = None,
         verify: bool = True,
     ) -> Snapshot:
         """Rebuild a snapshot from its index and its blob (``data``: ``uint8``, ``nbytes``).
@@ -343,7 +216,7 @@ class Snapshot:
             fmt = int(d["format"])
             step, nbytes, digest = int(d["step"]), int(d["nbytes"]), str(d["digest"])
             skeleton = d["skeleton"]
-            tensors = [SnapshotTensor.from_json(v) for v in d["tensors"]]
+            tensors = [BoxRecord.from_json(v) for v in d["tensors"]]
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"malformed snapshot index: {e}") from e
         if fmt > INDEX_FORMAT:
@@ -372,15 +245,6 @@ class Snapshot:
         if verify:
             snap.verify()
         return snap
-
-
-def _view(data: torch.Tensor, rec: SnapshotTensor) -> torch.Tensor:
-    """The box ``rec`` as a tensor of its dtype and local shape, sharing ``data``'s memory."""
-    raw = data[rec.byte_offset : rec.byte_offset + rec.nbytes]
-    dtype = dtype_from_name(rec.dtype)
-    if rec.nbytes == 0:
-        return torch.empty(rec.sizes, dtype=dtype)
-    return raw.view(dtype).view(rec.sizes)
 
 
 def _bytes_of(data: torch.Tensor) -> memoryview:

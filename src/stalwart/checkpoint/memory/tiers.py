@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections import deque
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,14 +29,18 @@ from typing import Any
 
 import torch
 
+from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
+from stalwart.checkpoint.durable.async_save import PendingSave
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
+from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy
+from stalwart.checkpoint.policy import EveryNSteps, KeepLast, RetentionPolicy, SavePolicy
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
-from stalwart.tree import flatten, unflatten
+from stalwart.tree import flatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
 
@@ -53,13 +57,13 @@ class Tier:
             erasure coding when the tiered checkpointer has ``erasure``), else a folder, an
             fsspec URL or a Storage, as for :class:`Checkpointer`.
         every: save policy (``EveryNSteps``, ``EveryNSeconds``, ``AnyOf``).
-        keep: retention; for the memory tier only ``KeepLast(n)`` is meaningful.
+        keep: retention; the memory tier takes ``KeepLast(n)`` only (others are refused).
         storage_options: passed to fsspec for remote roots.
     """
 
     name: str
     root: str | os.PathLike[str] | Storage | None = None
-    every: Any = field(default_factory=lambda: EveryNSteps(1))
+    every: SavePolicy = field(default_factory=lambda: EveryNSteps(1))
     keep: RetentionPolicy = field(default_factory=lambda: KeepLast(2))
     storage_options: dict[str, Any] | None = None
     keep_in: str | os.PathLike[str] | None = None
@@ -71,6 +75,11 @@ class Tier:
             raise ConfigError(f"tier {self.name!r}: keep_in is for the memory tier (root=None)")
         if not callable(getattr(self.every, "due", None)):
             raise ConfigError(f"tier {self.name!r}: every={self.every!r} is not a save policy")
+        if self.root is None and not isinstance(self.keep, KeepLast):
+            raise ConfigError(
+                f"memory tier {self.name!r}: keep={self.keep!r}; host memory keeps the newest "
+                "snapshots only, so give keep=KeepLast(n)"
+            )
 
 
 @dataclass
@@ -144,20 +153,26 @@ class TieredCheckpointer:
         self._codec = codec
         self._eg: Any = None
         self._ec_group: Group | None = None
-        keep = self.memory_tier.keep if self.memory_tier else None
-        self._memory_keep = keep.n if isinstance(keep, KeepLast) else 2
-        self.snapshots: deque[Any] = deque()  # ProtectedSnapshot or Snapshot, oldest first
-        self._keeper: SnapshotKeeper | None = None
-        self._slot_order: deque[int] = deque()  # keeper slot of each entry of snapshots
+        keeper = None
+        keep = self.memory_tier.keep.n if self.memory_tier is not None else 0  # type: ignore[attr-defined]
         if self.memory_tier is not None and self.memory_tier.keep_in is not None:
             rank = resolve_group(process_group).rank
-            self._keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, self._memory_keep)
-            for slot, snap in self._keeper.load()[-self._memory_keep :]:
-                self.snapshots.append(snap)  # left by a crashed process on this node
-                self._slot_order.append(slot)
+            keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, keep)
+        self.memory = MemoryTier(keep, keeper)
+        self._guarded: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
+        self._staged: Future[None] | None = None
+        self._staged_capture: Capture | None = None
         self._pending_snapshot: Future[Any] | None = None
         self._last: dict[str, tuple[int, float]] = {}
+        self.last_capture: Capture | None = None
+        """The host copy of the newest save (``copied_bytes``, ``buffer``): one per step."""
+
+    @property
+    def snapshots(self) -> Any:
+        """The kept memory snapshots, oldest first."""
+        return self.memory.snapshots
 
     # -- saving ------------------------------------------------------------------------
 
@@ -173,48 +188,88 @@ class TieredCheckpointer:
         return [t for t in self.tiers if t.name in names]
 
     def save(self, step: int, state: Any) -> dict[str, Any]:
-        """Save ``step`` to every tier that is due; returns what each tier did."""
-        self._settle()
-        out: dict[str, Any] = {}
-        for t in self._due(step):
-            if t.root is None:
-                out[t.name] = self._snapshot(step, state)
-            else:
-                out[t.name] = self.durable[t.name].save(step, state)
-            self._last[t.name] = (step, time.monotonic())
-        return out
+        """Save ``step`` to every tier that is due; durable when it returns.
+
+        Returns what each tier did: the kept snapshot for the memory tier, the
+        ``SaveResult`` for a durable tier.
+        """
+        out = self.save_async(step, state)
+        return {n: (v.wait() if isinstance(v, PendingSave) else v) for n, v in out.items()}
 
     def save_async(self, step: int, state: Any, *, lazy: bool = False) -> dict[str, Any]:
-        """Like :meth:`save`, durable tiers in the background (see ``Checkpointer.save_async``).
+        """Copy the state to host once, then feed every due tier from that one copy.
 
-        The memory snapshot is the host copy itself: eager mode takes it before returning;
-        lazy mode takes it in a background thread (values other than tensors are fixed at
-        call time), and :meth:`guard` makes ``optimizer.step()`` wait for it. The memory
-        entry of the result is the snapshot, or a Future of it when lazy.
+        Eager: every tensor is copied before this returns. Lazy: the parameters and state of
+        optimizers given to :meth:`guard` are copied in the background (``optimizer.step()``
+        waits for them); everything else is copied now and values are read now, so the
+        saved step is exactly the state of the call. Durable tiers persist in the
+        background; the memory snapshot is digested and erasure-protected in the background.
+
+        Returns:
+            Per due tier: a ``PendingSave`` (durable tiers); for the memory tier the kept
+            snapshot (eager) or a Future of it (lazy).
         """
+        due = self._due(step)
+        if not due:
+            return {}
+        self._settle()
+        flat = flatten(state)
+        items, skeleton = local_items(flat), flat.skeleton
+        mem_due = any(t.root is None for t in due)
+        if mem_due:
+            self._erasure()  # made by every rank together, before any background work
+        buffer, slot = self.memory.acquire(for_memory=mem_due)
+        defer = optimizer_storages(self._optimizers()) if lazy else frozenset()
+        cap, finish = stage(items, buffer, defer=defer)
+        staged: Future[None] = Future()
+        if finish is None:
+            staged.set_result(None)
+        else:
+            staged = self._stager.submit(finish)
+        self._staged, self._staged_capture = staged, cap
+        self.last_capture = cap
         out: dict[str, Any] = {}
-        for t in self._due(step):
-            if t.root is None:
-                self._settle()
-                if lazy:
-                    frozen = _freeze(state)  # stateful objects and values read now
-                    self._pending_snapshot = self._snapshotter.submit(self._snapshot, step, frozen)
-                    out[t.name] = self._pending_snapshot
-                else:
-                    out[t.name] = self._snapshot(step, state)
-            else:
-                out[t.name] = self.durable[t.name].save_async(step, state, lazy=lazy)
+        for t in due:
+            if t.root is not None:
+                pending = self.durable[t.name].save_captured(step, cap, items, skeleton, staged)
+                self.memory.hold(buffer, pending)
+                out[t.name] = pending
             self._last[t.name] = (step, time.monotonic())
+        if not mem_due:
+            self.memory.release(buffer)
+            return out
+        name = next(t.name for t in due if t.root is None)
+
+        def keep() -> Any:
+            staged.result()
+            return self.memory.keep_capture(cap, step, skeleton, slot)
+
+        if lazy:
+            self._pending_snapshot = self._snapshotter.submit(keep)
+            out[name] = self._pending_snapshot
+        else:
+            out[name] = keep()
         return out
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> list[Any]:
-        """Make ``optimizer.step()`` wait for lazy copies of every tier (install once)."""
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (r() for r in self._guarded) if o is not None]
 
-        def wait_snapshot(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            self._settle()
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
 
-        handles = [c.guard(optimizer) for c in self.durable.values()]
-        return [*handles, optimizer.register_step_pre_hook(wait_snapshot)]
+        Its parameters and state may then be copied lazily; they must change only in
+        ``optimizer.step()``.
+        """
+        self._guarded.append(weakref.ref(optimizer))
+
+        def wait_copy(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            staged, cap = self._staged, self._staged_capture
+            if staged is not None:
+                staged.result()
+            if cap is not None:
+                cap.order_after_copies()
+
+        return optimizer.register_step_pre_hook(wait_copy)
 
     def _settle(self) -> None:
         """Wait for a lazy memory snapshot in flight (raising its error, if any)."""
@@ -238,40 +293,13 @@ class TieredCheckpointer:
             pg = dedicated_group(g).pg if g.world > 1 else g.pg
             k, m = self._erasure_cfg
             self._eg = ErasureGroup(k, m, process_group=pg, codec=self._codec)
+            self.memory.erasure = self._eg
         return self._eg
-
-    def _snapshot(self, step: int, state: Any) -> Any:
-        from stalwart.checkpoint.memory.snapshot import Snapshot
-
-        buffer = None
-        slot = -1
-        if len(self.snapshots) >= self._memory_keep:
-            oldest = self.snapshots.popleft()  # its buffer is reused for the new snapshot
-            buffer = getattr(oldest, "snapshot", oldest).buffer
-            if self._keeper is not None:
-                slot = self._slot_order.popleft()
-        elif self._keeper is not None:
-            slot = min(set(range(self._memory_keep)) - set(self._slot_order))
-        if self._keeper is not None:
-            self._keeper.invalidate(slot)  # a crash from here on leaves no index: ignored
-            buffer = self._keeper.buffers[slot]
-        snap = Snapshot.capture(state, step, buffer)
-        if self._keeper is not None:
-            self._keeper.commit(slot, snap)
-            self._slot_order.append(slot)
-        eg = self._erasure()
-        kept = eg.protect(snap) if eg is not None else snap
-        self.snapshots.append(kept)
-        return kept
 
     def drop_memory(self) -> None:
         """Forget every memory snapshot: what a rank restarted on another node starts with."""
         self._settle()
-        self.snapshots.clear()
-        if self._keeper is not None:
-            for slot in self._slot_order:
-                self._keeper.invalidate(slot)
-        self._slot_order.clear()
+        self.memory.drop()
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -289,7 +317,7 @@ class TieredCheckpointer:
         self._settle()
         g = resolve_group(self._process_group)
         attempts: list[tuple[str, str]] = []
-        everyone = g.all_gather(sorted(int(s.step) for s in self.snapshots))
+        everyone = g.all_gather(self.memory.steps())
         durable_latest = {n: c.latest_step() for n, c in self.durable.items()}
         best_durable = max((s for s in durable_latest.values() if s is not None), default=None)
         if self.memory_tier is not None:
@@ -333,7 +361,7 @@ class TieredCheckpointer:
 
     def _restore_memory(self, step: int, lost: list[int], state: Any) -> tuple[str, Any]:
         g = resolve_group(self._process_group)
-        held: Any = next((s for s in self.snapshots if s.step == step), None)
+        held: Any = self.memory.find(step)
         if lost:
             rebuilt = self._erasure().rebuild(lost, held if g.rank not in lost else None)
             snap = rebuilt if g.rank in lost else held.snapshot
@@ -345,16 +373,13 @@ class TieredCheckpointer:
     def close(self) -> None:
         """Flush and close every tier."""
         self._settle()
+        self._stager.shutdown(wait=True)
         self._snapshotter.shutdown(wait=True)
         for c in self.durable.values():
             c.close()
 
+    def __enter__(self) -> TieredCheckpointer:
+        return self
 
-def _freeze(state: Any) -> Any:
-    """A plain tree with ``state``'s tensors and copies of everything else, read now.
-
-    Stateful objects' ``state_dict()`` is called here, so a lazy snapshot records the values
-    of the call (step counters, RNG states) even if they change before the copy runs.
-    """
-    flat = flatten(state)
-    return unflatten(flat.skeleton, lambda fqn: flat.leaves[fqn].tensor)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
