@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
-from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
+from stalwart.checkpoint.collective import Group, resolve_group
+from stalwart.checkpoint.durable.async_api import AsyncSaves
+from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.durable.manifest import (
@@ -60,7 +62,7 @@ __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(AsyncSaves):
     """Sharded, deduplicated, verified checkpoints of state trees under one root.
 
     Args:
@@ -97,6 +99,7 @@ class Checkpointer:
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
         self._background: Group | None = None
         self._fast_index: FastIndex = {}
+        self._guarded: list[weakref.ref[torch.optim.Optimizer]] = []
 
     @property
     def _group(self) -> Group:
@@ -255,74 +258,9 @@ class Checkpointer:
 
         return self._write(step, capture, metadata, self._group, time.perf_counter())
 
-    def save_async(
-        self,
-        step: int,
-        state: Any,
-        *,
-        lazy: bool = False,
-        metadata: dict[str, str] | None = None,
-    ) -> PendingSave:
-        """Start saving ``state`` as ``step``; return once the state may change again.
-
-        Eager (default): returns after copying every tensor into reused host buffers.
-        Lazy: returns at once and copies in the background; install :meth:`guard` on the
-        optimizer so that ``optimizer.step()`` waits for the copy still in flight.
-        Hashing, dedup, compression, writing and the commit run in a background thread;
-        at most ``options.max_inflight_saves`` saves are in flight (a further call waits).
-
-        Returns:
-            A :class:`PendingSave`: ``done()``, ``wait()`` / ``result()`` (the SaveResult,
-            or the background error), ``wait_staged()``.
-
-        Raises:
-            CheckpointError: an earlier background save failed and nobody had waited on it.
-            UnsupportedValueError: the tree holds something that cannot be stored.
-        """
+    @staticmethod
+    def _check_args(step: Any, metadata: Any) -> None:
         _check_save_args(step, metadata)
-        self._async.raise_unobserved()
-        g = self._background_group()
-        try:
-            flat = flatten(state)
-            items, skeleton, err = local_items(flat), flat.skeleton, None
-        except Exception as e:  # every rank must still meet in the background collectives
-            if g.world == 1:
-                raise
-            items, skeleton, err = [], {}, e
-
-        def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
-            def checked() -> tuple[list[LocalItem], dict[str, Any]]:
-                if err is not None:
-                    raise err
-                return capture()
-
-            return self._write(step, checked, metadata, g, time.perf_counter())
-
-        pending = self._async.submit(step, items, skeleton, lazy, write)
-        if err is not None:
-            pending._observed = True  # raised here; not again at the next call
-            raise err
-        return pending
-
-    def _background_group(self) -> Group:
-        # Background saves never share the training's group (see dedicated_group); made on
-        # the first save_async, which all ranks make together.
-        g = self._group
-        if g.world > 1 and self._background is None:
-            self._background = dedicated_group(g)
-        return self._background if g.world > 1 and self._background else g
-
-    def wait(self) -> None:
-        """Wait for every save in flight; raise the first failure nobody has seen."""
-        self._async.flush()
-
-    def wait_staged(self) -> None:
-        """Wait until every save in flight has copied its state (used by :meth:`guard`)."""
-        self._async.wait_staged()
-
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step()`` wait for lazy copies still in flight (install once)."""
-        return guard(optimizer, self)
 
     def _write(
         self,
