@@ -1,0 +1,82 @@
+"""Property test of the reader: damaged manifests and packs never load as wrong data.
+
+Hypothesis drives the damage engine of ``bench/fuzz_manifest.py`` (bit flips, truncation,
+structural edits, resealed edits, targeted numbers, deep nesting, shard and pack damage) on
+a real two-step checkpoint. For every case: no raw exception from verify or load (only
+stalwart errors), a load that succeeds returns exactly the saved data, verify and load
+agree, and ``fallback=True`` reaches the intact step. Seeded (derandomized) and bounded:
+a few hundred cases. The long run (>= 10,000 cases) is ``bench/fuzz_manifest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.fuzz_manifest import Fixture, build_fixture, mutate, run_case
+from stalwart.checkpoint.durable.manifest import Manifest
+
+CASES = 300
+
+
+class DrawChooser:
+    """The fuzzer's choices drawn from hypothesis (so failures shrink and replay)."""
+
+    def __init__(self, data: st.DataObject) -> None:
+        self.data = data
+
+    def integer(self, lo: int, hi: int) -> int:
+        """An int in ``[lo, hi]``."""
+        return self.data.draw(st.integers(lo, hi))
+
+
+@pytest.fixture(scope="module")
+def fixture(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
+    return build_fixture(tmp_path_factory.mktemp("fuzz") / "ck")
+
+
+@settings(
+    max_examples=CASES,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_damage_is_refused_or_loads_exactly(fixture: Fixture, data: st.DataObject) -> None:
+    case = mutate(fixture, DrawChooser(data))
+    outcome = run_case(fixture, case)
+    assert outcome in ("loaded", "refused"), f"{case.kind} (resealed={case.resealed}): {outcome}"
+
+
+@settings(max_examples=CASES, derandomize=True, deadline=None, database=None)
+@given(blob=st.binary(max_size=512) | st.from_regex(rb'\A\{"format":.*\}\Z'))
+def test_arbitrary_bytes_never_escape_as_a_raw_exception(blob: bytes) -> None:
+    try:
+        Manifest.from_bytes(blob)
+    except ValueError as e:  # CorruptCheckpointError is a ValueError; check it is ours
+        assert type(e).__module__ == "stalwart.errors", repr(e)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=CASES, derandomize=True, deadline=None, database=None)
+@given(doc=JSON)
+def test_arbitrary_json_in_any_field_is_refused_cleanly(doc: object) -> None:
+    base = {"format": "stalwart.checkpoint", "version": 1, "step": 0, "tensors": {}}
+    for field in ("tensors", "skeleton", "metadata", "stats", "world_size", "created_unix"):
+        text = json.dumps(base | {"skeleton": {"k": "none"}, field: doc})
+        try:
+            Manifest.from_bytes(text.encode())
+        except ValueError as e:
+            assert type(e).__module__ == "stalwart.errors", repr(e)
