@@ -363,11 +363,16 @@ def import_(
     root: str = _ROOT,
     step: int = typer.Option(..., "--step", "-s", min=0, help="Step to save it as."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace STEP if it exists."),
+    trust_pickle: bool = typer.Option(
+        False,
+        "--trust-pickle",
+        help="Let a DCP folder's pickles run unrestricted (only for folders you trust).",
+    ),
     storage_option: list[str] = _OPTS,
 ) -> None:
-    """Save a safetensors / torch.save file or a DCP checkpoint as a step (trusts DCP pickle)."""
+    """Save a safetensors / torch.save file or a DCP checkpoint as a step (no pickle runs)."""
     with _handled(), _open(root, storage_option, must_exist=False) as ck:
-        r = import_file(src, ck, step=step, overwrite=overwrite)
+        r = import_file(src, ck, step=step, overwrite=overwrite, trust_pickle=trust_pickle)
         _out().print(
             f"imported {escape(str(src))} ({r.kind}) as step {step} into {escape(ck.url)}: "
             f"{r.tensors} tensors, {_size(r.save.bytes_total)} "
@@ -396,6 +401,11 @@ def gc(
                 f"{len(r.deleted_packs)} packs, freed {_size(r.bytes_freed)}; "
                 f"{r.kept_packs} packs kept"
             )
+            if r.skipped:
+                _err().print(
+                    f"left {len(r.skipped)} file(s) under packs/ that stalwart did not write, "
+                    f"e.g. {escape(r.skipped[0])}; move them out of the checkpoint root"
+                )
 
 
 @ckpt_app.command("rm")

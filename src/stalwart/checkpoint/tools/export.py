@@ -13,10 +13,11 @@ Import recognises, by content rather than by name:
 * a **DCP checkpoint** folder (it has a ``.metadata`` file), read without a process group;
 * a **torch.save** file, loaded with ``torch.load(weights_only=True)``.
 
-Trust: DCP's ``.metadata`` and its non-tensor entries are pickles, so importing a DCP
-checkpoint runs whatever code that folder contains; import only DCP checkpoints you trust.
-torch.save files are loaded with ``weights_only=True``, which refuses arbitrary objects; a
-file that needs more is rejected with a hint to re-save it as plain tensors.
+Trust: no pickle from the source runs by default. DCP's ``.metadata`` is read with an
+unpickler that resolves only DCP's metadata classes, and its non-tensor entries and torch.save
+files with ``torch.load(weights_only=True)`` (see :mod:`stalwart.checkpoint.tools.dcp_import`);
+a DCP folder that needs more is refused unless ``trust_pickle=True`` (``--trust-pickle``), and a
+torch.save file that needs more is rejected with a hint to re-save it as plain tensors.
 """
 
 from __future__ import annotations
@@ -212,11 +213,11 @@ def import_file(
     step: int,
     overwrite: bool = False,
     metadata: dict[str, str] | None = None,
+    trust_pickle: bool = False,
 ) -> ImportResult:
     """Read a safetensors file, a torch.save file or a DCP checkpoint and save it as ``step``.
 
-    Importing a DCP checkpoint unpickles its metadata: do it only for checkpoints you trust
-    (see the module docstring). torch.save files are loaded with ``weights_only=True``.
+    No pickle from ``src`` runs unless ``trust_pickle`` (see the module docstring).
 
     Args:
         src: the file or DCP folder to import.
@@ -224,10 +225,13 @@ def import_file(
         step: the step to save as.
         overwrite: replace ``step`` when it is already committed.
         metadata: string metadata for the new manifest (``stalwart.source`` is added).
+        trust_pickle: let a DCP folder's pickles (``.metadata``, non-tensor values) run
+            unrestricted; only for folders from a source you trust.
 
     Raises:
         CheckpointNotFoundError: ``src`` does not exist.
-        ConfigError: unknown format, the step exists, or a torch file needs unsafe pickle.
+        ConfigError: unknown format, the step exists, or the source needs unsafe pickle
+            (a DCP folder: unless ``trust_pickle``).
         CorruptCheckpointError: ``src`` is truncated or damaged.
     """
     path = Path(src)
@@ -237,8 +241,10 @@ def import_file(
             f"step {step} already exists in {ckpt.url}; pick another --step or pass "
             "overwrite=True (--overwrite) to replace it"
         )
-    reader = {"safetensors": _read_safetensors, "dcp": _read_dcp, "torch": _read_torch}[kind]
-    tree = reader(path)
+    if kind == "dcp":
+        tree = _read_dcp(path, trust_pickle=trust_pickle)
+    else:
+        tree = {"safetensors": _read_safetensors, "torch": _read_torch}[kind](path)
     meta = {**(metadata or {}), "stalwart.source": f"{kind}:{path.name}"}
     n = len(flatten(tree).leaves)
     return ImportResult(kind, n, ckpt.save(step, tree, metadata=meta))
@@ -287,33 +293,10 @@ def _read_torch(path: Path) -> Any:
     return _numpy_to_tensors(tree)
 
 
-def _read_dcp(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import (
-        _EmptyStateDictLoadPlanner,
-        _load_state_dict,
-    )
+def _read_dcp(path: Path, *, trust_pickle: bool = False) -> Any:
+    from stalwart.checkpoint.tools.dcp_import import read_dcp  # loads torch.distributed.checkpoint
 
-    sd: dict[str, Any] = {}
-    try:
-        # The call dcp_to_torch_save makes, minus its round trip through a torch.save file:
-        # the planner rebuilds the (nested) state dict from the metadata, one process reads.
-        _load_state_dict(
-            sd,
-            storage_reader=FileSystemReader(str(path)),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        # Its message is every rank's traceback; the last line names the root cause.
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        cause = lines[-1].strip() if lines else type(e).__name__
-        raise CorruptCheckpointError(
-            f"{path} is a DCP checkpoint that could not be read ({cause[:500]}); it may be "
-            "incomplete or damaged — copy or save it again"
-        ) from e
-    return sd
+    return read_dcp(path, trust_pickle=trust_pickle)
 
 
 def _numpy_to_tensors(tree: Any) -> Any:
