@@ -1,6 +1,6 @@
 """Writes the golden checkpoint of the current format version (run once per format version).
 
-python tests/golden/make_golden.py    # writes tests/golden/v1/
+python tests/golden/make_golden.py    # writes tests/golden/v<FORMAT_VERSION>/ (v1, v2, ...)
 """
 
 from __future__ import annotations
