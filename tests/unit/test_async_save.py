@@ -193,10 +193,37 @@ def test_cuda_tensors_stage_through_pinned_buffers(tmp_path: Path) -> None:
     ckpt = stalwart.Checkpointer(tmp_path)
     before = layer.weight.detach().cpu().clone()
     pending = ckpt.save_async(1, {"layer": layer})
-    with torch.no_grad():
+    with torch.no_grad():  # queued right behind the copy on the same device
         layer.weight.add_(1.0)
     pending.wait()
-    slot = ckpt._async.slots[0]
-    assert all(b.is_pinned() for b in slot.buffers.values())
+    assert ckpt._async.slots[0].pin_memory
     assert torch.equal(ckpt.load(None)["layer"]["weight"], before)
+    ckpt.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side-stream ordering)")
+def test_cuda_lazy_save_is_exact_under_the_next_optimizer_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048), torch.nn.Linear(2048, 10)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(256, 2048, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    ckpt = stalwart.Checkpointer(tmp_path)
+    ckpt.guard(opt)
+    for step in range(3):
+        # a long kernel queue ahead of the save: the copy must wait for it, not race it
+        for _ in range(20):
+            model(x).sum().backward()
+        want = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        pending = ckpt.save_async(step, {"model": model}, lazy=True)
+        model(x).sum().backward()  # BN running stats change now
+        opt.step()
+        opt.zero_grad()
+        pending.wait()
+        got = ckpt.load(None, step)["model"]
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
     ckpt.close()
