@@ -36,6 +36,8 @@ def test_protections_recover_exponent_flips(digits: models.ReferenceModel, tmp_p
     assert res["abft"].p_value < 0.01 and res["abft"].fixed == base
     assert res["sbp"].cost["protected_bits_share"] == pytest.approx(9 / 32)
     assert res["clip"].failures <= base
+    with pytest.raises(ConfigError, match="calibrated on 80 of the 80 inputs"):
+        protect.evaluate(m, cal, faults, ps, repeats=1)  # scored on its calibration inputs
     for n, p in m.named_parameters():  # protections and replays leave the model clean
         assert torch.equal(p, before[n]), n
 

@@ -159,7 +159,15 @@ def protect_command(
         faults = vulnerability.sample_faults(
             ref.model, trials, seed=seed, error=inject.BitFlip(bit)
         )
-        results = protect.evaluate(ref.model, scored.inputs, faults, ps, crit, labels=labels)
+        results = protect.evaluate(
+            ref.model,
+            scored.inputs,
+            faults,
+            ps,
+            crit,
+            labels=labels,
+            in_sample=calibration_fraction == 0.0,
+        )
         console = Console()
         title = (
             f"Protections on {model_spec}: {trials} replayed faults ({crit}); calibrated on "

@@ -22,6 +22,7 @@ from torch import nn
 
 from stalwart.inject import select_modules
 from stalwart.inject.targets import Pattern
+from stalwart.protect.evaluate import row_fingerprints
 from stalwart.vulnerability import FaultList
 
 __all__ = ["ABFT"]
@@ -122,6 +123,7 @@ class ABFT:
             model(*inputs)
         self.threshold = {n: max(factor * worst.get(n, 0.0), 1e-12) for n in self.modules}
         self.calibration_samples = _samples(inputs)
+        self.calibration_rows = row_fingerprints(inputs)
         self.method = f"measured; thresholds calibrated on {self.calibration_samples} inputs"
         self.alarms = 0
         self.repairs = 0

@@ -13,6 +13,7 @@ from torch import nn
 
 from stalwart.inject import select_modules
 from stalwart.inject.targets import Pattern, forward_with_hooks
+from stalwart.protect.evaluate import row_fingerprints
 from stalwart.vulnerability import FaultList
 
 __all__ = ["ActivationClipping"]
@@ -65,6 +66,7 @@ class ActivationClipping:
             self.bounds[n] = (lo - pad, hi + pad)
         first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         self.calibration_samples = int(first.shape[0]) if first is not None else 0
+        self.calibration_rows = row_fingerprints(inputs)
         self.method = f"measured; bounds calibrated on {self.calibration_samples} inputs"
 
     @contextlib.contextmanager

@@ -13,6 +13,7 @@ disjoint evaluation split from one batch of inputs.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,8 +37,41 @@ __all__ = [
     "ber_sweep",
     "evaluate",
     "forward_time",
+    "row_fingerprints",
     "split_inputs",
 ]
+
+
+def row_fingerprints(inputs: Sequence[Any]) -> frozenset[bytes]:
+    """A digest per sample: the bytes of row ``i`` of every input tensor, hashed together.
+
+    Empty when the inputs are not tensors sharing dim 0 (nothing to compare row by row).
+    """
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or len({x.shape[0] for x in tensors}) != 1:
+        return frozenset()
+    n = tensors[0].shape[0]
+    rows = [x.detach().cpu().reshape(n, -1).contiguous().numpy() for x in tensors]
+    out = set()
+    for i in range(n):
+        h = hashlib.blake2b(digest_size=16)
+        for r in rows:
+            h.update(r[i].tobytes())
+        out.add(h.digest())
+    return frozenset(out)
+
+
+def _check_held_out(protections: Sequence[Protection], inputs: Sequence[Any]) -> None:
+    """Refuse a protection calibrated on any of the inputs it is about to be scored on."""
+    scored = row_fingerprints(inputs)
+    for p in protections:
+        shared = len(getattr(p, "calibration_rows", frozenset()) & scored)
+        if shared:
+            raise ConfigError(
+                f"protection {p.name!r} was calibrated on {shared} of the {len(scored)} inputs "
+                "it would be scored on; calibrate on held-out inputs (split_inputs) or pass "
+                "in_sample=True to report an in-sample result"
+            )
 
 
 @dataclass(frozen=True)
@@ -152,10 +186,21 @@ def evaluate(
     *,
     labels: torch.Tensor | None = None,
     repeats: int = 7,
+    in_sample: bool = False,
 ) -> list[ProtectionResult]:
-    """Replay ``faults`` with no protection and under each protection (paired)."""
+    """Replay ``faults`` with no protection and under each protection (paired).
+
+    Args:
+        in_sample: allow protections calibrated on some of ``inputs`` (clipping bounds,
+            ABFT thresholds); by default that is refused, as it overstates their benefit.
+
+    Raises:
+        ConfigError: a protection was calibrated on some of ``inputs`` and not ``in_sample``.
+    """
     check_eval(model)
     inputs = tuple(inputs)
+    if not in_sample:
+        _check_held_out(protections, inputs)
     base = run_campaign(model, inputs, faults, criterion_, labels=labels)
     crit = criterion(criterion_, labels)
     before = base.failed[crit.name]
