@@ -162,7 +162,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _plan_box(
-    box: Box, where: str, needs: dict[tuple[str, int], _Need], after: list[Callable[[], None]]
+    box: Box, where: str, needs: dict[ChunkRef, _Need], after: list[Callable[[], None]]
 ) -> None:
     """Add the chunk reads that fill ``box`` to ``needs``; copies to run after to ``after``.
 
@@ -185,7 +185,9 @@ def _plan_box(
         for c in shard.chunks:
             ce = cs + c.nbytes
             if ce > lo and cs < hi:
-                need = needs.setdefault((c.pack, c.offset), _Need(c, _chunk_what(prefix, c)))
+                # Keyed by the whole reference: two references to one pack offset with
+                # different hashes (a damaged manifest) must each be verified.
+                need = needs.setdefault(c, _Need(c, _chunk_what(prefix, c)))
                 a, b = max(lo, cs), min(hi, ce)
                 need.sinks.append((out[a - lo : b - lo], a - cs, b - cs))
             cs = ce
@@ -241,7 +243,7 @@ def read_boxes(
     Raises:
         CorruptCheckpointError: the shards do not cover a box, or a chunk is damaged.
     """
-    needs: dict[tuple[str, int], _Need] = {}
+    needs: dict[ChunkRef, _Need] = {}
     after: list[Callable[[], None]] = []
     for box in boxes:
         _plan_box(box, where, needs, after)
