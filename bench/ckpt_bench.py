@@ -23,6 +23,10 @@ Contenders:
 ``dd``           ``dd oflag=direct conv=fsync`` write / ``dd iflag=direct`` read of the same
                  byte count from /dev/zero: the disk's direct-I/O bandwidth ceiling.
 
+The contenders' repetitions are interleaved (rep 0 of each, then rep 1, ...), and stalwart's
+save and verified load are also given as a fraction of dd's direct write and read bandwidth in
+the same repetition (median and range over reps), which a drifting shared disk cannot skew.
+
 Then the incremental case: full save, rewrite ~10 % of the bytes (whole tensors chosen from
 the seed), save again; stalwart should write only the changed chunks, DCP and torch.save
 rewrite everything.
@@ -500,38 +504,73 @@ def cleanup(c: Contender, d: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def run_contender(c: Contender, state: State, dst: State, root: Path, reps: int, log) -> Outcome:
-    out = Outcome(c.name, bytes=state_bytes(state))
+def run_rep(
+    c: Contender, out: Outcome, state: State, dst: State, root: Path, rep: int, log
+) -> None:
+    """One timed save + cold load of ``c``; a failure marks ``out`` and is logged."""
+    d = fresh_dir(root, f"{c.name}-rep{rep}")
     try:
-        c.setup(state)
-        warm_up(c, state, root)
-        for rep in range(reps):
-            d = fresh_dir(root, f"{c.name}-rep{rep}")
-            try:
-                os.sync()
-                save_s, sinfo = timed(lambda d=d: c.save(state, d, 1))
-                cold = drop_caches()
-                zero_state(dst)
-                load_s, linfo = timed(lambda d=d: c.load(dst, d, 1))
-                if c.name not in ("dd",):
-                    check_equal(state, dst)
-                out.save_s.append(save_s)
-                out.load_s.append(load_s)
-                out.load_cold.append(cold)
-                out.extra.append({"save": sinfo, "load": linfo})
-                log(
-                    f"  {c.name:12s} rep {rep}: save {save_s:7.3f} s  load {load_s:7.3f} s"
-                    f"  ({'cold' if cold else 'warm'})"
-                )
-            finally:
-                cleanup(c, d)
+        os.sync()
+        save_s, sinfo = timed(lambda d=d: c.save(state, d, 1))
+        cold = drop_caches()
+        zero_state(dst)
+        load_s, linfo = timed(lambda d=d: c.load(dst, d, 1))
+        if c.name not in ("dd",):
+            check_equal(state, dst)
+        out.save_s.append(save_s)
+        out.load_s.append(load_s)
+        out.load_cold.append(cold)
+        out.extra.append({"save": sinfo, "load": linfo})
+        log(
+            f"  {c.name:12s} rep {rep}: save {save_s:7.3f} s  load {load_s:7.3f} s"
+            f"  ({'cold' if cold else 'warm'})"
+        )
     except Exception as e:  # one broken contender must not sink the others
         out.error = f"{type(e).__name__}: {e}"
         log(f"  {c.name}: FAILED {out.error}\n{traceback.format_exc()}")
     finally:
+        cleanup(c, d)
+
+
+def run_interleaved(
+    contenders: list[Contender], state: State, dst: State, root: Path, reps: int, log
+) -> list[Outcome]:
+    """Rep 0 of every contender, then rep 1 of every contender, ...: the disk and the other
+    tenants of a shared machine drift over minutes, and interleaving spreads that drift over
+    all contenders instead of charging it to whichever ran last."""
+    outs = [Outcome(c.name, bytes=state_bytes(state)) for c in contenders]
+    for c, out in zip(contenders, outs, strict=True):
+        try:
+            c.setup(state)
+            warm_up(c, state, root)
+        except Exception as e:
+            out.error = f"{type(e).__name__}: {e}"
+            log(f"  {c.name}: FAILED {out.error}\n{traceback.format_exc()}")
+    for rep in range(reps):
+        for c, out in zip(contenders, outs, strict=True):
+            if out.error is None:
+                run_rep(c, out, state, dst, root, rep, log)
+    for c in contenders:
         with contextlib.suppress(Exception):
             c.teardown()
+    return outs
+
+
+def dd_ratios(st: Outcome, dd: Outcome, dd_bytes: int) -> dict[str, list[float]]:
+    """Per repetition: stalwart's save (load) bandwidth as a fraction of dd's direct write
+    (read) bandwidth measured in the same repetition (the reps are interleaved)."""
+    out: dict[str, list[float]] = {"save": [], "load": []}
+    for kind, a, b in (("save", st.save_s, dd.save_s), ("load", st.load_s, dd.load_s)):
+        for s_s, d_s in zip(a, b, strict=False):
+            out[kind].append((st.bytes / s_s) / (dd_bytes / d_s))
     return out
+
+
+def fmt_pct(xs: list[float]) -> str:
+    """Median and range of fractions as percentages."""
+    if not xs:
+        return "-"
+    return f"{100 * statistics.median(xs):.0f} % (range {100 * min(xs):.0f}-{100 * max(xs):.0f})"
 
 
 def run_incremental(
@@ -736,10 +775,8 @@ def main(argv: list[str] | None = None) -> int:
         highlight=False,
     )
 
-    outcomes: list[Outcome] = []
-    for c in build_contenders(names, args):
-        log(f"running {c.name} ...")
-        outcomes.append(run_contender(c, state, dst, root, args.reps, log))
+    log(f"running {', '.join(names)}, interleaved, {args.reps} reps ...")
+    outcomes = run_interleaved(build_contenders(names, args), state, dst, root, args.reps, log)
     del dst
 
     by_name = {o.name: o for o in outcomes}
@@ -801,21 +838,16 @@ def main(argv: list[str] | None = None) -> int:
         highlight=False,
     )
     dd = by_name.get("dd")
-    if ref_save and dd and not dd.error and dd.save_med:
+    vs_dd: dict[str, list[float]] = {}
+    if ref and not ref.error and dd and not dd.error and dd.save_s:
         dd_bytes = DirectDd.block * math.ceil(total / DirectDd.block)
-        dd_w = dd_bytes / dd.save_med
-        dd_r = dd_bytes / dd.load_med if dd.load_med else None
-        st_w = ref.bytes / ref_save
-        st_r = ref.bytes / ref_load if ref_load else None
+        vs_dd = dd_ratios(ref, dd, dd_bytes)
         console.print(
-            f"stalwart save bandwidth: {st_w / GB:.2f} GB/s = {100 * st_w / dd_w:.0f} %"
-            f" of dd direct write ({dd_w / GB:.2f} GB/s)"
-            + (
-                f"; load: {st_r / GB:.2f} GB/s = {100 * st_r / dd_r:.0f} % of dd direct "
-                f"read ({dd_r / GB:.2f} GB/s)"
-                if st_r and dd_r
-                else ""
-            ),
+            "stalwart vs dd in the same repetition (median, range over reps): "
+            f"save = {fmt_pct(vs_dd['save'])} of dd oflag=direct write "
+            f"({fmt_bytes(dd_bytes / statistics.median(dd.save_s))}/s); "
+            f"verified load = {fmt_pct(vs_dd['load'])} of dd iflag=direct read "
+            f"({fmt_bytes(dd_bytes / statistics.median(dd.load_s))}/s)",
             markup=False,
             highlight=False,
         )
@@ -900,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "state": {"bytes": total, "tensors": len(state), "composition": composition},
             "page_cache_dropped": cold_ok,
+            "stalwart_vs_dd_per_rep": vs_dd,
             "results": [
                 {
                     "name": o.name,

@@ -34,8 +34,12 @@ from stalwart.tree import dtype_from_name
 
 __all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
 
-SPAN_BYTES = 16 << 20
-"""Adjacent chunks of one pack are read together, up to this many bytes per read."""
+SPAN_BYTES = 32 << 20
+"""Adjacent chunks of one pack are read together, up to this many bytes per read.
+
+Measured on a virtio disk (2 cores, 4 I/O threads, 4 MiB chunks): 32 MiB spans beat 16 and
+64 MiB ones; each I/O thread holds one span's buffer.
+"""
 
 
 @dataclass
