@@ -30,12 +30,17 @@ from stalwart.errors import (
 OPTS = stalwart.CheckpointOptions(chunk_bytes=4096)
 
 
+def _w(step: int) -> torch.Tensor:
+    """16 rows of 1 KiB, every 4 KiB chunk different (no dedup inside the tensor)."""
+    return torch.arange(16 * 256, dtype=torch.float32).reshape(16, 256) + step
+
+
 def _root(tmp_path: Path) -> Path:
     """Steps 1 and 2 of a small tree; step 2's ``w`` cut into two shards of rows 0-3, 4-15."""
     root = tmp_path / "ck"
     with stalwart.Checkpointer(root, OPTS) as ck:
         for step in (1, 2):
-            ck.save(step, {"w": torch.full((16, 256), float(step)), "epoch": step + 4})
+            ck.save(step, {"w": _w(step), "epoch": step + 4})
     doc = json.loads((root / manifest_key(2)).read_bytes())
     chunks = doc["tensors"]["w"]["shards"][0]["chunks"]
     doc["tensors"]["w"]["shards"] = [
@@ -65,13 +70,13 @@ def _assert_refused(root: Path, match: str) -> None:
     with stalwart.Checkpointer(root) as ck:
         tree = ck.load(None, fallback=True)
         assert ck.last_load is not None and ck.last_load.step == 1
-        assert torch.equal(tree["w"], torch.full((16, 256), 1.0)) and tree["epoch"] == 5
+        assert torch.equal(tree["w"], _w(1)) and tree["epoch"] == 5
 
 
 def test_the_two_shard_fixture_loads(tmp_path: Path) -> None:
     root = _root(tmp_path)
     with stalwart.Checkpointer(root) as ck:
-        assert torch.equal(ck.load(None)["w"], torch.full((16, 256), 2.0))
+        assert torch.equal(ck.load(None)["w"], _w(2))
         assert verify_step(ck, 2).ok
 
 
@@ -188,6 +193,19 @@ def test_a_chunk_past_the_end_of_its_pack_is_never_read(tmp_path: Path) -> None:
 
     _edit(root, grow)
     _assert_refused(root, "lie outside")
+
+
+def test_two_references_to_one_pack_offset_are_each_verified(tmp_path: Path) -> None:
+    # Found by the fuzzer: reads were planned per (pack, offset), so a second reference to
+    # the same bytes under another hash received them unverified.
+    root = _root(tmp_path)
+
+    def alias(d: dict[str, Any]) -> None:
+        first, second = (s["chunks"][0] for s in d["tensors"]["w"]["shards"])
+        second[3] = first[3]
+
+    _edit(root, alias)
+    _assert_refused(root, "does not match its hash")
 
 
 def test_save_refuses_steps_the_manifest_key_cannot_hold(tmp_path: Path) -> None:
