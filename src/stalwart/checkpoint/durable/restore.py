@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,12 +38,21 @@ from stalwart.tree import (
     unflatten,
 )
 
-__all__ = ["fill_tensor", "fill_tensors", "load_first_that_verifies", "load_step"]
+__all__ = [
+    "fill_tensor",
+    "fill_tensors",
+    "load_first_that_verifies",
+    "load_step",
+    "match_targets",
+    "restore_statefuls",
+]
 
 STAGING_BYTES = 1 << 30
 """Most bytes staged on the CPU at once for targets not read in place (GPU, strided)."""
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E")
 
 
 def load_step(
@@ -64,37 +73,7 @@ def load_step(
         CorruptCheckpointError: a chunk is missing, truncated or fails its hash.
     """
     flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
-    problems: list[str] = []
-    targets: dict[str, torch.Tensor] = {}
-    stateful_paths = [path for path, _ in flat.statefuls]
-    for fqn, leaf in flat.leaves.items():
-        e = m.tensors.get(fqn)
-        t = leaf.tensor
-        if e is None and any(leaf.path[: len(p)] == p for p in stateful_paths):
-            # A stateful object decides in load_state_dict what it can do without
-            # (nn.Module raises on missing keys; TrainingState re-derives a new
-            # rank's RNG); the engine only refuses to write mismatched data.
-            continue
-        if e is None:
-            problems.append(f"{fqn}: in the state but not in the checkpoint")
-        elif tuple(t.shape) != e.shape:
-            problems.append(
-                f"{fqn}: shape {list(t.shape)} in the state, {list(e.shape)} in the checkpoint"
-            )
-        elif dtype_name(t.dtype) != e.dtype:
-            problems.append(
-                f"{fqn}: dtype {dtype_name(t.dtype)} in the state, {e.dtype} in the checkpoint"
-            )
-        else:
-            leaf.check_writable()  # a read-only numpy array: refuse before reading anything
-            targets[fqn] = t
-    if problems and strict:
-        raise StateMismatchError(
-            f"the state does not match {where} ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems[:20])
-            + ("\n  …" if len(problems) > 20 else "")
-            + "\npass strict=False to load what matches and leave the rest untouched"
-        )
+    targets, problems = match_targets(flat, m.tensors, _entry_problem, strict=strict, where=where)
     beyond = pack_problems(m, store)  # before any buffer is sized by a stored length
     if beyond:
         raise CorruptCheckpointError(f"{where}: {next(iter(beyond.values()))}", [*beyond.values()])
@@ -114,6 +93,63 @@ def load_step(
     for fqn in targets:
         flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
     tree = unflatten(m.skeleton, tensors.__getitem__)
+    restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
+    return tree, read, problems
+
+
+def _entry_problem(fqn: str, t: torch.Tensor, e: TensorEntry) -> str | None:
+    if tuple(t.shape) != e.shape:
+        return f"{fqn}: shape {list(t.shape)} in the state, {list(e.shape)} in the checkpoint"
+    if dtype_name(t.dtype) != e.dtype:
+        return f"{fqn}: dtype {dtype_name(t.dtype)} in the state, {e.dtype} in the checkpoint"
+    return None
+
+
+def match_targets(
+    flat: FlatTree,
+    entries: Mapping[str, E],
+    problem: Callable[[str, torch.Tensor, E], str | None],
+    *,
+    strict: bool,
+    where: str,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The state's tensors that may receive data, for disk and memory restores alike.
+
+    ``problem(fqn, tensor, entry)`` says why a tensor cannot take its entry (None: it can).
+    A tensor with no entry under a stateful object is left to its ``load_state_dict``
+    (nn.Module raises on missing keys; TrainingState re-derives a new rank's RNG).
+
+    Raises:
+        StateMismatchError: problems were found and ``strict`` is True.
+    """
+    problems: list[str] = []
+    targets: dict[str, torch.Tensor] = {}
+    stateful_paths = [path for path, _ in flat.statefuls]
+    for fqn, leaf in flat.leaves.items():
+        e = entries.get(fqn)
+        if e is None and any(leaf.path[: len(p)] == p for p in stateful_paths):
+            continue
+        found = f"{fqn}: in the state but not in the checkpoint" if e is None else None
+        found = found or problem(fqn, leaf.tensor, e)  # type: ignore[arg-type]
+        if found:
+            problems.append(found)
+        else:
+            leaf.check_writable()  # a read-only numpy array: refuse before reading anything
+            targets[fqn] = leaf.tensor
+    if problems and strict:
+        raise StateMismatchError(
+            f"the state does not match {where} ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:20])
+            + ("\n  …" if len(problems) > 20 else "")
+            + "\npass strict=False to load what matches and leave the rest untouched"
+        )
+    return targets, problems
+
+
+def restore_statefuls(
+    flat: FlatTree, tree: Any, *, strict: bool, where: str, problems: list[str]
+) -> None:
+    """Hand each stateful object of ``flat`` its sub-tree of the loaded ``tree``."""
     for path, obj in reversed(flat.statefuls):
         try:
             sub = get_path(tree, path)
@@ -123,7 +159,6 @@ def load_step(
             problems.append(f"{'.'.join(map(str, path))}: not in the checkpoint")
             continue
         _restore_stateful(obj, sub, path, strict, where, problems)
-    return tree, read, problems
 
 
 def _allocate(e: TensorEntry, fqn: str, where: str) -> torch.Tensor:

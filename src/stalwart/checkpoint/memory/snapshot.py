@@ -25,8 +25,8 @@ import torch
 from stalwart.checkpoint.capture import BoxRecord, Capture, HostBuffer, box_view, stage
 from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.checkpoint.durable.plan import local_box, local_items
-from stalwart.errors import CorruptCheckpointError, StateMismatchError
-from stalwart.tree import dtype_from_name, dtype_name, flatten, get_path, unflatten
+from stalwart.errors import CorruptCheckpointError
+from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
 __all__ = ["INDEX_FORMAT", "Snapshot"]
 
@@ -131,55 +131,38 @@ class Snapshot:
                 return box_view(self.data, rec)
         raise KeyError(fqn)
 
-    def restore_into(self, state: Any) -> Any:
+    def restore_into(self, state: Any, *, strict: bool = True) -> Any:
         """Copy the snapshot back into ``state``'s tensors in place; return the rebuilt tree.
 
-        ``state`` must have the layout it had at capture (same names, dtypes, global shapes
-        and local boxes). Tensors the state lacks (a fresh optimizer has no moments yet) are
-        handed to their stateful owner as new tensors: the local box, so a DTensor that is
-        absent from ``state`` comes back as its local shard. Stateful objects then get their
-        sub-tree through ``load_state_dict``.
+        The same routine as a load from disk checks the state (strictness, the mismatch
+        report) and hands stateful objects their sub-tree, translating their refusals.
+        ``state`` must hold the boxes it held at capture (same names, dtypes, global
+        shapes and local boxes): memory snapshots are not resharded. Tensors the state lacks
+        (a fresh optimizer has no moments yet) are handed to their stateful owner as new
+        tensors (the local box, so a DTensor absent from ``state`` comes back as its shard).
 
         Raises:
-            StateMismatchError: a tensor's dtype, shape or local box differs.
+            StateMismatchError: a tensor's dtype, shape or local box differs (``strict``).
             CorruptCheckpointError: the buffer was reused since capture.
         """
+        from stalwart.checkpoint.durable.restore import match_targets, restore_statefuls
+
         self._check_fresh()
+        where = f"the memory snapshot of step {self.step}"
         flat = flatten(state)
         by_fqn = {rec.fqn: rec for rec in self.tensors}
-        out: dict[str, torch.Tensor] = {}
-        problems = []
-        for fqn, leaf in flat.leaves.items():
-            rec = by_fqn.get(fqn)
-            if rec is None:
-                continue
-            t = leaf.tensor
-            offsets, sizes, _ = local_box(t)
-            found = (dtype_name(t.dtype), tuple(t.shape), offsets, sizes)
-            if found != (rec.dtype, rec.shape, rec.offsets, rec.sizes):
-                problems.append(
-                    f"{fqn}: {found[0]}{list(found[1])} box {list(offsets)}+{list(sizes)} in "
-                    f"the state, {rec.dtype}{list(rec.shape)} box {list(rec.offsets)}+"
-                    f"{list(rec.sizes)} in the snapshot"
-                )
-                continue
-            out[fqn] = t
-        if problems:
-            raise StateMismatchError(
-                f"the state does not match the snapshot of step {self.step} "
-                f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:20])
-            )
+        out, problems = match_targets(flat, by_fqn, _box_problem, strict=strict, where=where)
         with torch.no_grad():
             for fqn, t in out.items():
                 rec = by_fqn[fqn]
                 if rec.nbytes:
                     local_box(t)[2].copy_(box_view(self.data, rec))
+                flat.leaves[fqn].write_back()
         for rec in self.tensors:
             if rec.fqn not in out:
                 out[rec.fqn] = box_view(self.data, rec).clone()
         tree = unflatten(self.skeleton, out.__getitem__)
-        for path, obj in reversed(flat.statefuls):
-            obj.load_state_dict(get_path(tree, path))
+        restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
         return tree
 
     # -- index -----------------------------------------------------------------------------
@@ -251,3 +234,14 @@ def _bytes_of(data: torch.Tensor) -> memoryview:
     if data.numel() == 0:
         return memoryview(b"")
     return data.numpy().data.cast("B")
+
+
+def _box_problem(fqn: str, t: torch.Tensor, rec: BoxRecord) -> str | None:
+    offsets, sizes, _ = local_box(t)
+    found = (dtype_name(t.dtype), tuple(t.shape), offsets, sizes)
+    if found == (rec.dtype, rec.shape, rec.offsets, rec.sizes):
+        return None
+    return (
+        f"{fqn}: {found[0]}{list(found[1])} box {list(offsets)}+{list(sizes)} in the state, "
+        f"{rec.dtype}{list(rec.shape)} box {list(rec.offsets)}+{list(rec.sizes)} in the snapshot"
+    )
