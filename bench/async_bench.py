@@ -8,7 +8,9 @@ Runs, in one process and one run, on the same state:
    False))`` kept across saves (its staging buffers are cached per source storage and reused:
    DCP's best configuration on a CPU-only machine, where pinned memory, CUDA streams and
    non-blocking copies are unavailable), of a plain ``copy_`` into reused buffers, of
-   stalwart's ``save_async`` eager and lazy, and of a copy into freshly allocated buffers.
+   stalwart's ``save_async`` eager and lazy (the state being a guarded optimizer's
+   parameters, the only tensors whose copy a lazy save defers), and of a copy into freshly
+   allocated buffers.
    Contenders run interleaved, their order rotating every repetition; medians and ranges.
 2. a small real training loop (MLP + AdamW) with a checkpoint every step: none, stalwart lazy
    ``save_async`` to disk (guarded optimizer), stalwart memory tier every step + disk every
@@ -106,6 +108,11 @@ def blocking(state: dict[str, torch.Tensor], reps: int, root: Path) -> dict[str,
     opts = stalwart.CheckpointOptions(keep=stalwart.KeepLast(1))
     eager = stalwart.Checkpointer(root / "eager", opts)
     lazy = stalwart.Checkpointer(root / "lazy", opts)
+    # A lazy save defers only the copies of tensors a guarded optimizer owns (anything else
+    # may change before the next step and is copied before save_async returns): the state
+    # here stands for a model's parameters, so an optimizer over the same storages is guarded.
+    guarded = torch.optim.SGD([torch.nn.Parameter(v) for v in state.values()], lr=0.0)
+    lazy.guard(guarded)  # the checkpointer holds the optimizer weakly: keep it alive here
     stager = persistent_stager()
 
     def copy() -> None:
@@ -142,6 +149,7 @@ def blocking(state: dict[str, torch.Tensor], reps: int, root: Path) -> dict[str,
         eager.close()
         lazy.close()
         stager.close()
+        del guarded
     return out
 
 
