@@ -219,9 +219,9 @@ def test_snapshot_index_round_trip() -> None:
 def test_snapshot_digest_mismatch_detected() -> None:
     snap = Snapshot.capture(_state(1), step=1)
     snap.data[snap.tensors[0].byte_offset] ^= 0x10
-    with pytest.raises(CorruptCheckpointError, match="BLAKE3"):
+    with pytest.raises(CorruptCheckpointError, match="fails its digest"):
         snap.verify()
-    with pytest.raises(CorruptCheckpointError, match="BLAKE3"):
+    with pytest.raises(CorruptCheckpointError, match="fails its digest"):
         Snapshot.from_bytes(snap.to_bytes(), snap.data)
 
 

@@ -51,26 +51,44 @@ class MemoryTier:
                 self._slot_order.append(slot)
 
     def acquire(self, for_memory: bool) -> tuple[HostBuffer, int]:
-        """A buffer for the next capture, and its keeper slot (-1 for none)."""
+        """A buffer for the next capture, and its keeper slot (-1 for none).
+
+        A buffer that a durable save is still reading is not waited for when another will
+        do: it goes back to the spares and a free spare (or, once, a new buffer) is used, so
+        a slow disk write never stalls the training step that evicts its snapshot.
+        """
         slot = -1
         if not for_memory:
-            buffer = self._spares.pop() if self._spares else HostBuffer()
+            buffer = self._spare()
         elif len(self.snapshots) >= self.keep:
             oldest = self.snapshots.popleft()  # retention: its buffer takes the new one
             if self.keeper is not None:
                 slot = self._slot_order.popleft()
-                buffer = self.keeper.buffers[slot]
+                buffer = self.keeper.buffers[slot]  # tmpfs slots are fixed: may wait below
             else:
                 buffer = _snapshot_of(oldest).buffer or HostBuffer()
+                if self._busy(buffer):
+                    self._spares.append(buffer)
+                    buffer = self._spare()
         elif self.keeper is not None:
             slot = min(set(range(self.keep)) - set(self._slot_order))
             buffer = self.keeper.buffers[slot]
         else:
-            buffer = self._spares.pop() if self._spares else HostBuffer()
+            buffer = self._spare()
         self._wait_readers(buffer)
         if self.keeper is not None and slot >= 0:
             self.keeper.invalidate(slot)  # a crash from here on leaves no index: ignored
         return buffer, slot
+
+    def _busy(self, buffer: HostBuffer) -> bool:
+        return any(not p.done() for p in self._holds.get(id(buffer), []))
+
+    def _spare(self) -> HostBuffer:
+        """A spare no durable save is reading (a new one when every spare is busy)."""
+        for i, b in enumerate(self._spares):
+            if not self._busy(b):
+                return self._spares.pop(i)
+        return HostBuffer()
 
     def release(self, buffer: HostBuffer) -> None:
         """Return a buffer that no snapshot keeps (durable saves may still be reading it)."""

@@ -5,7 +5,7 @@ local box of every tensor leaf (the whole tensor for a plain tensor, the local s
 DTensor) copied back to back into one ``uint8`` host buffer, each box starting at a multiple
 of :data:`ALIGN_BYTES` so that it can be viewed in place with its own dtype. The index (plain
 JSON, never pickle) holds the state tree's skeleton, each box's place in the buffer, and the
-BLAKE3 digest of the buffer's first ``nbytes`` bytes, which is the blob erasure coding ships.
+digest (XXH3-128) of the buffer's first ``nbytes`` bytes, which is the blob erasure coding ships.
 
 Buffers are expensive to allocate (fresh pages fault in at a fraction of the copy rate), so a
 :class:`HostBuffer` is allocated once and reused; it grows only when a state no longer
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from stalwart.checkpoint.capture import BoxRecord, Capture, HostBuffer, box_view, stage
 from stalwart.checkpoint.durable.persist import chunk_hash
@@ -30,8 +31,8 @@ from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
 __all__ = ["INDEX_FORMAT", "Snapshot"]
 
-INDEX_FORMAT = 1
-"""Version of the index JSON written by :meth:`Snapshot.to_bytes`."""
+INDEX_FORMAT = 2
+"""Version of the index JSON written by :meth:`Snapshot.to_bytes` (2: XXH3-128 digests)."""
 
 
 @dataclass
@@ -46,7 +47,9 @@ class Snapshot:
         skeleton: the state tree's JSON skeleton (``stalwart.tree.flatten(state).skeleton``).
         tensors: every tensor box, in buffer order.
         data: ``uint8`` tensor of exactly ``nbytes`` bytes (a view of the buffer).
-        digest: BLAKE3 hex digest of ``data``.
+        digest: digest of ``data``: ``xxh3-128:<hex>`` (index format 2), or a bare BLAKE3
+            hex digest (format 1). XXH3 detects memory corruption at ~10x BLAKE3's speed,
+            which matters when a snapshot is taken every step on a busy host.
         buffer: the reusable buffer ``data`` lives in (None when ``data`` is standalone).
         generation: the buffer's generation when this snapshot was written.
     """
@@ -91,7 +94,7 @@ class Snapshot:
             skeleton=skeleton,
             tensors=cap.records,
             data=cap.data,
-            digest=chunk_hash(_bytes_of(cap.data)),
+            digest=_digest(cap.data),
             buffer=cap.buffer,
             generation=cap.generation,
         )
@@ -112,11 +115,11 @@ class Snapshot:
             CorruptCheckpointError: the bytes changed since capture, or the buffer was reused.
         """
         self._check_fresh()
-        found = chunk_hash(_bytes_of(self.data))
+        found = _digest(self.data, like=self.digest)
         if found != self.digest:
             raise CorruptCheckpointError(
                 f"in-memory snapshot of step {self.step} ({self.nbytes} bytes) fails its "
-                f"BLAKE3 digest (expected {self.digest[:16]}…, found {found[:16]}…); "
+                f"digest (expected …{self.digest[-16:]}, found …{found[-16:]}); "
                 "do not restore from it, fall back to a stored checkpoint",
                 damaged=[f"snapshot step {self.step}"],
             )
@@ -228,6 +231,13 @@ class Snapshot:
         if verify:
             snap.verify()
         return snap
+
+
+def _digest(data: torch.Tensor, like: str | None = None) -> str:
+    """XXH3-128 of ``data`` (or BLAKE3 when ``like`` is a format-1 digest)."""
+    if like is not None and not like.startswith("xxh3-128:"):
+        return chunk_hash(_bytes_of(data))
+    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(_bytes_of(data))
 
 
 def _bytes_of(data: torch.Tensor) -> memoryview:
