@@ -225,3 +225,17 @@ def test_save_refuses_a_tree_too_deep_to_read_back(tmp_path: Path) -> None:
         with pytest.raises(UnsupportedValueError, match="levels"):
             ck.save(1, {"x": deep})
         assert ck.steps() == []
+
+
+def test_cli_verify_fails_on_a_flipped_plain_value(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stalwart.cli.main import app
+
+    root = _root(tmp_path)
+    path = root / manifest_key(2)
+    path.write_bytes(path.read_bytes().replace(b'"v":"6"', b'"v":"8"'))
+    env = {"COLUMNS": "400", "NO_COLOR": "1"}
+    r = CliRunner().invoke(app, ["ckpt", "verify", str(root)], env=env)
+    assert r.exit_code == 1 and "checksum" in r.stdout, r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
