@@ -168,3 +168,43 @@ def test_a_deleted_root_is_recreated_by_the_next_save(
     ckpt.save(2, _state(2))
     assert "was deleted while this Checkpointer was open" in caplog.text
     assert ckpt.steps() == [2] and ckpt.load(None)["seed"] == 2
+
+
+class _CountingStorage(LocalStorage):
+    reads = 0
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        self.reads += 1
+        return super().read(key, offset, length)
+
+
+def test_manifest_cache_trusts_size_and_mtime_only_outside_the_racy_window(
+    tmp_path: Path,
+) -> None:
+    from stalwart.checkpoint.durable.manifest_cache import RACY_S, ManifestCache
+
+    stalwart.Checkpointer(tmp_path).save(1, _state(1))
+    store, cache, key = _CountingStorage(tmp_path), ManifestCache(), manifest_key(1)
+    base = stalwart.Checkpointer(tmp_path).manifest(1)
+    x, y = (dataclasses.replace(base, metadata={"v": v}).to_bytes() for v in "xy")
+    assert len(x) == len(y)
+
+    def put(data: bytes, mtime: float) -> Any:
+        store.write(key, [data])
+        os.utime(tmp_path / key, (mtime, mtime))
+        (info,) = store.list("manifests/")
+        return info
+
+    now = os.stat(tmp_path / key).st_mtime
+    assert cache.get(store, 1, listed=put(x, now)).metadata == {"v": "x"}
+    # Replaced within the same timestamp tick, same size: identical (size, mtime), yet seen.
+    assert cache.get(store, 1, listed=put(y, now)).metadata == {"v": "y"}
+    old = now - 10 * RACY_S
+    assert cache.get(store, 1, listed=put(x, old)).metadata == {"v": "x"}
+    reads = store.reads
+    (info,) = store.list("manifests/")
+    assert cache.get(store, 1, listed=info).metadata == {"v": "x"} and store.reads == reads
+    assert cache.get(store, 1).metadata == {"v": "x"} and store.reads == reads + 1
+    store.write(key, [y])  # a real replacement gets a new mtime: the listing made after sees it
+    (info,) = store.list("manifests/")
+    assert cache.get(store, 1, listed=info).metadata == {"v": "y"}

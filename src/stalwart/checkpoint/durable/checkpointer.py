@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xxhash
 
 from stalwart.checkpoint.collective import Group, resolve_group
 from stalwart.checkpoint.durable.async_api import AsyncSaves
@@ -37,6 +36,7 @@ from stalwart.checkpoint.durable.manifest import (
     manifest_key,
     step_from_key,
 )
+from stalwart.checkpoint.durable.manifest_cache import ManifestCache
 from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem, local_items, merge_skeletons, plan_writes
 from stalwart.checkpoint.durable.reshard import read_box
@@ -50,7 +50,7 @@ from stalwart.errors import (
     ObjectNotFoundError,
 )
 from stalwart.storage import open_storage
-from stalwart.storage.base import Storage
+from stalwart.storage.base import ObjectInfo, Storage
 from stalwart.storage.local import LocalStorage
 from stalwart.tree import dtype_from_name, flatten
 
@@ -94,7 +94,7 @@ class Checkpointer(AsyncSaves):
             self.options.io_threads, thread_name_prefix="stalwart-tensor"
         )
         self._manifests: dict[int, Manifest] = {}
-        self._parsed: dict[int, tuple[bytes, Manifest]] = {}  # by digest of the stored bytes
+        self._cache = ManifestCache()  # parses, each checked against the store before use
         self.last_load: LoadResult | None = None
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
         self._background: Group | None = None
@@ -133,7 +133,7 @@ class Checkpointer(AsyncSaves):
             )
             os.makedirs(self._storage.root, exist_ok=True)  # type: ignore[union-attr]
             self._manifests.clear()
-            self._parsed.clear()
+            self._cache.clear()
         if self._storage is None:
             if not create and not self._exists():
                 raise CheckpointNotFoundError(
@@ -193,42 +193,36 @@ class Checkpointer(AsyncSaves):
             CheckpointNotFoundError: the step was never committed (or was deleted).
             CorruptCheckpointError: the manifest is damaged.
         """
-        # Always read the stored bytes: another process may have replaced or deleted the
-        # step since we cached it, and retention, dedup and load must act on what is there.
-        # Only the parse is cached, keyed by a digest of the bytes.
+        return self._manifest(step)
+
+    def _manifest(self, step: int, listed: ObjectInfo | None = None) -> Manifest:
+        # As stored now, never an older copy: another process may have replaced or deleted
+        # the step, and retention, dedup and load must act on what is there (see
+        # manifest_cache). ``listed``: the step's entry in a listing made before this call.
         store = self._store(create=False)
-        key = manifest_key(step)
         try:
-            data = store.read(key)
+            m = self._cache.get(store, step, listed=listed, committed=self._manifests.get(step))
         except ObjectNotFoundError:
             self._manifests.pop(step, None)
-            self._parsed.pop(step, None)
             steps = self.steps()
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{_short(steps)}" + ("" if steps else " (none yet)")
             ) from None
-        digest = xxhash.xxh3_128_digest(data)
-        cached = self._parsed.get(step)
-        if cached is not None and cached[0] == digest:
-            return cached[1]
-        m = Manifest.from_bytes(data, where=f"{store.url}/{key}")
-        if m.step != step:
-            raise CorruptCheckpointError(f"{store.url}/{key} claims step {m.step}, not {step}")
-        self._manifests[step], self._parsed[step] = m, (digest, m)
+        self._manifests[step] = m
         return m
 
     def _known_chunks(self, steps: list[int]) -> dict[str, ChunkRef]:
-        # Every manifest is read afresh (see manifest()): dedup must never reference a pack
-        # that only an out-of-date copy of a manifest names.
-        for s in set(self._manifests) | set(self._parsed):
-            if s not in steps:
-                self._manifests.pop(s, None)
-                self._parsed.pop(s, None)
+        # Manifests as stored now (see _manifest): dedup must never reference a pack that
+        # only an out-of-date copy of a manifest names. The listing comes before the reads.
+        self._cache.keep_only(set(steps))
+        for s in [s for s in self._manifests if s not in steps]:
+            del self._manifests[s]
+        listed = {step_from_key(i.key): i for i in self._store(create=False).list(MANIFEST_PREFIX)}
         known: dict[str, ChunkRef] = {}
         for s in steps:
             try:
-                m = self.manifest(s)
+                m = self._manifest(s, listed.get(s))
             except (CheckpointNotFoundError, CorruptCheckpointError) as e:
                 log.warning("not deduplicating against step %s: %s", s, e)
                 continue
@@ -342,7 +336,7 @@ class Checkpointer(AsyncSaves):
         report = apply_retention(store, self.options.keep, self.steps(), self.manifest)
         for s in report.deleted_steps:
             self._manifests.pop(s, None)
-            self._parsed.pop(s, None)
+            self._cache.forget(s)
         return report
 
     # -- load --------------------------------------------------------------------------

@@ -177,21 +177,27 @@ class GCReport:
     temps_removed: int = 0
 
 
-def _referenced_packs(storage: Storage) -> set[str]:
-    """Packs named by the manifests on the store now.
+def _referenced_packs(
+    storage: Storage, manifest: Callable[[int], Manifest] | None = None
+) -> set[str]:
+    """Packs named by the manifests on the store now (read through ``manifest`` if given).
 
     Raises:
         CorruptCheckpointError: a manifest cannot be parsed (its references are unknown).
     """
     referenced: set[str] = set()
     for info in storage.list(MANIFEST_PREFIX):
-        if step_from_key(info.key) is None:
+        step = step_from_key(info.key)
+        if step is None:
             continue
         try:
-            data = storage.read(info.key)
-        except ObjectNotFoundError:
+            if manifest is not None:
+                referenced |= manifest(step).packs()
+            else:
+                data = storage.read(info.key)
+                referenced |= Manifest.from_bytes(data, where=info.key).packs()
+        except (ObjectNotFoundError, CheckpointNotFoundError):
             continue  # deleted meanwhile
-        referenced |= Manifest.from_bytes(data, where=info.key).packs()
     return referenced
 
 
@@ -273,7 +279,7 @@ def apply_retention(
     # our first look keeps its packs (a writer leases the steps it reads before using them).
     leases = read_leases(store)
     try:
-        kept = _referenced_packs(store) | leases.packs
+        kept = _referenced_packs(store, manifest) | leases.packs
     except CorruptCheckpointError:
         return report
     for s in leases.steps:
