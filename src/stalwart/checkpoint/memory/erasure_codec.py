@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stalwart.errors import ConfigError, CorruptCheckpointError
+from stalwart.errors import ConfigError, CorruptCheckpointError, require
 
 __all__ = [
     "ErasureCodec",
@@ -146,7 +146,8 @@ class ReedSolomonCodec:
             (fastest here), ``isa_l_rs_vand`` or ``liberasurecode_rs_vand``.
 
     Raises:
-        ConfigError: pyeclib is missing, or the backend is unknown or unusable.
+        MissingDependencyError: pyeclib is not installed (``pip install 'stalwart[ec]'``).
+        ConfigError: the backend is unknown or unusable.
     """
 
     name = "rs"
@@ -154,15 +155,11 @@ class ReedSolomonCodec:
     def __init__(self, k: int, m: int, backend: str = "isa_l_rs_cauchy") -> None:
         if k < 1 or m < 1:
             raise ConfigError(f"ReedSolomonCodec needs k >= 1 and m >= 1, got k={k}, m={m}")
+        ec_iface = require(
+            "pyeclib.ec_iface", "ec", "Reed-Solomon erasure coding (m >= 2; m=1 uses XOR)"
+        )
         try:
-            from pyeclib.ec_iface import ECDriver
-        except ImportError as e:
-            raise ConfigError(
-                "Reed-Solomon erasure coding needs pyeclib (BSD, wheels include ISA-L): "
-                "pip install pyeclib; or use m=1 with the XOR codec"
-            ) from e
-        try:
-            self._driver: Any = ECDriver(k=k, m=m, ec_type=backend)
+            self._driver: Any = ec_iface.ECDriver(k=k, m=m, ec_type=backend)
         except Exception as e:  # pyeclib raises its own ECDriverError family
             raise ConfigError(
                 f"pyeclib cannot build {backend!r} with k={k}, m={m} ({e}); use "
