@@ -1,11 +1,12 @@
 """Protections against silent data corruption, each measured for benefit and cost.
 
 from stalwart import protect
-clip = protect.ActivationClipping(model, inputs)          # bounds from clean data
-abft = protect.ABFT(model, inputs)                        # checksums, repair on alarm
-sbp = protect.SelectiveBitProtection(("sign", "exponent"))
-scrub = protect.ParameterScrubber(model, root="ckpt/")    # restore from a checkpoint
-results = protect.evaluate(model, inputs, faults, [clip, abft, sbp, scrub])
+split = protect.split_inputs(inputs, labels, 0.5)          # calibrate on one half, score the other
+clip = protect.ActivationClipping(model, split.calibration)   # bounds from clean data
+abft = protect.ABFT(model, split.calibration)                 # checksums, repair on alarm
+sbp = protect.SelectiveBitProtection(("sign", "exponent"))    # SECDED over protected bits
+scrub = protect.ParameterScrubber(model, root="ckpt/")        # restore from a checkpoint
+results = protect.evaluate(model, split.evaluation, faults, [clip, abft, sbp, scrub])
 """
 
 from stalwart.protect.abft import ABFT
@@ -13,17 +14,21 @@ from stalwart.protect.base import Protection
 from stalwart.protect.clipping import ActivationClipping
 from stalwart.protect.ecc import SelectiveBitProtection
 from stalwart.protect.evaluate import (
+    InputSplit,
     ProtectionResult,
     ber_faults,
     ber_sweep,
     evaluate,
     forward_time,
+    row_fingerprints,
+    split_inputs,
 )
 from stalwart.protect.scrub import ParameterScrubber
 
 __all__ = [
     "ABFT",
     "ActivationClipping",
+    "InputSplit",
     "ParameterScrubber",
     "Protection",
     "ProtectionResult",
@@ -32,4 +37,6 @@ __all__ = [
     "ber_sweep",
     "evaluate",
     "forward_time",
+    "row_fingerprints",
+    "split_inputs",
 ]

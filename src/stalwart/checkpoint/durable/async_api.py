@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ class AsyncSaves:
 
     _async: AsyncSaver
     _background: Group | None
-    _guarded: list[weakref.ref[torch.optim.Optimizer]]
+    _guarded: list[torch.optim.Optimizer]
 
     @property
     def _group(self) -> Group:  # provided by the Checkpointer
@@ -160,10 +159,9 @@ class AsyncSaves:
         ``optimizer.step()`` (the usual case; an in-place edit of a parameter between
         ``save_async`` and the step would leak into the checkpoint).
         """
-        self._guarded.append(weakref.ref(optimizer))
+        self._guarded.append(optimizer)  # held: a lazy save defers only its tensors
         return guard(optimizer, self)
 
     def deferrable(self) -> frozenset[int]:
         """Storages a lazy save may copy late: those of the guarded optimizers."""
-        live = [o for o in (r() for r in self._guarded) if o is not None]
-        return optimizer_storages(live)
+        return optimizer_storages(self._guarded)

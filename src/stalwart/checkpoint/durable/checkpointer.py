@@ -15,7 +15,6 @@ import logging
 import os
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,7 +98,7 @@ class Checkpointer(AsyncSaves):
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
         self._background: Group | None = None
         self._fast_index: FastIndex = {}
-        self._guarded: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._guarded: list[torch.optim.Optimizer] = []
 
     @property
     def _group(self) -> Group:

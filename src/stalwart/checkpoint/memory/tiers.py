@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import os
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -159,7 +158,7 @@ class TieredCheckpointer:
             rank = resolve_group(process_group).rank
             keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, keep)
         self.memory = MemoryTier(keep, keeper)
-        self._guarded: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._guarded: list[torch.optim.Optimizer] = []
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
         self._staged: Future[None] | None = None
@@ -252,7 +251,7 @@ class TieredCheckpointer:
         return out
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (r() for r in self._guarded) if o is not None]
+        return list(self._guarded)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
@@ -260,7 +259,7 @@ class TieredCheckpointer:
         Its parameters and state may then be copied lazily; they must change only in
         ``optimizer.step()``.
         """
-        self._guarded.append(weakref.ref(optimizer))
+        self._guarded.append(optimizer)  # held: a lazy save defers only its tensors
 
         def wait_copy(_opt: Any, _args: Any, _kwargs: Any) -> None:
             staged, cap = self._staged, self._staged_capture
