@@ -309,15 +309,20 @@ def same_tree(a: Any, b: Any) -> bool:
 
 
 def same_tensors(loaded: Any, saved: Any) -> bool:
-    """Every tensor ``loaded`` holds is exactly one of the saved tensors.
+    """Every tensor ``loaded`` holds has the dtype and bytes of one of the saved tensors.
 
-    The oracle for resealed edits: the skeleton may legitimately have been rewritten (a key
-    renamed, an item dropped), but no tensor may hold bytes that were never saved (memory
-    left uninitialised, a target's old values, chunks in the wrong order).
+    The oracle for resealed edits: the skeleton or a shape may legitimately have been
+    rewritten (a key renamed, an item dropped, an empty tensor's shape changed: no byte
+    differs), but no tensor may hold bytes that were never saved (memory left
+    uninitialised, a target's old values, chunks in the wrong order).
     """
-    want = [leaf.tensor for leaf in stalwart.tree.flatten(saved).leaves.values()]
+    want = [_raw(leaf.tensor) for leaf in stalwart.tree.flatten(saved).leaves.values()]
     got = stalwart.tree.flatten(loaded).leaves.values()
-    return all(any(same_tree(leaf.tensor, w) for w in want) for leaf in got)
+    return all(_raw(leaf.tensor) in want for leaf in got)
+
+
+def _raw(t: torch.Tensor) -> tuple[torch.dtype, bytes]:
+    return t.dtype, t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 class Hang(Exception):
@@ -388,8 +393,13 @@ def _judge(fx: Fixture, case: Case) -> str:
     return "loaded" if l_ok else "refused"
 
 
-def fuzz(cases: int, seed: int, hang_s: float, workdir: Path) -> collections.Counter[str]:
-    """Run ``cases`` random cases; count outcomes by damage kind and verdict."""
+def fuzz(
+    cases: int, seed: int, hang_s: float, workdir: Path, keep: Path | None = None
+) -> collections.Counter[str]:
+    """Run ``cases`` random cases; count outcomes by damage kind and verdict.
+
+    Failing cases are copied under ``keep`` (a root each) when it is given.
+    """
     fx = build_fixture(workdir / "ck")
     ch = RandomChooser(seed)
     counts: collections.Counter[str] = collections.Counter()
@@ -410,7 +420,22 @@ def fuzz(cases: int, seed: int, hang_s: float, workdir: Path) -> collections.Cou
         counts[f"ALL {outcome.split(':')[0]}"] += 1
         if outcome.split(":")[0] not in ("loaded", "refused"):
             print(f"case {i}: {case.kind} sealed={case.resealed}: {outcome}", flush=True)
+            if keep is not None:
+                _keep(fx, case, keep / f"case-{i:06d}")
     return counts
+
+
+def _keep(fx: Fixture, case: Case, out: Path) -> None:
+    """Copy the fixture's root with ``case`` applied to ``out``, to replay a failure."""
+    import shutil
+
+    shutil.copytree(fx.root, out)
+    (out / manifest_key(2)).write_bytes(case.manifest)
+    for key, data in case.packs.items():
+        if data is None:
+            (out / key).unlink()
+        else:
+            (out / key).write_bytes(data)
 
 
 def main() -> None:
@@ -419,11 +444,12 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hang-s", type=float, default=30.0)
+    ap.add_argument("--keep", type=Path, help="copy the root of each failing case here")
     args = ap.parse_args()
     logging.getLogger("stalwart").setLevel(logging.ERROR)  # fallbacks warn, case after case
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        counts = fuzz(args.cases, args.seed, args.hang_s, Path(tmp))
+        counts = fuzz(args.cases, args.seed, args.hang_s, Path(tmp), args.keep)
     print(f"{args.cases} cases, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
     for k in sorted(counts):
         print(f"{counts[k]:7d}  {k}")
