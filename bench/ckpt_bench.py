@@ -20,6 +20,10 @@ Contenders:
 ``stalwart``     ``Checkpointer.save`` (fsync'd and committed on return) / ``.load`` in place,
                  verifying each chunk's blake3 hash.
 ``copy``         ``copy_`` into preallocated tensors and back: the memory-bandwidth ceiling.
+``hash``         the CPU work of a verified load without the disk: BLAKE3 of every tensor's
+                 bytes (as stalwart's I/O threads do, in parallel) then ``copy_`` into the
+                 preallocated tensors; its "save" hashes only. When a load falls short of
+                 ``dd``, this says whether the cores (shared, busy) were the limit.
 ``dd``           ``dd oflag=direct conv=fsync`` write / ``dd iflag=direct`` read of the same
                  byte count from /dev/zero: the disk's direct-I/O bandwidth ceiling.
 
@@ -62,7 +66,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 GB = 1e9
 
-ALL_CONTENDERS = ("torch", "safetensors", "dcp-t1", "dcp-t4", "stalwart", "copy", "dd")
+ALL_CONTENDERS = ("torch", "safetensors", "dcp-t1", "dcp-t4", "stalwart", "copy", "hash", "dd")
 ALIASES = {"dcp": ("dcp-t1", "dcp-t4")}
 INCREMENTAL_CONTENDERS = ("stalwart", "dcp-t4", "torch")
 
@@ -410,6 +414,41 @@ class MemCopy(Contender):
         self._buf = {}
 
 
+class HashCopy(Contender):
+    name = "hash"
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def setup(self, state: State) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import blake3
+
+        self._blake3 = blake3.blake3
+        self._pool = ThreadPoolExecutor(self.threads)
+        self._src = {k: t.clone() for k, t in state.items()}
+
+    def _hash(self, t: torch.Tensor) -> str:
+        return self._blake3(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+    def save(self, state: State, path: Path, step: int) -> dict[str, Any]:
+        list(self._pool.map(self._hash, state.values()))
+        return {}
+
+    def load(self, dst: State, path: Path, step: int) -> dict[str, Any]:
+        def one(k: str) -> None:
+            self._hash(self._src[k])
+            dst[k].copy_(self._src[k])
+
+        list(self._pool.map(one, dst))
+        return {}
+
+    def teardown(self) -> None:
+        self._pool.shutdown()
+        self._src = {}
+
+
 class DirectDd(Contender):
     name = "dd"
     block = 64 * MiB
@@ -472,7 +511,7 @@ class Outcome:
 def warm_up(c: Contender, state: State, root: Path) -> None:
     """Untimed save+load of a few small tensors: first-call costs (lazy imports, thread pools,
     allocator) are not what we measure."""
-    if isinstance(c, (MemCopy, DirectDd)):
+    if isinstance(c, (MemCopy, HashCopy, DirectDd)):
         return
     names = [k for k in state if ".small." in k][:8] or list(state)[:1]
     tiny = {k: state[k] for k in names}
@@ -657,6 +696,7 @@ def build_contenders(names: list[str], args: argparse.Namespace) -> list[Contend
         "dcp-t4": lambda: DcpSave(4),
         "stalwart": lambda: StalwartSave(args.chunk_mib * MiB, args.io_threads),
         "copy": MemCopy,
+        "hash": lambda: HashCopy(args.io_threads),
         "dd": DirectDd,
     }
     return [table[n]() for n in names]
@@ -813,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
             fmt(s / ref_save if s and ref_save else None, ".2f") + ("x" if ref_save else ""),
             fmt(lo / ref_load if lo and ref_load else None, ".2f") + ("x" if ref_load else ""),
             "n/a (memory)"
-            if o.name == "copy"
+            if o.name in ("copy", "hash")
             else "direct I/O"
             if o.name == "dd"
             else "in RAM (tmpfs)"

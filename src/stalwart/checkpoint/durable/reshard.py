@@ -20,10 +20,13 @@ leading-dimension rows that overlap are read. A load is planned first, then read
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
@@ -33,6 +36,9 @@ from stalwart.storage.base import Storage
 from stalwart.tree import dtype_from_name
 
 __all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
+
+READ_AHEAD_SPANS = 6
+"""Spans read but not yet verified, at most (each holds a buffer of up to ``SPAN_BYTES``)."""
 
 SPAN_BYTES = 32 << 20
 """Adjacent chunks of one pack are read together, up to this many bytes per read.
@@ -118,31 +124,87 @@ def _check_and_copy(stored_all: memoryview, start: int, needs: list[_Need]) -> N
                 "load an earlier step or use fallback=True",
                 damaged=[what],
             )
+        src = np.frombuffer(raw, np.uint8)
         for dest, a, b in need.sinks:  # verified: now, and only now, it may land
-            dest[:] = raw[a:b]
+            # numpy copies without the GIL (a memoryview slice copy holds it), so readers
+            # keep issuing reads while a span is copied.
+            np.copyto(np.frombuffer(dest, np.uint8), src[a:b])
 
 
-def _read_span(storage: Storage, pack: str, start: int, end: int, needs: list[_Need]) -> int:
-    """Read pack bytes ``[start, end)`` holding ``needs``' chunks; verify and place each."""
+def _open_span(
+    storage: Storage, pack: str, start: int, end: int, what: str
+) -> tuple[memoryview, Callable[[], object]]:
+    """Read pack bytes ``[start, end)``; return them and the function that frees them."""
+    if end == start:
+        return memoryview(b""), lambda: None
     read_view = getattr(storage, "read_view", None)
     try:
-        if end == start:
-            _check_and_copy(memoryview(b""), start, needs)
-        elif read_view is not None:
-            with read_view(pack, start, end - start) as view:
-                _check_and_copy(view, start, needs)
-        else:
-            buf = memoryview(bytearray(end - start))
-            n = storage.read_into(pack, start, buf)
-            _check_and_copy(buf[:n], start, needs)
+        if read_view is not None:
+            stack = ExitStack()
+            try:
+                return stack.enter_context(read_view(pack, start, end - start)), stack.close
+            except BaseException:
+                stack.close()
+                raise
+        buf = memoryview(bytearray(end - start))
+        return buf[: storage.read_into(pack, start, buf)], lambda: None
     except ObjectNotFoundError as e:
-        what = needs[0].what
         raise CorruptCheckpointError(
             f"{what}: pack file is missing; the checkpoint is incomplete — load an earlier "
             "step or use fallback=True",
             damaged=[what],
         ) from e
+
+
+def _read_span(storage: Storage, pack: str, start: int, end: int, needs: list[_Need]) -> int:
+    """Read pack bytes ``[start, end)`` holding ``needs``' chunks; verify and place each."""
+    view, release = _open_span(storage, pack, start, end, needs[0].what)
+    try:
+        _check_and_copy(view, start, needs)
+    finally:
+        release()
     return end - start
+
+
+class _Pipeline:
+    """Reads spans on one pool and verifies them on another, so the disk never waits.
+
+    When the same threads read and then hash, they fall into step: all read, then all
+    hash while the disk idles. Here a reader hands its span to the verify pool and goes on
+    to the next read at once; ``READ_AHEAD_SPANS`` bounds the spans read but not yet
+    verified (and so the buffers held).
+    """
+
+    def __init__(self, storage: Storage, verify_pool: ThreadPoolExecutor) -> None:
+        self.storage = storage
+        self.verify_pool = verify_pool
+        self.slots = threading.BoundedSemaphore(READ_AHEAD_SPANS)
+        self.verifies: list[Future[None]] = []
+        self.failed = False  # a verify failed: the load will raise, skip the reads left
+
+    def read(self, pack: str, start: int, end: int, needs: list[_Need]) -> int:
+        self.slots.acquire()
+        if self.failed:
+            self.slots.release()
+            return 0
+        try:
+            view, release = _open_span(self.storage, pack, start, end, needs[0].what)
+        except BaseException:
+            self.slots.release()
+            raise
+
+        def verify() -> None:
+            try:
+                _check_and_copy(view, start, needs)
+            except BaseException:
+                self.failed = True
+                raise
+            finally:
+                release()
+                self.slots.release()
+
+        self.verifies.append(self.verify_pool.submit(verify))
+        return end - start
 
 
 def _spans(needs: Iterable[_Need]) -> list[tuple[str, int, int, list[_Need]]]:
@@ -237,12 +299,19 @@ def _plan_box(
 
 
 def read_boxes(
-    storage: Storage, boxes: Iterable[Box], *, pool: ThreadPoolExecutor, where: str
+    storage: Storage,
+    boxes: Iterable[Box],
+    *,
+    pool: ThreadPoolExecutor,
+    where: str,
+    verify_pool: ThreadPoolExecutor | None = None,
 ) -> ReadStats:
     """Fill every box's ``dest`` with its data, each chunk verified before it lands.
 
-    Reads run on ``pool`` (call from outside it); on failure, reads in flight finish (and
-    queued ones are dropped) before the first error is raised.
+    Reads run on ``pool`` and, given ``verify_pool`` (another pool), hashing and copying
+    there while the next spans are read; without it each read is verified by its reader.
+    Call from outside both pools. On failure, work in flight finishes (queued reads are
+    dropped) before the first error is raised.
 
     Raises:
         CorruptCheckpointError: the shards do not cover a box, or a chunk is damaged.
@@ -252,18 +321,26 @@ def read_boxes(
     for box in boxes:
         _plan_box(box, where, needs, after)
     stats = ReadStats()
-    futures: list[Future[int]] = [
-        pool.submit(_read_span, storage, pack, start, end, group)
-        for pack, start, end, group in _spans(needs.values())
-    ]
+    pipe = _Pipeline(storage, verify_pool) if verify_pool is not None else None
+    spans = _spans(needs.values())
+    if pipe is not None:
+        futures = [pool.submit(pipe.read, *span) for span in spans]
+    else:
+        futures = [pool.submit(_read_span, storage, *span) for span in spans]
     try:
         for f in futures:
             stats.bytes_read += f.result()
     except BaseException:
         for f in futures:
             f.cancel()
-        wait(futures)
         raise
+    finally:
+        wait(futures)
+        if pipe is not None:
+            wait(pipe.verifies)
+    if pipe is not None:
+        for v in pipe.verifies:
+            v.result()
     stats.chunks_verified = len(needs)
     with torch.no_grad():
         for copy in after:

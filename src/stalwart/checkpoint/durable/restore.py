@@ -197,8 +197,8 @@ def fill_tensors(
     """Read each ``(entry, fqn, target)``'s box in place; return the stored bytes read.
 
     Contiguous CPU targets are filled directly; others (GPU, strided) are read into CPU
-    staging tensors, at most ``STAGING_BYTES`` at a time, and copied over on ``copy_pool``
-    once verified.
+    staging tensors, at most ``STAGING_BYTES`` at a time, and copied over once verified.
+    ``copy_pool`` (not ``pool``) hashes and copies while ``pool`` reads ahead.
     """
     read = 0
     boxes: list[Box] = []
@@ -207,7 +207,8 @@ def fill_tensors(
 
     def flush() -> None:
         nonlocal read
-        read += read_boxes(store, boxes, pool=pool, where=where).bytes_read
+        stats = read_boxes(store, boxes, pool=pool, where=where, verify_pool=copy_pool)
+        read += stats.bytes_read
         for local, dest in staged:
             if copy_pool is None:
                 local.copy_(dest)
