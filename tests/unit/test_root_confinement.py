@@ -103,3 +103,17 @@ def test_gc_removes_stale_temporaries_of_killed_writers(tmp_path: Path) -> None:
     report = ckpt.gc(grace_s=60)
     assert report.temps_removed == 1 and not stale.exists() and fresh.exists()
     assert _pack_names(tmp_path / "packs") == [Path(k).name for k in ckpt.manifest(1).packs()]
+
+
+def test_cli_gc_reports_the_files_it_left(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stalwart.cli.main import app
+
+    stalwart.Checkpointer(tmp_path).save(1, {"x": torch.ones(10)})
+    (tmp_path / "packs" / "bad name (1).pack").write_bytes(b"copied by hand")
+    env = {"NO_COLOR": "1", "COLUMNS": "200", "TERM": "dumb"}
+    r = CliRunner().invoke(app, ["ckpt", "gc", str(tmp_path), "--grace-s", "0"], env=env)
+    assert r.exit_code == 0, r.output
+    assert "left 1 file(s) under packs/ that stalwart did not write" in r.output
+    assert "bad name (1).pack" in r.output
