@@ -371,7 +371,12 @@ def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor
             raise CorruptCheckpointError(f"malformed {kind} node {node!r} in manifest") from e
         raise CorruptCheckpointError(f"unknown skeleton node kind {kind!r} in manifest")
 
-    return build(skeleton)
+    try:
+        return build(skeleton)
+    except RecursionError:  # a skeleton from an untrusted file, nested past the stack
+        raise CorruptCheckpointError(
+            "skeleton nested too deeply to rebuild; the file is damaged or hostile"
+        ) from None
 
 
 def get_path(tree: Any, path: Path) -> Any:
