@@ -11,13 +11,24 @@ Tensor leaves are named by their fully qualified name (FQN): the path's keys joi
 path structure (key types, list vs tuple) so that ``unflatten(flatten(x)) == x`` even when
 keys contain dots; two paths that would produce the same FQN are rejected.
 
-The skeleton is plain JSON: loading it can never run code (no pickle anywhere).
+The skeleton is plain JSON: loading it can never run code (no pickle anywhere). Plain-data
+objects travel as the node of their data plus an ``"as"`` tag, so a reader that does not know
+the tag still gets the data: ``argparse.Namespace`` and dataclasses as dicts, ``set`` and
+``frozenset`` as lists, ``pathlib`` paths as str, ``Enum`` members by value. Rebuilding an
+Enum or a dataclass needs its class, which is never imported by name from a checkpoint: only
+classes passed to :func:`allow_types` in the loading process are rebuilt; any other raises
+an error that says so.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
+import dataclasses
+import enum
+import json
 import math
+import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,11 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
+from stalwart.errors import ConfigError, CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "FlatTree",
     "Leaf",
+    "allow_types",
     "flatten",
     "is_stateful",
     "iter_skeleton_tensors",
@@ -83,6 +95,54 @@ _NUMPY_HINTS = {
     "c": "convert it with x.astype(np.complex128) (long double is not portable)",
     "u": "view it as the signed type of the same width (x.view(np.int32)), view back after load",
 }
+
+
+# Classes that unflatten may rebuild, by "module:qualname"; filled only by allow_types().
+_ALLOWED_TYPES: dict[str, type] = {}
+_PATH_TYPES = {
+    c.__name__: c
+    for c in (pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path)
+}
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def allow_types(*types: type) -> None:
+    """Let loads rebuild these Enum and dataclass types (saving never needs this).
+
+    A checkpoint names the class of each Enum member and dataclass it holds, but loading
+    never imports a module by a name read from storage (importing runs code). Pass the
+    classes you trust, already imported, once per process before loading.
+
+    Raises:
+        ConfigError: an argument is not an Enum or dataclass class.
+    """
+    for cls in types:
+        if not (isinstance(cls, type) and (issubclass(cls, enum.Enum) or _is_dataclass(cls))):
+            raise ConfigError(
+                f"allow_types takes Enum and dataclass classes; got {cls!r}. Give other "
+                "objects state_dict()/load_state_dict() methods, or convert them to plain data"
+            )
+        _ALLOWED_TYPES[_type_name(cls)] = cls
+
+
+def _is_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj)
+
+
+def _allowed(name: Any, what: str) -> type:
+    cls = _ALLOWED_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        module, _, qual = str(name).partition(":")
+        raise UnsupportedValueError(
+            f"the checkpoint holds {what} of type {name!r}, and stalwart rebuilds only classes "
+            "allowed in this process, so that loading never imports or runs code named by a "
+            f"file; if you trust it, call stalwart.tree.allow_types({qual}) (from {module}) "
+            "before loading"
+        )
+    return cls
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -185,6 +245,16 @@ def _decode_key(enc: Any) -> Any:
 
 
 def _encode_value(value: Any, path: Path) -> dict[str, Any]:
+    if isinstance(value, enum.Enum):
+        node = _encode_value(value.value, path)
+        if node["k"] in ("tensor", "dict", "list", "tuple"):  # pragma: no cover (scalar only)
+            raise UnsupportedValueError(f"enum member at {_fqn(path)!r} has a non-scalar value")
+        return {**node, "as": "enum", "type": _type_name(type(value))}
+    if isinstance(value, pathlib.PurePath):
+        cls = type(value)
+        kind = cls.__name__ if cls.__name__ in _PATH_TYPES else "Path"
+        kind = "Path" if kind in ("PosixPath", "WindowsPath") else kind
+        return {"k": "str", "v": str(value), "as": "path", "type": kind}
     if value is None:
         return {"k": "none"}
     if isinstance(value, bool):
@@ -204,8 +274,41 @@ def _encode_value(value: Any, path: Path) -> dict[str, Any]:
     raise UnsupportedValueError(
         f"value at {_fqn(path) or '<root>'!r} has type {type(value).__name__}, which stalwart "
         "cannot store without pickle; convert it to a tensor, a dict/list of tensors and "
-        "numbers/strings, or give it state_dict()/load_state_dict() methods"
+        "numbers/strings, a dataclass, an Enum, a set or an argparse.Namespace, or give it "
+        "state_dict()/load_state_dict() methods"
     )
+
+
+def _plain_object(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+    """``(tag, fields, extra node attributes)`` for a plain-data object, else None."""
+    if isinstance(obj, argparse.Namespace):
+        return "namespace", dict(vars(obj)), {}
+    if _is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        return "dataclass", fields, {"type": _type_name(type(obj))}
+    return None
+
+
+def _rebuild(node: dict[str, Any], value: Any) -> Any:
+    """Apply a node's ``"as"`` tag to the plain ``value`` built from it."""
+    tag = node["as"]
+    if tag == "namespace" and isinstance(value, dict):
+        return argparse.Namespace(**{str(k): v for k, v in value.items()})
+    if tag in ("set", "frozenset") and isinstance(value, list):
+        return set(value) if tag == "set" else frozenset(value)
+    if tag == "path" and isinstance(value, str) and node.get("type") in _PATH_TYPES:
+        return _PATH_TYPES[node["type"]](value)
+    if tag == "enum":
+        return _allowed(node.get("type"), "an Enum member")(value)
+    if tag == "dataclass" and isinstance(value, dict):
+        cls = _allowed(node.get("type"), "a dataclass")
+        fields = dataclasses.fields(cls)
+        obj = cls(**{f.name: value[f.name] for f in fields if f.init and f.name in value})
+        for f in fields:
+            if not f.init and f.name in value:
+                object.__setattr__(obj, f.name, value[f.name])  # frozen ones too
+        return obj
+    raise CorruptCheckpointError(f"malformed {tag!r} node {node!r} in manifest")
 
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
@@ -269,6 +372,16 @@ def flatten(state: Any) -> FlatTree:
         if isinstance(obj, np.ndarray):
             tensor, source = _numpy_tensor(obj, _fqn(path))
             return add_leaf(tensor, path, numpy=True, source=source)
+        plain = _plain_object(obj)
+        if plain is not None:
+            tag, fields, extra = plain
+            return {**visit(fields, path), "as": tag, **extra}
+        if isinstance(obj, (set, frozenset)):
+            nodes = [visit(v, (*path, i)) for i, v in enumerate(obj)]
+            _no_tensors_in_set(nodes, path)
+            nodes.sort(key=lambda n: json.dumps(n, sort_keys=True))  # same set, same bytes
+            tag = "set" if isinstance(obj, set) else "frozenset"
+            return {"k": "list", "v": nodes, "as": tag}
         if isinstance(obj, (Mapping, list, tuple)) or is_stateful(obj):
             if id(obj) in seen:
                 raise UnsupportedValueError(f"state tree has a cycle at {_fqn(path)!r}")
@@ -308,6 +421,14 @@ def flatten(state: Any) -> FlatTree:
     return flat
 
 
+def _no_tensors_in_set(nodes: list[dict[str, Any]], path: Path) -> None:
+    if any(fqn for n in nodes for fqn in iter_skeleton_tensors(n)):
+        raise UnsupportedValueError(
+            f"the set at {_fqn(path) or '<root>'!r} holds tensors; a set has no stable order "
+            "to name them by, so store them in a list or a dict"
+        )
+
+
 def iter_skeleton_tensors(skeleton: dict[str, Any]) -> Iterator[str]:
     """Yield the FQN of every tensor referenced by ``skeleton``."""
     stack = [skeleton]
@@ -335,6 +456,17 @@ def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor
     """
 
     def build(node: Any) -> Any:
+        value = build_plain(node)
+        if "as" not in node:
+            return value
+        try:
+            return _rebuild(node, value)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, (CorruptCheckpointError, UnsupportedValueError)):
+                raise
+            raise CorruptCheckpointError(f"cannot rebuild node {node!r} in manifest ({e})") from e
+
+    def build_plain(node: Any) -> Any:
         if not isinstance(node, dict) or "k" not in node:
             raise CorruptCheckpointError(f"malformed skeleton node {node!r} in manifest")
         kind = node["k"]
@@ -366,7 +498,7 @@ def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor
             if kind == "dtype":
                 return dtype_from_name(v)
         except (TypeError, ValueError) as e:
-            if isinstance(e, CorruptCheckpointError):
+            if isinstance(e, (CorruptCheckpointError, UnsupportedValueError)):
                 raise
             raise CorruptCheckpointError(f"malformed {kind} node {node!r} in manifest") from e
         raise CorruptCheckpointError(f"unknown skeleton node kind {kind!r} in manifest")
