@@ -7,7 +7,7 @@ import logging
 import typer
 from rich.logging import RichHandler
 
-from stalwart.cli import ckpt, demo, protect, pvf, rca
+from stalwart.cli import ckpt, demo, protect, pvf, rca, run
 
 app = typer.Typer(
     name="stalwart",
@@ -34,6 +34,7 @@ ckpt.register(app)
 pvf.register(app)
 protect.register(app)
 rca.register(app)
+run.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,68 @@
+"""``stalwart run``: launch an elastic training job and print its recovery summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["register", "run"]
+
+
+def run(
+    script: Annotated[
+        Path, typer.Argument(help="The worker script (it builds a stalwart.elastic.Job).")
+    ],
+    args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Workers to start.")] = 1,
+    min_size: Annotated[
+        int, typer.Option("--min-size", min=1, help="Fewest members to train with.")
+    ] = 1,
+    max_restarts: Annotated[
+        int, typer.Option("--max-restarts", min=0, help="Replacement workers to start at most.")
+    ] = 3,
+    events: Annotated[
+        Path | None,
+        typer.Option(help="Folder for the workers' event files (default: a temp folder)."),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Timeout of each membership epoch's gloo group, seconds.")
+    ] = 10.0,
+) -> None:
+    """Start N workers around a coordinator; replace dead ones; survivors never restart."""
+    from stalwart.elastic import launch  # torch is imported only when a job runs
+
+    result = launch(
+        script, args or [], nproc=nproc, min_size=min(min_size, nproc),
+        max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
+    )  # fmt: skip
+    s = result.summary
+    table = Table(title="stalwart run", show_header=False)
+    digests = set(s.final_digests.values())
+    for name, value in (
+        ("exit code", result.exit_code),
+        ("final step", s.final_step),
+        ("workers started", s.workers),
+        ("restarts", result.restarts),
+        ("faults detected", s.faults),
+        ("steps discarded (most on one worker)", s.discarded_steps),
+        ("heals (state received)", s.heals),
+        ("parity mismatches", s.parity_mismatches),
+        ("final digests equal", f"{len(digests) <= 1} ({len(s.final_digests)} workers)"),
+        ("goodput", f"{s.goodput:.1%}"),
+        ("wall time", f"{result.wall_s:.1f} s"),
+        ("events", str(result.events_dir)),
+    ):
+        table.add_row(name, str(value))
+    Console().print(table)
+    raise typer.Exit(result.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``run`` command to ``app``."""
+    app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        run
+    )

@@ -1,0 +1,46 @@
+"""Elastic data-parallel training: survivors keep training, newcomers heal from peers.
+
+    stalwart run --nproc 3 train.py          # coordinator (a TCPStore) + 3 workers
+
+    state = stalwart.TrainingState(model=model, optimizer=opt)
+    job = stalwart.elastic.Job(state, min_size=1)
+    model = job.data_parallel(model)
+    optimizer = job.optimizer(opt)
+    while job.step < total:
+        optimizer.zero_grad()                  # step boundary: a due epoch change and heal
+        loss_fn(model(batch(job.step, job.rank, job.size))).backward()
+        optimizer.step()                       # commits, or discards the step after a fault
+    job.close()                                # agree on the final step (also run at exit)
+
+How it holds together:
+
+* **Coordinator** (:mod:`~stalwart.elastic.coordinator`): torch's ``TCPStore``, hosted by
+  the launcher, which alone publishes membership epochs.
+* **Epochs** (:mod:`~stalwart.elastic.membership`): membership changes only at step
+  boundaries; each epoch gets a fresh gloo group on ``PrefixStore(f"epoch{n}", store)``.
+* **Commit or discard** (:mod:`~stalwart.elastic.job`): one all-reduce per step carries the
+  gradients, floating-point buffers, votes and a change flag. A failed collective discards
+  the step on that member (parameters, optimizer state and RNG as before it) and the next
+  boundary joins the next epoch without the dead member.
+* **Partial results.** When a member dies inside the all-reduce, some survivors may have
+  received the complete result (and committed) while others got an error (and discarded).
+  Parity policy (:mod:`~stalwart.elastic.parity`): in the next epoch, members all-gather
+  (committed step, digest); the members **ahead** win (their step is a valid step of the old
+  membership), then the majority; everyone else receives the winner's state peer to peer.
+  So after every reconfiguration all members hold the same step and the same bytes.
+* **Verified parity**: digests (xxh3-128 over parameters, optimizer state, RNG and step) are
+  compared after every heal and every ``verify_every`` steps; a mismatch is logged as an
+  event and the minority is repaired from the majority before the next commit.
+* **Events** (:mod:`~stalwart.elastic.events`): JSON lines per worker; the launcher's
+  summary (restarts, discarded steps, heals, goodput) is computed from them.
+
+Replicated state means replicated RNG: every member must draw the same random numbers
+(seed them alike); per-member randomness belongs in the data function of (step, rank, size).
+"""
+
+from stalwart.elastic.events import JobSummary, summarize
+from stalwart.elastic.job import Job
+from stalwart.elastic.launcher import LaunchResult, launch
+from stalwart.elastic.optimizer import ElasticOptimizer
+
+__all__ = ["ElasticOptimizer", "Job", "JobSummary", "LaunchResult", "launch", "summarize"]

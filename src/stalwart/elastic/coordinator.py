@@ -1,0 +1,66 @@
+"""The coordinator: a ``TCPStore`` hosted by the launcher, and the epochs it publishes.
+
+The launcher is the only writer of membership: it sees worker processes exit (``waitpid``),
+reads the workers' readiness records and fault reports from the store, and publishes a new
+epoch (``coord/epoch{n}/members``, then ``coord/epoch``) when a member died, a member reported
+a failed collective, or a ready newcomer is waiting. Workers only ever follow published
+epochs (see :mod:`stalwart.elastic.membership`), so there is no election and no consensus
+beyond the store's atomic ``add`` and ``compare_set``.
+
+If the launcher's host dies, the store dies with it: members keep training in their current
+epoch (their gloo groups do not use the store once built) until the next membership change,
+whose join then times out with a :class:`~stalwart.errors.DistributedError`. Failing over to
+a survivor is not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from stalwart.elastic.protocol import decode, encode, keys
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Hosts the store on 127.0.0.1 at a port chosen by the OS, and publishes epochs."""
+
+    def __init__(self) -> None:
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.epoch = 0
+        self.members: tuple[int, ...] = ()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` for workers (``STALWART_ELASTIC_STORE``)."""
+        return f"127.0.0.1:{self.store.port}"
+
+    def ready(self, wids: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The readiness records of the workers among ``wids`` that announced themselves."""
+        return {w: decode(self.store.get(keys.ready(w))) for w in wids if self._has(keys.ready(w))}
+
+    def done(self, wids: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The completion records of the workers among ``wids`` that finished."""
+        return {w: decode(self.store.get(keys.done(w))) for w in wids if self._has(keys.done(w))}
+
+    def faulted(self) -> bool:
+        """True when a member reported a failed collective in the current epoch."""
+        return self.epoch > 0 and self.store.add(keys.faults(self.epoch), 0) > 0
+
+    def members_of(self, epoch: int) -> tuple[int, ...]:
+        """The members published for ``epoch``."""
+        return tuple(decode(self.store.get(keys.members(epoch))))
+
+    def publish(self, members: Iterable[int]) -> int:
+        """Publish the next epoch with ``members``; returns its number."""
+        self.members = tuple(sorted(members))
+        self.epoch += 1
+        self.store.set(keys.members(self.epoch), encode(list(self.members)))
+        self.store.set(keys.EPOCH, str(self.epoch))
+        return self.epoch
+
+    def _has(self, key: str) -> bool:
+        return bool(self.store.check([key]))

@@ -1,0 +1,363 @@
+"""``Job``: one member of an elastic data-parallel job, and the optimizer wrapper that commits.
+
+A step is *committed* when its gradient all-reduce completed on this member: the reduced
+buffer carries one vote per member, and the optimizer applies the update only when all votes
+are there. A failed collective (a peer died, a timeout) discards the step (parameters and
+optimizer state were not touched; the global RNGs are put back as they were at the step's
+start), tells the coordinator, and marks the job for reconfiguration. Membership changes only
+at step boundaries: at the next ``zero_grad()`` (or ``step()``), the member joins the next
+epoch published by the coordinator, builds its gloo group on a fresh
+``PrefixStore(f"epoch{n}", store)``, and reconciles with the other members
+(:mod:`stalwart.elastic.parity`: the member ahead wins, then the majority), so that a
+newcomer and any member behind receive the committed state peer to peer.
+
+A newcomer announced by the coordinator is noticed by rank 0 of the epoch, which raises a
+flag inside the next gradient all-reduce: every member sees the same flag in the same reduced
+buffer, so all of them change epoch after the same step.
+
+Three modes, chosen from the environment:
+
+* under ``stalwart run`` (``STALWART_ELASTIC_STORE`` set): elastic, as above;
+* under ``torchrun`` (``RANK``/``WORLD_SIZE`` set): the default gloo process group, a fixed
+  world; a failed collective raises :class:`~stalwart.errors.DistributedError`;
+* otherwise: a world of one, no collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stalwart.elastic.events import EventLog
+from stalwart.elastic.membership import Epoch, Membership
+from stalwart.elastic.optimizer import ElasticOptimizer
+from stalwart.elastic.parity import ParityResult, gather_digests, reconcile
+from stalwart.elastic.protocol import from_env
+from stalwart.elastic.reduce import average_
+from stalwart.elastic.state import RngSnapshot, digest
+from stalwart.errors import ConfigError, DistributedError
+
+__all__ = ["Job"]
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, int], None]
+
+
+def _fixed_epoch() -> Epoch:
+    """The world of ``torchrun`` (default process group) or of a single process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        size = dist.get_world_size()
+        return Epoch(0, tuple(range(size)), dist.get_rank(), dist.group.WORLD)
+    return Epoch(0, (0,), 0, None)
+
+
+class Job:
+    """Join the job that started this process, and keep its members' state identical.
+
+    Args:
+        state: the replicated state (normally a :class:`stalwart.TrainingState`); its
+            ``state_dict()`` is digested and sent to members that need it.
+        min_size: the fewest members to train with; below it, members wait for replacements.
+        verify_every: compare digests every this many committed steps (0: only after heals).
+        join_timeout_s: how long to wait for a membership epoch before giving up.
+
+    Example:
+        >>> job = Job(TrainingState(model=model, optimizer=opt))  # doctest: +SKIP
+        >>> optimizer = job.optimizer(opt)
+        >>> while job.step < total:
+        ...     optimizer.zero_grad()
+        ...     loss_fn(model(batch(job.step, job.rank, job.size))).backward()
+        ...     optimizer.step()
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        *,
+        min_size: int = 1,
+        verify_every: int = 50,
+        join_timeout_s: float = 300.0,
+    ) -> None:
+        if min_size < 1 or verify_every < 0:
+            raise ConfigError(
+                f"Job(min_size={min_size}, verify_every={verify_every}): min_size must be >= 1 "
+                "and verify_every >= 0"
+            )
+        self.state = state
+        self.verify_every = verify_every
+        self.join_timeout_s = join_timeout_s
+        self._step = 0
+        self._params: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._listeners: list[Listener] = []
+        self._needs_reconfigure = False
+        self._changed = False
+        self._closed = False
+        env = from_env()
+        self._membership = Membership(env, min_size) if env else None
+        self._events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
+        self._events.write("start", pid=os.getpid())
+        if self._membership is not None:
+            self._epoch = self._membership.join(0, join_timeout_s)
+            self._settle_after_join()
+            atexit.register(self._close_at_exit)
+        else:
+            self._epoch = _fixed_epoch()
+            self._check_parity("start")
+        self._mark_boundary()
+
+    # -- what the training loop reads -------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Committed steps; equal on every member at every step boundary."""
+        return self._step
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current epoch (0 .. size-1)."""
+        return self._epoch.rank
+
+    @property
+    def size(self) -> int:
+        """Number of members in the current epoch."""
+        return self._epoch.size
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Worker ids of the current epoch's members, ascending (rank = index)."""
+        return self._epoch.members
+
+    @property
+    def epoch(self) -> int:
+        """The current membership epoch (0 outside ``stalwart run``)."""
+        return self._epoch.number
+
+    @property
+    def elastic(self) -> bool:
+        """True under ``stalwart run`` (members may come and go)."""
+        return self._membership is not None
+
+    def digest(self) -> str:
+        """Hex digest of parameters, optimizer state, RNG and the committed step."""
+        return digest(self.state, self._step)
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event, step)`` at ``step-begin``, ``collective-enter`` and ``commit``.
+
+        Used by :mod:`stalwart.testing.chaos` to kill a member at an exact point.
+        """
+        self._listeners.append(fn)
+
+    # -- wrapping the user's objects --------------------------------------------------------
+
+    def data_parallel(self, model: nn.Module) -> nn.Module:
+        """Average ``model``'s floating-point buffers over the members at every commit.
+
+        Gradients are averaged by :meth:`optimizer` (one all-reduce per step, with the
+        buffers). Returns ``model`` itself: nothing changes in the forward pass.
+        """
+        self._buffers = [b for b in model.buffers() if b.is_floating_point()]
+        return model
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> ElasticOptimizer:
+        """Wrap ``optimizer``: ``zero_grad()`` is the step boundary; ``step()`` commits."""
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        return ElasticOptimizer(optimizer, self)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def _notify(self, event: str) -> None:
+        for fn in self._listeners:
+            fn(event, self._step)
+
+    def _mark_boundary(self) -> None:
+        self._rng = RngSnapshot()
+        self._t0 = time.time()
+
+    def begin_step(self) -> None:
+        """The step boundary: join a new epoch first if one is due."""
+        if self._needs_reconfigure:
+            self._reconfigure()
+        self._notify("step-begin")
+
+    def _change_flag(self) -> float:
+        """1.0 when this member sees a newer epoch published (checked by rank 0 only)."""
+        if self._membership is None or self.rank != 0:
+            return 0.0
+        try:
+            return 1.0 if self._membership.latest_epoch() > self.epoch else 0.0
+        except RuntimeError as e:  # the coordinator is gone: train on in this epoch
+            log.warning("cannot read the coordinator's epoch: %s", e)
+            return 0.0
+
+    def commit(self, apply: Callable[[], Any]) -> Any:
+        """Reduce gradients and buffers, then ``apply()`` if every member voted; else discard."""
+        if self._needs_reconfigure:  # a step() without zero_grad() after a fault
+            self._reconfigure()
+        self._notify("collective-enter")
+        control = torch.tensor([1.0, self._change_flag()])
+        try:
+            control = average_(self._params, self._buffers, control, self._epoch.group)
+        except RuntimeError as e:
+            self._discard(e)
+            return None
+        votes, change = float(control[0]), float(control[1])
+        if votes < self.size:  # cannot happen with gloo SUM; kept as the commit rule
+            self._discard(DistributedError(f"{votes:g} of {self.size} votes"))
+            return None
+        result = apply()
+        self._step += 1
+        self._needs_reconfigure = self._needs_reconfigure or change > 0
+        self._after_commit()
+        return result
+
+    def _after_commit(self) -> None:
+        digest_hex = None
+        if self.verify_every and self._step % self.verify_every == 0:
+            try:
+                digest_hex = self._check_parity("periodic")
+            except RuntimeError as e:  # a peer died after the commit: next boundary heals
+                if isinstance(e, DistributedError):
+                    raise
+                self._fault(e)
+        self._events.write(
+            "step", step=self._step, committed=True, epoch=self.epoch,
+            members=list(self.members), dt=time.time() - self._t0, digest=digest_hex,
+        )  # fmt: skip
+        if self._changed:
+            self._events.write("first-commit-after-change", step=self._step, epoch=self.epoch)
+            self._changed = False
+        self._notify("commit")
+        self._mark_boundary()
+
+    def _discard(self, err: BaseException) -> None:
+        self._rng.restore()
+        self._events.write(
+            "step", step=self._step, committed=False, epoch=self.epoch,
+            members=list(self.members), dt=time.time() - self._t0,
+        )  # fmt: skip
+        self._fault(err)
+        self._mark_boundary()
+
+    def _fault(self, err: BaseException) -> None:
+        if self._membership is None:
+            raise DistributedError(
+                f"a collective failed in a fixed world (torchrun or one process): {err}; "
+                "run the script with `stalwart run` to survive member failures"
+            ) from err
+        log.warning("epoch %d: collective failed at step %d: %s", self.epoch, self._step, err)
+        self._events.write(
+            "fault-detected", step=self._step, epoch=self.epoch, error=str(err)[:200]
+        )
+        self._membership.report_fault(self.epoch)
+        self._epoch = Epoch(self.epoch, self.members, self.rank, None)  # closes our sockets
+        self._needs_reconfigure = True
+
+    # -- membership and parity --------------------------------------------------------------
+
+    def _reconfigure(self) -> None:
+        assert self._membership is not None
+        old = self.epoch
+        self._epoch = Epoch(old, self.members, self.rank, None)  # drop the old group first
+        self._epoch = self._membership.join(old, self.join_timeout_s)
+        self._settle_after_join()
+        self._mark_boundary()
+
+    def _settle_after_join(self) -> None:
+        """Reconcile in a freshly joined epoch; a failure moves on to the next epoch."""
+        assert self._membership is not None
+        while True:
+            self._events.write("reconfigured", step=self._step, epoch=self.epoch,
+                               members=list(self.members))  # fmt: skip
+            try:
+                self._check_parity("heal")
+            except RuntimeError as e:
+                if isinstance(e, DistributedError):
+                    raise
+                self._fault(e)
+                self._epoch = self._membership.join(self.epoch, self.join_timeout_s)
+                continue
+            self._needs_reconfigure = False
+            self._changed = True
+            return
+
+    def _check_parity(self, why: str) -> str:
+        """Reconcile members (see :mod:`stalwart.elastic.parity`); returns the common digest."""
+        self._step, found = reconcile(self.state, self._step, self.rank, self._epoch.group)
+        self._log_parity(why, found)
+        return self.digest()
+
+    def _log_parity(self, why: str, found: ParityResult) -> None:
+        if found.mismatch:
+            log.warning("parity mismatch (%s) among members: %s", why, found.table)
+            self._events.write("parity-mismatch", step=self._step, epoch=self.epoch,
+                               table=[list(t) for t in found.table], why=why)  # fmt: skip
+        if found.received:
+            self._events.write("state-received", step=self._step, epoch=self.epoch,
+                               source=self.members[found.source or 0], why=why)  # fmt: skip
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Agree with the other members that everyone finished at the same step, then leave.
+
+        A member whose copy of the last all-reduce failed is healed here, so that no member
+        leaves with a state the others do not have. Idempotent; called at exit if forgotten.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._membership is not None:
+            deadline = time.monotonic() + self.join_timeout_s
+            while not self._agree_final():
+                if time.monotonic() > deadline:
+                    raise DistributedError("members did not agree on the final step in time")
+            final = self.digest()
+            self._membership.finish(self._step, self.epoch)
+            self._epoch = Epoch(self.epoch, self.members, self.rank, None)
+        else:
+            final = self.digest()
+        self._events.write("finish", step=self._step, epoch=self.epoch, digest=final)
+        self._events.close()
+
+    def _agree_final(self) -> bool:
+        if self._needs_reconfigure:
+            self._reconfigure()
+        try:
+            table = gather_digests(self._step, self.digest(), self._epoch.group)
+            if len(set(table)) == 1:
+                return True
+            self._check_parity("final")
+        except RuntimeError as e:
+            if isinstance(e, DistributedError):
+                raise
+            self._fault(e)
+        return False
+
+    def _close_at_exit(self) -> None:
+        if getattr(sys, "last_value", None) is not None:
+            return  # the script died of an exception: leave, the others see a fault
+        try:
+            self.close()
+        except Exception:
+            log.exception("closing the elastic job at exit failed")
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()

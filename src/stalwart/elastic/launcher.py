@@ -1,0 +1,197 @@
+"""``launch``: start the coordinator and N workers, replace the ones that die, report.
+
+Survivors are never restarted: a dead worker (non-zero exit, signal) is replaced by a fresh
+process with a new worker id, which joins the running job at the next epoch and heals from a
+live member. The job ends when the members of one epoch have agreed on their final step
+(:meth:`stalwart.elastic.Job.close`); workers that were still joining then are stopped.
+
+Exit code: 0 when every member of the final epoch exited cleanly; 1 otherwise (all workers
+died, restarts ran out with fewer than ``min_size`` workers left, or a member of the final
+epoch failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stalwart.elastic.coordinator import Coordinator
+from stalwart.elastic.events import JobSummary, summarize
+from stalwart.elastic.protocol import ENV_EVENTS, ENV_STORE, ENV_TIMEOUT, ENV_WORKER
+from stalwart.errors import ConfigError
+
+__all__ = ["LaunchResult", "launch"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+_TERM_GRACE_S = 5.0
+
+
+@dataclass
+class LaunchResult:
+    """The outcome of :func:`launch`.
+
+    Attributes:
+        exit_code: 0 on success (see the module docstring).
+        restarts: replacement workers started.
+        wall_s: seconds from the start to the last worker's exit.
+        events_dir: the folder of the workers' event files.
+        summary: what the event files say.
+    """
+
+    exit_code: int
+    restarts: int
+    wall_s: float
+    events_dir: Path
+    summary: JobSummary
+
+
+class _Supervisor:
+    """The launcher's loop: spawn, reap, replace, publish epochs."""
+
+    def __init__(self, cmd: list[str], nproc: int, min_size: int, max_restarts: int,
+                 env: dict[str, str], start_grace_s: float) -> None:  # fmt: skip
+        self.cmd, self.nproc, self.min_size = cmd, nproc, min_size
+        self.max_restarts, self.env, self.start_grace_s = max_restarts, env, start_grace_s
+        self.coord = Coordinator()
+        self.env[ENV_STORE] = self.coord.address
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.codes: dict[int, int] = {}
+        self.restarts = 0
+        self.final_members: tuple[int, ...] | None = None
+        self.t0 = time.monotonic()
+
+    def spawn(self) -> None:
+        wid = len(self.procs)
+        env = dict(self.env, **{ENV_WORKER: str(wid)})
+        self.procs[wid] = subprocess.Popen(self.cmd, env=env)
+
+    def live(self) -> set[int]:
+        return {w for w, p in self.procs.items() if w not in self.codes}
+
+    def reap(self) -> None:
+        for wid, p in list(self.procs.items()):
+            if wid in self.codes or p.poll() is None:
+                continue
+            self.codes[wid] = p.returncode
+            if p.returncode != 0 and self.final_members is None:
+                log.warning("worker %d exited with %d", wid, p.returncode)
+                if self.restarts < self.max_restarts:
+                    self.restarts += 1
+                    self.spawn()
+
+    def check_finish(self) -> None:
+        if self.final_members is not None:
+            return
+        done = self.coord.done(self.procs)
+        if done:
+            epoch = max(int(d["epoch"]) for d in done.values())
+            self.final_members = self.coord.members_of(epoch)
+            for wid in self.live() - set(self.final_members):
+                self.procs[wid].terminate()  # a joiner the job no longer needs
+
+    def publish_if_due(self) -> None:
+        live = self.live()
+        ready = self.coord.ready(live)
+        candidates = set(ready)
+        if self.final_members is not None:
+            candidates &= set(self.final_members)
+        needed = max([self.min_size] + [int(r.get("min_size", 1)) for r in ready.values()])
+        if self.final_members is not None:
+            needed = 1
+        if self.coord.epoch == 0:
+            waited = time.monotonic() - self.t0
+            due = len(candidates) >= self.nproc or waited > self.start_grace_s
+        else:
+            died = {w for w in self.coord.members if self.codes.get(w, 0) != 0}
+            due = bool(died) or self.coord.faulted() or bool(candidates - set(self.coord.members))
+        if due and candidates and len(candidates) >= needed:
+            n = self.coord.publish(candidates)
+            log.info("epoch %d: members %s", n, sorted(candidates))
+
+    def failed(self) -> bool:
+        """True when the job cannot go on: nobody alive, or too few and no restarts left."""
+        live = self.live()
+        if self.final_members is not None:
+            return False
+        return not live or (len(live) < self.min_size and self.restarts >= self.max_restarts)
+
+    def run(self) -> int:
+        for _ in range(self.nproc):
+            self.spawn()
+        try:
+            while self.live():
+                self.reap()
+                self.check_finish()
+                if self.failed():
+                    return 1
+                self.publish_if_due()
+                time.sleep(_POLL_S)
+        finally:
+            self.stop_all()
+        final = self.final_members or ()
+        return 0 if final and all(self.codes.get(w) == 0 for w in final) else 1
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for wid, p in self.procs.items():
+            try:
+                p.wait(_TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            self.codes.setdefault(wid, p.returncode)
+
+
+def launch(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    nproc: int,
+    min_size: int = 1,
+    max_restarts: int = 3,
+    events_dir: str | os.PathLike[str] | None = None,
+    timeout_s: float = 10.0,
+    start_grace_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> LaunchResult:
+    """Run ``python script args...`` as an elastic job of ``nproc`` workers.
+
+    Args:
+        script: the worker script (it builds a :class:`stalwart.elastic.Job`).
+        args: the script's arguments.
+        nproc: workers to start.
+        min_size: the fewest members to train with.
+        max_restarts: replacement workers to start at most, over the whole job.
+        events_dir: folder for the event files (default: a new temporary folder).
+        timeout_s: timeout of each epoch's gloo group, seconds.
+        start_grace_s: how long the first epoch waits for all ``nproc`` workers.
+        env: environment of the workers (default: this process's).
+
+    Raises:
+        ConfigError: ``nproc``, ``min_size`` or ``max_restarts`` is out of range.
+    """
+    if nproc < 1 or not 1 <= min_size <= nproc or max_restarts < 0:
+        raise ConfigError(
+            f"launch(nproc={nproc}, min_size={min_size}, max_restarts={max_restarts}): need "
+            "nproc >= 1, 1 <= min_size <= nproc and max_restarts >= 0"
+        )
+    folder = Path(events_dir) if events_dir else Path(tempfile.mkdtemp(prefix="stalwart-run-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    worker_env = dict(os.environ if env is None else env)
+    worker_env.update({ENV_EVENTS: str(folder), ENV_TIMEOUT: str(timeout_s)})
+    cmd = [sys.executable, str(script), *args]
+    sup = _Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s)
+    code = sup.run()
+    wall = time.monotonic() - sup.t0
+    return LaunchResult(code, sup.restarts, wall, folder, summarize(folder))

@@ -1,0 +1,155 @@
+"""A worker's side of membership: announce itself, wait for an epoch, build its group.
+
+Membership epochs are published by the coordinator (``stalwart run``); a worker never decides
+who is in. Building epoch ``n``'s gloo group is guarded by one decision on the store, so that
+either every listed member builds it or none does:
+
+1. each member adds 1 to ``epoch{n}/arrived``; the member whose add completes the count writes
+   ``fate = "go"`` with ``compare_set``;
+2. a member still waiting that sees a newer epoch published (or waits past the timeout)
+   writes ``fate = "abandon"`` with ``compare_set``;
+3. ``compare_set`` returns the value that won, and every member follows it.
+
+So a member never builds a group that another member abandoned (which would cost a full gloo
+timeout), and a member that dies before arriving only costs the time until the coordinator
+publishes the next epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore
+
+from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys
+from stalwart.errors import DistributedError
+
+__all__ = ["Epoch", "Membership"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership epoch as this worker joined it.
+
+    Attributes:
+        number: the epoch number (increasing, published by the coordinator).
+        members: worker ids, ascending; a member's rank is its index here.
+        rank: this worker's rank in the epoch.
+        group: the epoch's gloo process group (None for a world of one).
+    """
+
+    number: int
+    members: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        """Number of members."""
+        return len(self.members)
+
+
+class Membership:
+    """The coordinator client of one worker.
+
+    Args:
+        env: the settings ``stalwart run`` gave this worker.
+        min_size: the fewest members this worker trains with (told to the coordinator).
+    """
+
+    def __init__(self, env: WorkerEnv, min_size: int) -> None:
+        self.env = env
+        self.wid = env.worker_id
+        self.store: Store = TCPStore(
+            env.host, env.port, is_master=False, timeout=env.timeout, wait_for_workers=False
+        )
+        self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))
+
+    def latest_epoch(self) -> int:
+        """The newest published epoch number (0: none yet)."""
+        if not self.store.check([keys.EPOCH]):
+            return 0
+        return int(self.store.get(keys.EPOCH))
+
+    def report_fault(self, epoch: int) -> None:
+        """Tell the coordinator that a collective of ``epoch`` failed here."""
+        try:
+            self.store.add(keys.faults(epoch), 1)
+        except RuntimeError as e:  # the coordinator is gone: nothing left to tell
+            log.warning("could not report a fault of epoch %d to the coordinator: %s", epoch, e)
+
+    def finish(self, step: int, epoch: int) -> None:
+        """Record that this worker finished at ``step``, agreed with the members of ``epoch``."""
+        self.store.set(keys.done(self.wid), encode({"step": step, "epoch": epoch}))
+
+    def join(self, after: int, deadline_s: float) -> Epoch:
+        """Join the first epoch newer than ``after`` that lists this worker and forms.
+
+        Raises:
+            DistributedError: no epoch formed within ``deadline_s`` seconds.
+        """
+        deadline = time.monotonic() + deadline_s
+        floor = after
+        while time.monotonic() < deadline:
+            number = self._wait_newer(floor, deadline)
+            members = tuple(decode(self.store.get(keys.members(number))))
+            floor = number
+            if self.wid not in members or not self._arrive(number, len(members), deadline):
+                continue
+            rank = members.index(self.wid)
+            try:
+                group = self._build_group(number, rank, len(members))
+            except RuntimeError as e:  # a member died while the group was being built
+                log.warning(
+                    "epoch %d: building the group failed (%s); waiting for the next", number, e
+                )
+                self.report_fault(number)
+                continue
+            return Epoch(number, members, rank, group)
+        raise DistributedError(
+            f"worker {self.wid} found no membership epoch to join within {deadline_s:.0f} s "
+            f"(last seen: epoch {floor}); check that `stalwart run` is alive and that enough "
+            "workers are running for --min-size"
+        )
+
+    def _wait_newer(self, floor: int, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            latest = self.latest_epoch()
+            if latest > floor:
+                return latest
+            time.sleep(_POLL_S)
+        raise DistributedError(
+            f"worker {self.wid}: no membership epoch after {floor} was published in time; "
+            "check that `stalwart run` is alive"
+        )
+
+    def _arrive(self, number: int, size: int, deadline: float) -> bool:
+        """Run the arrival protocol of the module docstring; True when the group is to be built."""
+        arrived = self.store.add(keys.arrived(number), 1)
+        fate_key = keys.fate(number)
+        if arrived >= size:
+            return self._decide(fate_key, "go")
+        while True:
+            if self.store.check([fate_key]):
+                return self.store.get(fate_key).decode() == "go"
+            if self.latest_epoch() > number or time.monotonic() > deadline:
+                return self._decide(fate_key, "abandon")
+            time.sleep(_POLL_S)
+
+    def _decide(self, fate_key: str, wish: str) -> bool:
+        won = self.store.compare_set(fate_key, "", wish)
+        return bytes(won).decode() == "go"
+
+    def _build_group(self, number: int, rank: int, size: int) -> dist.ProcessGroup | None:
+        if size == 1:
+            return None
+        prefixed = PrefixStore(f"epoch{number}", self.store)
+        return dist.ProcessGroupGloo(prefixed, rank, size, self.env.timeout)

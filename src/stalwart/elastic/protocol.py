@@ -1,0 +1,143 @@
+"""The coordinator's key space on the store, and the environment a launched worker reads.
+
+The coordinator is torch.distributed's ``TCPStore``, hosted by ``stalwart run``; no other
+service is involved. Every key lives under ``coord/``; each membership epoch's process group
+uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
+
+    coord/epoch                    latest published membership epoch (decimal string)
+    coord/epoch{n}/members         JSON list of the worker ids in epoch n, ascending
+    coord/epoch{n}/arrived         counter: members that came to build epoch n's group
+    coord/epoch{n}/fate            "go" or "abandon", decided once with compare_set
+    coord/epoch{n}/faults          counter: members that saw a collective of epoch n fail
+    coord/ready/{wid}              JSON {"pid", "min_size"}: worker wid is ready to join
+    coord/done/{wid}               JSON {"step", "epoch"}: worker wid finished and agreed
+
+Environment of a worker started by ``stalwart run`` (read in one place, :func:`from_env`):
+
+    STALWART_ELASTIC_STORE     host:port of the coordinator's TCPStore
+    STALWART_ELASTIC_WORKER    this worker's id (a replacement gets a fresh id)
+    STALWART_ELASTIC_EVENTS    folder for the per-worker JSON-lines event files
+    STALWART_ELASTIC_TIMEOUT_S timeout of each epoch's gloo group (seconds, default 10)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from stalwart.errors import ConfigError
+
+__all__ = ["ENV_EVENTS", "ENV_STORE", "ENV_TIMEOUT", "ENV_WORKER", "WorkerEnv", "from_env", "keys"]
+
+ENV_STORE = "STALWART_ELASTIC_STORE"
+ENV_WORKER = "STALWART_ELASTIC_WORKER"
+ENV_EVENTS = "STALWART_ELASTIC_EVENTS"
+ENV_TIMEOUT = "STALWART_ELASTIC_TIMEOUT_S"
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class keys:  # a namespace of key builders, read like ``keys.members(n)``
+    """Names of the coordinator's keys (see the module docstring)."""
+
+    EPOCH = "coord/epoch"
+
+    @staticmethod
+    def members(epoch: int) -> str:
+        """Key of epoch ``epoch``'s member list."""
+        return f"coord/epoch{epoch}/members"
+
+    @staticmethod
+    def arrived(epoch: int) -> str:
+        """Counter of members that came to build epoch ``epoch``'s group."""
+        return f"coord/epoch{epoch}/arrived"
+
+    @staticmethod
+    def fate(epoch: int) -> str:
+        """The one decision, go or abandon, about epoch ``epoch``'s group."""
+        return f"coord/epoch{epoch}/fate"
+
+    @staticmethod
+    def faults(epoch: int) -> str:
+        """Counter of fault reports about epoch ``epoch``."""
+        return f"coord/epoch{epoch}/faults"
+
+    @staticmethod
+    def ready(wid: int) -> str:
+        """Worker ``wid``'s readiness record."""
+        return f"coord/ready/{wid}"
+
+    @staticmethod
+    def done(wid: int) -> str:
+        """Worker ``wid``'s completion record."""
+        return f"coord/done/{wid}"
+
+
+def encode(value: Any) -> bytes:
+    """JSON bytes for a store value."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> Any:
+    """Inverse of :func:`encode`."""
+    return json.loads(raw.decode())
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ``stalwart run`` tells a worker.
+
+    Attributes:
+        host: the coordinator store's host.
+        port: the coordinator store's port (chosen by the OS).
+        worker_id: this worker's id, unique in the job.
+        events_dir: folder for event files, or None to keep no events.
+        timeout_s: timeout of each epoch's gloo group, in seconds.
+    """
+
+    host: str
+    port: int
+    worker_id: int
+    events_dir: Path | None
+    timeout_s: float
+
+    @property
+    def timeout(self) -> timedelta:
+        """:attr:`timeout_s` as a timedelta, as torch.distributed takes it."""
+        return timedelta(seconds=self.timeout_s)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
+    """This worker's settings from ``environ`` (default: os.environ); None outside stalwart run.
+
+    Raises:
+        ConfigError: a variable is present but malformed.
+    """
+    env = os.environ if environ is None else environ
+    address = env.get(ENV_STORE)
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        worker_id = int(env[ENV_WORKER])
+        timeout_s = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+        port_number = int(port)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(
+            f"{ENV_STORE}={address!r} is set but {ENV_WORKER}, {ENV_TIMEOUT} or the port is "
+            f"missing or not a number ({e}); start workers with `stalwart run`, or unset "
+            f"{ENV_STORE} to run under torchrun or as a single process"
+        ) from e
+    events = env.get(ENV_EVENTS)
+    return WorkerEnv(
+        host=host or "127.0.0.1",
+        port=port_number,
+        worker_id=worker_id,
+        events_dir=Path(events) if events else None,
+        timeout_s=timeout_s,
+    )

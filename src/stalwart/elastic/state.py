@@ -1,0 +1,147 @@
+"""The replicated state of a data-parallel member: its digest, and sending it to peers.
+
+The state is the object handed to :class:`~stalwart.elastic.Job` (normally a
+:class:`stalwart.TrainingState`): its ``state_dict()`` is flattened with
+:func:`stalwart.tree.flatten` into a JSON skeleton (every non-tensor value, including
+optimizer hyper-parameters) and named tensor leaves. In data parallelism every member holds
+the same state, RNG included: :class:`~stalwart.TrainingState` files the RNG under
+``rank<r>``, so the canonical tree renames that entry to ``replica`` and a receiver files it
+back under its own rank.
+
+* :func:`digest` is xxh3-128 over the skeleton (JSON, sorted keys), then every leaf in FQN
+  order (name, dtype, shape, bytes), then the committed step.
+* :func:`send_state` / :func:`receive_state` move the state from one member to all others
+  of a process group: a header (skeleton, leaf names, dtypes, shapes, step) and then one
+  flat byte buffer with every tensor, each in one ``broadcast``. Nothing touches disk or the
+  coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
+
+__all__ = ["RngSnapshot", "canonical_tree", "digest", "receive_state", "send_state"]
+
+_REPLICA = "replica"
+
+
+def _local_rank_key() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank()}"
+    return "rank0"
+
+
+def canonical_tree(state: Any) -> Any:
+    """``state.state_dict()`` with a per-rank RNG entry renamed to ``replica``."""
+    sd = state.state_dict()
+    rng = sd.get("rng") if isinstance(sd, Mapping) else None
+    if isinstance(rng, Mapping) and len(rng) == 1:
+        sd = dict(sd)
+        sd["rng"] = {_REPLICA: next(iter(rng.values()))}
+    return sd
+
+
+def _localize(tree: Any) -> Any:
+    rng = tree.get("rng") if isinstance(tree, Mapping) else None
+    if isinstance(rng, Mapping) and set(rng) == {_REPLICA}:
+        tree = dict(tree)
+        tree["rng"] = {_local_rank_key(): rng[_REPLICA]}
+    return tree
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 CPU tensor (a view when already contiguous on CPU)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest(state: Any, step: int) -> str:
+    """Hex xxh3-128 digest of ``state``'s canonical tree and the committed ``step``."""
+    flat = flatten(canonical_tree(state))
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(flat.skeleton, sort_keys=True).encode())
+    for fqn in sorted(flat.leaves):
+        t = flat.leaves[fqn].tensor
+        h.update(f"|{fqn}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        h.update(_bytes_of(t).numpy().tobytes())
+    h.update(f"|step={step}".encode())
+    return h.hexdigest()
+
+
+def _broadcast_bytes(
+    payload: torch.Tensor | None, src: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Broadcast a uint8 tensor of any length from ``src`` (pass None on the others)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    group.broadcast([length], opts).wait()
+    buf = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
+    if buf.numel():
+        group.broadcast([buf], opts).wait()
+    return buf
+
+
+def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> None:
+    """Broadcast ``state`` and ``step`` from this member (rank ``src``) to the group."""
+    flat = flatten(canonical_tree(state))
+    names = list(flat.leaves)
+    tensors = [flat.leaves[n].tensor for n in names]
+    header = {
+        "skeleton": flat.skeleton,
+        "step": step,
+        "leaves": [
+            [n, dtype_name(t.dtype), list(t.shape)] for n, t in zip(names, tensors, strict=True)
+        ],
+    }
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    _broadcast_bytes(raw, src, group)
+    parts = [_bytes_of(t) for t in tensors]
+    _broadcast_bytes(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), src, group)
+
+
+def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = True) -> int:
+    """Take part in :func:`send_state` from ``src``; load the result into ``state`` if ``load``.
+
+    Returns:
+        The sender's committed step.
+    """
+    header = json.loads(bytes(_broadcast_bytes(None, src, group).numpy()).decode())
+    data = _broadcast_bytes(None, src, group)
+    if not load:
+        return int(header["step"])
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, dtype, shape in header["leaves"]:
+        dt = dtype_from_name(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        chunk = data[offset : offset + nbytes].clone()
+        tensors[name] = chunk.view(dt).reshape(shape)
+        offset += nbytes
+    tree = unflatten(header["skeleton"], tensors.__getitem__)
+    state.load_state_dict(_localize(tree))
+    return int(header["step"])
+
+
+class RngSnapshot:
+    """The global torch, numpy and Python RNG states, to put back when a step is discarded."""
+
+    def __init__(self) -> None:
+        self.torch_state = torch.get_rng_state()
+        self.numpy_state = np.random.get_state()
+        self.python_state = random.getstate()
+
+    def restore(self) -> None:
+        """Set the three generators back to the snapshot."""
+        torch.set_rng_state(self.torch_state)
+        np.random.set_state(self.numpy_state)
+        random.setstate(self.python_state)
