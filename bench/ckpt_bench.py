@@ -453,16 +453,28 @@ class DirectDd(Contender):
     name = "dd"
     block = 64 * MiB
 
+    def __init__(self, source: str = "zero") -> None:
+        self.source = source
+        self._src = "/dev/zero"
+
     def setup(self, state: State) -> None:
         if shutil.which("dd") is None:
             raise RuntimeError("dd not found on PATH")
         self._count = math.ceil(state_bytes(state) / self.block)
+        if self.source == "random":
+            # Virtual disks may turn zero writes into cheap unmaps (QEMU detect-zeroes); a
+            # random source in RAM (tmpfs, so dropping the page cache keeps it) makes dd
+            # write bytes like a checkpoint's. dd then also reads that source: a memory copy.
+            fd, self._src = tempfile.mkstemp(prefix="stalwart-dd-src-", dir="/dev/shm")
+            with os.fdopen(fd, "wb") as f:
+                for _ in range(self._count):
+                    f.write(os.urandom(self.block))
 
     def save(self, state: State, path: Path, step: int) -> dict[str, Any]:
         path.mkdir(parents=True, exist_ok=True)
         cmd = [
             "dd",
-            "if=/dev/zero",
+            f"if={self._src}",
             f"of={path / 'dd.bin'}",
             "bs=64M",
             f"count={self._count}",
@@ -484,6 +496,11 @@ class DirectDd(Contender):
         ]
         subprocess.run(cmd, check=True, capture_output=True)
         return {"cmd": " ".join(cmd)}
+
+    def teardown(self) -> None:
+        if self._src != "/dev/zero":
+            with contextlib.suppress(OSError):
+                os.unlink(self._src)
 
 
 # --------------------------------------------------------------------------- driver
@@ -576,7 +593,9 @@ def run_interleaved(
 ) -> list[Outcome]:
     """Rep 0 of every contender, then rep 1 of every contender, ...: the disk and the other
     tenants of a shared machine drift over minutes, and interleaving spreads that drift over
-    all contenders instead of charging it to whichever ran last."""
+    all contenders instead of charging it to whichever ran last. The order rotates by one
+    each rep, so no contender always follows the same one (a deleted 1 GiB file's discards
+    can still slow the next writer)."""
     outs = [Outcome(c.name, bytes=state_bytes(state)) for c in contenders]
     for c, out in zip(contenders, outs, strict=True):
         try:
@@ -585,8 +604,10 @@ def run_interleaved(
         except Exception as e:
             out.error = f"{type(e).__name__}: {e}"
             log(f"  {c.name}: FAILED {out.error}\n{traceback.format_exc()}")
+    pairs = list(zip(contenders, outs, strict=True))
     for rep in range(reps):
-        for c, out in zip(contenders, outs, strict=True):
+        k = rep % len(pairs)
+        for c, out in pairs[k:] + pairs[:k]:
             if out.error is None:
                 run_rep(c, out, state, dst, root, rep, log)
     for c in contenders:
@@ -697,7 +718,7 @@ def build_contenders(names: list[str], args: argparse.Namespace) -> list[Contend
         "stalwart": lambda: StalwartSave(args.chunk_mib * MiB, args.io_threads),
         "copy": MemCopy,
         "hash": lambda: HashCopy(args.io_threads),
-        "dd": DirectDd,
+        "dd": lambda: DirectDd(args.dd_source),
     }
     return [table[n]() for n in names]
 
@@ -744,6 +765,13 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of bytes modified for the incremental case",
     )
     p.add_argument("--no-incremental", action="store_true", help="skip the incremental case")
+    p.add_argument(
+        "--dd-source",
+        choices=("zero", "random"),
+        default="zero",
+        help="what dd writes: /dev/zero, or random bytes staged in /dev/shm (virtual disks "
+        "may write zeros faster than data)",
+    )
     args = p.parse_args(argv)
 
     from rich import box
@@ -870,7 +898,8 @@ def main(argv: list[str] | None = None) -> int:
         "dcp/stalwart load in place (all loads checked bit-exact, untimed)."
         + (
             f"\ndd = direct I/O of {fmt_bytes(DirectDd.block * math.ceil(total / DirectDd.block))}"
-            " from /dev/zero (write: oflag=direct conv=fsync, read: iflag=direct)."
+            f" from {'/dev/zero' if args.dd_source == 'zero' else 'random bytes in /dev/shm'}"
+            " (write: oflag=direct conv=fsync, read: iflag=direct)."
             if "dd" in names
             else ""
         ),

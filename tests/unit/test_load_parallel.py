@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stalwart
-from stalwart.checkpoint.durable.reshard import SPAN_BYTES, read_box
+from stalwart.checkpoint.durable.reshard import SPAN_BYTES, Box, read_box, read_boxes
 from stalwart.errors import CorruptCheckpointError
 from stalwart.storage.direct_io import ALIGN, ReadBufferPool, open_read, read_range
 from stalwart.storage.local import LocalStorage
@@ -78,16 +78,30 @@ def test_corrupt_chunk_in_a_span_is_caught_and_never_lands(tmp_path: Path, bad_c
     ckpt.close()
 
 
-def test_corrupt_chunk_of_a_partial_box_leaves_the_target_untouched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_corrupt_chunk_of_a_partial_box_leaves_the_target_untouched(
+    tmp_path: Path, pipelined: bool
+) -> None:
     # Columns 3..9 of every row: rows go through a temporary, copied out only when all verify.
     t = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
     ckpt = _save(tmp_path, {"t": t})
     _flip_byte(ckpt, "t", 9)
     dest = torch.full((64, 7), SENTINEL)
+    whole = torch.full((64, 1024), SENTINEL)  # whole rows: read in place, chunk by chunk
     entry = ckpt.manifest(1).tensors["t"]
-    with ThreadPoolExecutor(3) as pool, pytest.raises(CorruptCheckpointError):
-        read_box(ckpt.storage, entry, "t", (0, 3), dest, pool=pool, where="test")
+    boxes = [Box(entry, "t", (0, 3), dest), Box(entry, "t", (0, 0), whole)]
+    with ThreadPoolExecutor(3) as pool, ThreadPoolExecutor(2) as verify:
+        with pytest.raises(CorruptCheckpointError, match="does not match its hash"):
+            read_boxes(
+                ckpt.storage, boxes, pool=pool, where="t", verify_pool=verify if pipelined else None
+            )
+        after = whole.clone()
     assert bool((dest == SENTINEL).all())
+    rows = whole.view(-1, CHUNK // 4)
+    assert bool((rows[9] == SENTINEL).all())  # the damaged chunk never landed
+    for i in range(rows.shape[0]):
+        assert bool((rows[i] == SENTINEL).all()) or torch.equal(rows[i], t.view(-1, CHUNK // 4)[i])
+    assert torch.equal(whole, after)  # nothing was written after the error was raised
     ckpt.close()
 
 
