@@ -54,7 +54,7 @@ MAX_WORLD_SIZE = (1 << 31) - 1
 ZSTD_MAX_RATIO = 1 << 16
 """A zstd frame cannot expand more than this (an RLE block: 4 bytes for 128 KiB)."""
 _MANIFEST_RE = re.compile(r"^manifests/step-(\d{20})\.json$")
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_HASH_RE = re.compile(r"[0-9a-f]{64}")  # used with fullmatch
 _CHECKSUM_HEAD = b',"checksum":"'
 CODECS = ("none", "zstd")
 
@@ -99,7 +99,7 @@ class ChunkRef:
         if not (isinstance(obj, list) and len(obj) == 6):
             raise CorruptCheckpointError(f"malformed chunk reference {obj!r}")
         h, nbytes, pack, offset, length, codec = obj
-        if not (isinstance(h, str) and _HASH_RE.match(h)):
+        if not (isinstance(h, str) and _HASH_RE.fullmatch(h)):
             raise CorruptCheckpointError(f"malformed chunk hash {brief(h)}")
         for name, v in (("nbytes", nbytes), ("offset", offset), ("length", length)):
             _uint(v, f"chunk {h}: {name}")
@@ -296,8 +296,9 @@ def _check_checksum(doc: dict[str, Any], data: bytes) -> None:
             f"a version {doc['version']} manifest must end with its checksum, and this one has none"
         )
     want = doc["checksum"]
-    tail = _CHECKSUM_HEAD + (want.encode("ascii") if isinstance(want, str) else b"") + b'"}'
-    if not (isinstance(want, str) and _HASH_RE.match(want) and data.endswith(tail)):
+    ok = isinstance(want, str) and _HASH_RE.fullmatch(want) is not None
+    tail = _CHECKSUM_HEAD + (want.encode("ascii") if ok else b"") + b'"}'
+    if not (ok and data.endswith(tail)):
         raise CorruptCheckpointError(
             "the manifest checksum is malformed or not the last member (damaged manifest)"
         )
