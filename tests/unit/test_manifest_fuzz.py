@@ -11,6 +11,7 @@ a few hundred cases. The long run (>= 10,000 cases) is ``bench/fuzz_manifest.py`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -80,3 +81,20 @@ def test_arbitrary_json_in_any_field_is_refused_cleanly(doc: object) -> None:
             Manifest.from_bytes(text.encode())
         except ValueError as e:
             assert type(e).__module__ == "stalwart.errors", repr(e)
+
+
+V1 = Path(__file__).resolve().parents[1] / "golden" / "v1" / "manifests"
+
+
+@settings(max_examples=CASES, derandomize=True, deadline=None, database=None)
+@given(data=st.data())
+def test_damaged_v1_manifests_are_refused_cleanly(data: st.DataObject) -> None:
+    # Version 1 has no checksum, so some damage parses; none may escape as a raw error.
+    blob = bytearray((V1 / "step-00000000000000000042.json").read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] = data.draw(st.integers(0, 255))
+    try:
+        Manifest.from_bytes(bytes(blob))
+    except ValueError as e:
+        assert type(e).__module__ == "stalwart.errors", repr(e)
