@@ -1,0 +1,1 @@
+"""Adapters that plug stalwart into training frameworks (one module per framework)."""

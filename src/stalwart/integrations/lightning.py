@@ -1,0 +1,349 @@
+"""Lightning: a ``CheckpointIO`` plugin that writes stalwart checkpoints into one root.
+
+Adopting it is one argument::
+
+    from stalwart.integrations.lightning import StalwartCheckpointIO
+    trainer = Trainer(plugins=[StalwartCheckpointIO()])   # or StalwartCheckpointIO("s3://b/run")
+
+**Layout.** Lightning names and manages checkpoints by file path (``epoch=0-step=10.ckpt``,
+``last.ckpt``, top-k removal, ``ckpt_path="last"``). The data goes into one stalwart root, so
+consecutive checkpoints share every unchanged chunk; at Lightning's path the plugin writes a
+small JSON *pointer* file naming the root and the step. The root is ``root`` when given, else
+``stalwart/`` inside the checkpoint's folder. Steps in the root count saves (1, 2, 3, ...)
+rather than repeat ``global_step``: Lightning may save twice at one global step (``last.ckpt``
+beside a top-k file) and remove either. Each manifest's metadata records
+``lightning.global_step``, ``lightning.epoch`` and ``lightning.path``.
+
+**Lifecycle.** A pointer is written only after its step is committed, so a pointer never names
+a missing step. Removing a checkpoint (top-k rotation) deletes its pointer, and its step unless
+another pointer in the same folder names it (a copied ``last.ckpt``); ``teardown`` collects the
+packs no step uses any more. With ``async_save=True`` saves return once the tensors are staged
+(``Checkpointer.save_async``), and the pointer follows the commit in the background.
+
+**Loading.** ``Trainer.fit(ckpt_path=...)`` goes through the plugin. Lightning's
+``LightningModule.load_from_checkpoint`` bypasses plugins and ``torch.load``-s the path, which
+a pointer is not: use :func:`load_from_checkpoint` here (same arguments), or
+:func:`read_checkpoint` for the plain dict. A path holding an ordinary ``torch.save`` checkpoint
+still loads, through Lightning's own loader, so an old run can resume under the plugin.
+
+Hyper-parameters (``argparse.Namespace``, dataclasses, Enums, sets, paths) travel as plain data
+(see :mod:`stalwart.tree`); nothing is unpickled on load. Enum and dataclass classes are rebuilt
+only when listed with :func:`stalwart.tree.allow_types`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint import Checkpointer, CheckpointOptions, PendingSave
+from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+except ImportError as e:  # pragma: no cover (the dev extra installs lightning)
+    raise MissingDependencyError(
+        "stalwart.integrations.lightning needs Lightning 2.x: pip install 'stalwart[lightning]' "
+        "(or pip install lightning)"
+    ) from e
+
+__all__ = ["StalwartCheckpointIO", "load_from_checkpoint", "read_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+POINTER_KEY = "stalwart.lightning.pointer"
+_POINTER_VERSION = 1
+_MAX_POINTER_BYTES = 1 << 16
+
+
+def _read_pointer(path: str) -> dict[str, Any] | None:
+    """The pointer at ``path``; None when ``path`` holds something else (a torch.save file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAX_POINTER_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path") from None
+    if not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        ptr = json.loads(head)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path} is a damaged stalwart pointer file ({e})") from e
+    if not (isinstance(ptr, dict) and isinstance(ptr.get(POINTER_KEY), int)):
+        raise CorruptCheckpointError(f"{path} is JSON but not a stalwart pointer file")
+    if not (isinstance(ptr.get("root"), str) and isinstance(ptr.get("step"), int)):
+        raise CorruptCheckpointError(f"{path}: pointer lacks a root or a step: {ptr!r}")
+    return ptr
+
+
+def _write_pointer(path: str, ptr: dict[str, Any]) -> None:
+    """Write ``ptr`` to ``path`` atomically (temp file, fsync, rename)."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(ptr, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _root_url(root: str | os.PathLike[str]) -> str:
+    text = os.fspath(root)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def _local_group() -> Any:
+    """A group of this process alone when torch.distributed runs (Lightning saves on rank 0)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+class StalwartCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that stores checkpoints in a stalwart root (see module doc).
+
+    Args:
+        root: folder or fsspec URL of the stalwart root; ``None`` puts it in ``stalwart/``
+            next to each checkpoint file.
+        options: the stalwart checkpoint options (chunking, compression, threads).
+        async_save: return from a save once its tensors are staged; the write and the commit
+            run in the background (``load``, ``remove`` and ``teardown`` wait for them).
+        storage_options: fsspec options for a remote root (credentials, endpoint).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        options: CheckpointOptions | None = None,
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = None if root is None else _root_url(root)
+        self.options = options
+        self.async_save = async_save
+        self.storage_options = storage_options
+        self._checkpointers: dict[str, Checkpointer] = {}
+        self._next_step: dict[str, int] = {}
+        self._pending: dict[str, Future[None]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._group: Any = None
+
+    def _root_for(self, path: str) -> str:
+        return self.root or os.path.join(os.path.dirname(os.path.abspath(path)), "stalwart")
+
+    def checkpointer(self, root: str) -> Checkpointer:
+        """The (cached) :class:`Checkpointer` of ``root``."""
+        with self._lock:
+            ck = self._checkpointers.get(root)
+            if ck is None:
+                if self._group is None:
+                    self._group = _local_group()
+                ck = Checkpointer(
+                    root,
+                    self.options,
+                    process_group=self._group,
+                    storage_options=self.storage_options,
+                )
+                self._checkpointers[root] = ck
+            return ck
+
+    def _allocate_step(self, root: str, ck: Checkpointer) -> int:
+        with self._lock:
+            if root not in self._next_step:
+                self._next_step[root] = max(ck.steps(), default=0) + 1
+            step = self._next_step[root]
+            self._next_step[root] = step + 1
+            return step
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Save Lightning's ``checkpoint`` dict as the next step of the root; point ``path`` to it.
+
+        Raises:
+            TypeError: ``storage_options`` was given (pass them to the constructor instead).
+            UnsupportedValueError: the dict holds a value stalwart cannot store safely.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "StalwartCheckpointIO takes fsspec options once, as "
+                "StalwartCheckpointIO(root, storage_options=...), not per save"
+            )
+        path = os.path.abspath(os.fspath(path))
+        self._wait(path)  # a second save to one path lands after the first
+        root = self._root_for(path)
+        ck = self.checkpointer(root)
+        step = self._allocate_step(root, ck)
+        meta = {
+            "lightning.path": path,
+            "lightning.global_step": str(checkpoint.get("global_step", "")),
+            "lightning.epoch": str(checkpoint.get("epoch", "")),
+        }
+        ptr = {
+            POINTER_KEY: _POINTER_VERSION,
+            "root": root,
+            "step": step,
+            "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"),
+        }
+        if not self.async_save:
+            ck.save(step, checkpoint, metadata=meta)
+            self._publish(path, ptr, ck)
+            return
+        pending = ck.save_async(step, checkpoint, metadata=meta)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="stalwart-lightning")
+        self._pending[path] = self._executor.submit(self._finish, pending, path, ptr, ck)
+
+    def _finish(
+        self, pending: PendingSave, path: str, ptr: dict[str, Any], ck: Checkpointer
+    ) -> None:
+        pending.wait()
+        self._publish(path, ptr, ck)
+
+    def _publish(self, path: str, ptr: dict[str, Any], ck: Checkpointer) -> None:
+        """Point ``path`` at the committed step; drop the step it pointed at before."""
+        old = _read_pointer(path) if os.path.exists(path) else None
+        _write_pointer(path, ptr)
+        if old is not None and old["root"] == ptr["root"] and old["step"] != ptr["step"]:
+            self._drop_step(path, old, ck)
+
+    def _drop_step(self, path: str, ptr: dict[str, Any], ck: Checkpointer) -> None:
+        """Delete ``ptr``'s step unless another pointer in ``path``'s folder still names it."""
+        folder = os.path.dirname(path)
+        for name in os.listdir(folder):
+            other = os.path.join(folder, name)
+            if other == path or not os.path.isfile(other):
+                continue
+            with contextlib.suppress(CheckpointNotFoundError, CorruptCheckpointError, OSError):
+                o = _read_pointer(other)
+                if o and (o["root"], o["step"]) == (ptr["root"], ptr["step"]):
+                    return
+        with contextlib.suppress(CheckpointNotFoundError):  # already gone: nothing to do
+            ck.delete(ptr["step"])
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint ``path`` points to (a torch.save file loads the usual way).
+
+        ``map_location`` may be a device or a device string; tensors load on the CPU otherwise.
+        ``weights_only`` is accepted for Lightning's sake: a stalwart checkpoint never unpickles.
+        """
+        path = os.fspath(path)
+        self._wait()
+        ptr = _read_pointer(path)
+        if ptr is None:
+            return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only)
+        tree = self.checkpointer(ptr["root"]).load(None, ptr["step"])
+        if isinstance(map_location, (str, torch.device)):
+            tree = _to_device(tree, torch.device(map_location))
+        return tree
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the pointer ``path`` and its step (unless another pointer names it)."""
+        path = os.path.abspath(os.fspath(path))
+        self._wait(path)
+        if not os.path.lexists(path):
+            return
+        ptr = None
+        with contextlib.suppress(CorruptCheckpointError):
+            ptr = _read_pointer(path) if os.path.isfile(path) else None
+        os.remove(path)
+        if ptr is not None:
+            self._drop_step(path, ptr, self.checkpointer(ptr["root"]))
+
+    def _wait(self, path: str | None = None) -> None:
+        """Wait for the background save of ``path`` (of every path when None)."""
+        futures = [self._pending.pop(path, None)] if path else list(self._pending.values())
+        if path is None:
+            self._pending.clear()
+        for fut in futures:
+            if fut is not None:
+                fut.result()
+
+    def teardown(self) -> None:
+        """Wait for every save, collect unused packs, close the checkpointers."""
+        try:
+            self._wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            for ck in self._checkpointers.values():
+                with contextlib.suppress(CheckpointNotFoundError):
+                    ck.gc()
+                ck.close()
+            self._checkpointers.clear()
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_device(v, device) for v in tree)
+    return tree
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, root: str | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict behind the pointer ``path``.
+
+    Args:
+        path: a pointer file written by :class:`StalwartCheckpointIO`.
+        root: read from this root instead of the one the pointer names (a moved root).
+
+    Raises:
+        CheckpointNotFoundError: no such file or step.
+        CorruptCheckpointError: ``path`` is not a stalwart pointer, or the data is damaged.
+    """
+    ptr = _read_pointer(os.fspath(path))
+    if ptr is None:
+        raise CorruptCheckpointError(
+            f"{path} is not a stalwart pointer file; load it with "
+            "LightningModule.load_from_checkpoint as usual"
+        )
+    with Checkpointer(root or ptr["root"]) as ck:
+        return ck.load(None, ptr["step"])
+
+
+def load_from_checkpoint(cls: Any, checkpoint_path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` for a checkpoint written by :class:`StalwartCheckpointIO`.
+
+    Lightning's loader ``torch.load``-s the path itself, so it cannot read a pointer; this
+    reads the checkpoint safely and hands Lightning an in-memory copy of the dict.
+
+    Args:
+        cls: the ``LightningModule`` (or ``LightningDataModule``) class.
+        checkpoint_path: the pointer file (``trainer.checkpoint_callback.best_model_path``).
+        **kwargs: passed on (``map_location``, ``strict``, hyper-parameter overrides).
+    """
+    checkpoint = read_checkpoint(checkpoint_path)
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    buf.seek(0)
+    # The bytes are our own, made just now from safely decoded values: unpickling them runs
+    # nothing that the decoded checkpoint did not already contain.
+    kwargs.setdefault("weights_only", False)
+    return cls.load_from_checkpoint(buf, **kwargs)

@@ -1,0 +1,174 @@
+"""Lightning through StalwartCheckpointIO: stop, resume bit-identically, load, rotate, dedup."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from stalwart.checkpoint import Checkpointer  # noqa: E402
+from stalwart.integrations.lightning import (  # noqa: E402
+    StalwartCheckpointIO,
+    load_from_checkpoint,
+    read_checkpoint,
+)
+from stalwart.tree import allow_types  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Act(enum.Enum):
+    TANH = "tanh"
+    RELU = "relu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sched:
+    gamma: float = 0.9
+    tags: frozenset[str] = frozenset({"a", "b"})
+
+
+class TinyModule(pl.LightningModule):
+    """Hyper-parameters of every awkward kind Lightning users put there."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        act: Act = Act.TANH,
+        sched: Sched = Sched(),
+        out: pathlib.Path = pathlib.Path("runs/x"),
+        seen: frozenset[int] = frozenset({1, 2}),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.args.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=self.hparams.sched.gamma)
+        return [opt], [sched]
+
+
+def _data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(ds, batch_size=8)
+
+
+def _module() -> TinyModule:
+    torch.manual_seed(0)
+    return TinyModule(argparse.Namespace(lr=0.05, name="tiny"), act=Act.RELU)
+
+
+def _trainer(tmp: pathlib.Path, epochs: int, plugin: Any, **kw: Any) -> Any:
+    ckpt = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp / "ckpts", save_top_k=2, monitor="epoch", mode="max", save_last=True
+    )
+    return pl.Trainer(
+        max_epochs=epochs,
+        plugins=[plugin],
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        **kw,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _allow() -> None:
+    allow_types(Act, Sched)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_stop_and_resume_is_bit_identical(tmp_path: pathlib.Path, async_save: bool) -> None:
+    full = _module()
+    _trainer(tmp_path / "full", 4, StalwartCheckpointIO(async_save=async_save)).fit(full, _data())
+
+    first = _module()
+    _trainer(tmp_path / "run", 2, StalwartCheckpointIO(async_save=async_save)).fit(first, _data())
+    resumed = _module()
+    trainer = _trainer(tmp_path / "run", 4, StalwartCheckpointIO(async_save=async_save))
+    trainer.fit(resumed, _data(), ckpt_path="last")
+
+    assert first.losses + resumed.losses == full.losses
+    for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    # Lightning rotated its files (top 2 + last); the root holds the steps they point to.
+    ckpts = tmp_path / "run" / "ckpts"
+    files = sorted(p.name for p in ckpts.iterdir() if p.suffix == ".ckpt")
+    assert files == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
+    pointed = {json.loads((ckpts / f).read_text())["step"] for f in files}
+    with Checkpointer(ckpts / "stalwart") as ck:
+        assert set(ck.steps()) == pointed
+        # epoch=3 and last.ckpt are saved at one global step: the second reuses every chunk.
+        newest = [ck.manifest(s) for s in sorted(pointed)[-2:]]
+        assert [m.metadata["lightning.global_step"] for m in newest] == ["16", "16"]
+        assert all(m.stats.get("bytes_written", 0) == 0 for m in newest[1:]), newest[1].stats
+
+
+def test_load_from_checkpoint_and_hparams_round_trip(tmp_path: pathlib.Path) -> None:
+    module = _module()
+    trainer = _trainer(tmp_path, 1, StalwartCheckpointIO(tmp_path / "root"))
+    trainer.fit(module, _data())
+    best = trainer.checkpoint_callback.best_model_path
+
+    loaded = load_from_checkpoint(TinyModule, best)
+    assert loaded.hparams.args == argparse.Namespace(lr=0.05, name="tiny")
+    assert loaded.hparams.act is Act.RELU and loaded.hparams.sched == Sched()
+    assert loaded.hparams.out == pathlib.Path("runs/x") and loaded.hparams.seen == {1, 2}
+    for a, b in zip(module.parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    raw = read_checkpoint(best)
+    assert raw["global_step"] == 4 and "optimizer_states" in raw
+
+    # Lightning's own loader refuses a pointer file: the docs send users to our helper.
+    with pytest.raises(Exception):  # noqa: B017 (torch.load's error varies by version)
+        TinyModule.load_from_checkpoint(best)
+
+
+def test_a_plain_torch_checkpoint_still_resumes_under_the_plugin(tmp_path: pathlib.Path) -> None:
+    module = _module()
+    trainer = _trainer(tmp_path / "old", 1, pl.plugins.TorchCheckpointIO())
+    trainer.fit(module, _data())
+    old = trainer.checkpoint_callback.last_model_path
+    resumed = _module()
+    # A torch.save checkpoint with these hyper-parameters needs unpickling: the user's call.
+    trainer = _trainer(tmp_path / "new", 2, StalwartCheckpointIO())
+    trainer.fit(resumed, _data(), ckpt_path=old, weights_only=False)
+    assert len(resumed.losses) == 4  # one epoch of 4 batches after the restored one
+
+
+def test_remove_checkpoint_keeps_a_step_another_pointer_names(tmp_path: pathlib.Path) -> None:
+    io = StalwartCheckpointIO(tmp_path / "root")
+    state = {"state_dict": {"w": torch.ones(3)}, "global_step": 1, "epoch": 0}
+    a, b = tmp_path / "c" / "a.ckpt", tmp_path / "c" / "b.ckpt"
+    io.save_checkpoint(state, a)
+    b.write_bytes(a.read_bytes())  # Lightning copies last.ckpt where it cannot symlink
+    io.remove_checkpoint(a)
+    assert torch.equal(io.load_checkpoint(b)["state_dict"]["w"], torch.ones(3))
+    io.remove_checkpoint(b)
+    assert io.checkpointer(str(tmp_path / "root")).steps() == []
+    io.teardown()
