@@ -126,8 +126,25 @@ def read_metadata(path: Path, *, trust_pickle: bool = False) -> Metadata:
     """
     where = path / ".metadata"
     try:
-        with open(where, "rb") as f:
-            md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
+        data = where.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"{where} is not a readable DCP metadata file ({type(e).__name__}: {e}); the "
+            "checkpoint may be incomplete or damaged — copy or save it again"
+        ) from e
+    return parse_metadata(data, where, trust_pickle=trust_pickle)
+
+
+def parse_metadata(data: bytes, where: Any, *, trust_pickle: bool = False) -> Metadata:
+    """DCP ``.metadata`` bytes (read from ``where``, a path or URL) unpickled safely.
+
+    Raises:
+        ConfigError: they need a class outside the allow-list and ``trust_pickle`` is False.
+        CorruptCheckpointError: they are not a readable DCP metadata file.
+    """
+    try:
+        f = io.BytesIO(data)
+        md = pickle.load(f) if trust_pickle else _MetadataUnpickler(f).load()
     except _Refused as e:
         raise ConfigError(
             f"{where} needs {e} to unpickle, which is not part of DCP's metadata. {_TRUST_HINT}"
