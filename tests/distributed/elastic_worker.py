@@ -6,15 +6,19 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 (n in 1, 2, 3, 4), and the final parameters can be compared with a one-process run.
 
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
+                         [--min-size M] [--hold-at STEP --hold-size N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,16 +44,21 @@ def main() -> None:
     parser.add_argument("--verify-every", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--min-size", type=int, default=1)
+    parser.add_argument("--hold-at", type=int, default=-1, help="wait here for --hold-size")
+    parser.add_argument("--hold-size", type=int, default=0)
     a = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = stalwart.TrainingState(model=model, optimizer=opt)
-    job = Job(state, min_size=1, verify_every=a.verify_every)
+    job = Job(state, min_size=a.min_size, verify_every=a.verify_every)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
     while job.step < a.steps:
+        while job.step == a.hold_at and job.size < a.hold_size:
+            job.refresh()  # wait for a replacement to join, so the test sees a heal
         optimizer.zero_grad()
         x, y = batch(job.step, job.rank, job.size)
         F.mse_loss(model(x), y).backward()
@@ -66,3 +75,50 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- bodies for run_ranks (parity policy tests): fn(rank, world_size, ...) -------------------
+
+
+def _tiny_state(seed: int = 0) -> stalwart.TrainingState:
+    torch.manual_seed(seed)  # RNG is replicated state: seed every generator alike
+    random.seed(seed)
+    np.random.seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return stalwart.TrainingState(model=model, optimizer=opt)
+
+
+def _train_one(state: stalwart.TrainingState) -> None:
+    state.optimizer.zero_grad()
+    state.model(torch.ones(3, 4)).sum().backward()
+    state.optimizer.step()
+
+
+def reconcile_policies(rank: int, world_size: int) -> dict[str, tuple[Any, ...]]:
+    """Both rules of the parity policy, on 3 ranks of one gloo world.
+
+    ``ahead``: rank 0 committed one more step (its copy of the all-reduce succeeded while the
+    others' failed): everyone rolls forward to it. ``majority``: all at the same step, rank 1
+    silently different in one value: rank 1 is repaired from the majority.
+    """
+    import torch.distributed as dist
+
+    from stalwart.elastic.parity import reconcile
+    from stalwart.elastic.state import digest
+
+    out: dict[str, tuple[Any, ...]] = {}
+    state = _tiny_state()
+    step = 0
+    if rank == 0:
+        _train_one(state)
+        step = 1
+    step, found = reconcile(state, step, rank, dist.group.WORLD)
+    out["ahead"] = (step, digest(state, step), found.received, found.source)
+    _train_one(state)
+    if rank == 1:
+        with torch.no_grad():
+            state.model.weight.view(-1)[0] += 1e-6  # one silently different value
+    step, found = reconcile(state, step + 1, rank, dist.group.WORLD)
+    out["majority"] = (step, digest(state, step), found.received, found.mismatch, found.source)
+    return out

@@ -38,9 +38,17 @@ Replicated state means replicated RNG: every member must draw the same random nu
 (seed them alike); per-member randomness belongs in the data function of (step, rank, size).
 """
 
-from stalwart.elastic.events import JobSummary, summarize
+from stalwart.elastic.events import JobSummary, read_events, summarize
 from stalwart.elastic.job import Job
 from stalwart.elastic.launcher import LaunchResult, launch
 from stalwart.elastic.optimizer import ElasticOptimizer
 
-__all__ = ["ElasticOptimizer", "Job", "JobSummary", "LaunchResult", "launch", "summarize"]
+__all__ = [
+    "ElasticOptimizer",
+    "Job",
+    "JobSummary",
+    "LaunchResult",
+    "launch",
+    "read_events",
+    "summarize",
+]

@@ -193,6 +193,28 @@ class Job:
             self._reconfigure()
         self._notify("step-begin")
 
+    def refresh(self) -> None:
+        """At a step boundary, join a newer epoch if the coordinator published one.
+
+        Collective: every member calls it at the same boundary (``optimizer.step()`` does the
+        same check for free inside its all-reduce). Use it to wait for replacements, e.g.
+        ``while job.size < 3: job.refresh()`` before an evaluation.
+        """
+        if self._membership is None:
+            return
+        if not self._needs_reconfigure:
+            flag = torch.tensor([self._change_flag()])
+            try:
+                if self._epoch.group is not None:
+                    self._epoch.group.allreduce([flag]).wait()
+            except RuntimeError as e:
+                self._fault(e)
+            self._needs_reconfigure = self._needs_reconfigure or float(flag[0]) > 0
+        if self._needs_reconfigure:
+            self._reconfigure()
+        else:
+            time.sleep(0.01)  # nothing new: callers poll in a loop
+
     def _change_flag(self) -> float:
         """1.0 when this member sees a newer epoch published (checked by rank 0 only)."""
         if self._membership is None or self.rank != 0:

@@ -1,0 +1,146 @@
+"""Elastic training in real processes: ``stalwart run`` with gloo on CPU, workers SIGKILLed.
+
+The worker script (``elastic_worker.py``) trains a tiny MLP on a global batch that is fixed
+per step and split among the members, so whatever the membership the averaged gradient is
+the full batch's: the final parameters of every run are compared (to float tolerance) with a
+plain one-process run of the same script, and the members' digests with each other (bit for
+bit). Timing only bounds liveness (generous timeouts); nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stalwart.elastic import read_events
+from stalwart.testing import Kill, KillSchedule, run_ranks
+
+from . import elastic_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = Path(__file__).with_name("elastic_worker.py")
+STEPS = 40
+VERIFY_EVERY = 5
+RUN_TIMEOUT_S = 100
+
+
+def _env(schedule: KillSchedule | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("STALWART_ELASTIC_STORE", None)
+    return {**env, **(schedule.to_env() if schedule else {})}
+
+
+def _launch(tmp: Path, nproc: int, schedule: KillSchedule | None = None, *extra: str) -> str:
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), "--max-restarts", "2",
+           "--events", str(tmp / "events"), "--timeout", "20", str(WORKER), "--steps", str(STEPS),
+           "--verify-every", str(VERIFY_EVERY), "--out", str(tmp / "out"), *extra]  # fmt: skip
+    done = subprocess.run(
+        cmd, env=_env(schedule), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _finals(out: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem.removeprefix("final-"): torch.load(p) for p in sorted(out.glob("final-*.pt"))}
+
+
+def _assert_close_to(reference: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    for name, ref in reference.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _periodic_digests_agree(events: dict[int, list[dict[str, Any]]]) -> int:
+    """Every digest logged at a step is the same on every worker; returns how many steps had one."""
+    by_step: dict[int, set[str]] = {}
+    for lines in events.values():
+        for e in lines:
+            if e["kind"] == "step" and e.get("digest"):
+                by_step.setdefault(e["step"], set()).add(e["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    return len(by_step)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The script run as one plain process (no launcher, no torchrun): world of one."""
+    out = tmp_path_factory.mktemp("single")
+    subprocess.run(
+        [sys.executable, str(WORKER), "--steps", str(STEPS), "--out", str(out)],
+        env=_env(), check=True, capture_output=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    final = _finals(out)["single"]
+    assert final["step"] == STEPS
+    return final["params"]
+
+
+def test_single_process_trains_the_script_unchanged(reference: dict[str, torch.Tensor]) -> None:
+    first = elastic_worker.batch(0, 0, 1)[1]
+    assert first.shape == (elastic_worker.GLOBAL_BATCH, 1)
+    assert all(torch.isfinite(t).all() for t in reference.values())
+    assert reference["0.weight"].shape == (16, 8)
+
+
+def test_three_healthy_workers_keep_equal_digests(tmp_path: Path, reference: Any) -> None:
+    _launch(tmp_path, 3)
+    events = read_events(tmp_path / "events")
+    assert sorted(events) == [0, 1, 2]
+    assert _periodic_digests_agree(events) == STEPS // VERIFY_EVERY
+    assert not any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+    finals = _finals(tmp_path / "out")
+    assert len({f["digest"] for f in finals.values()}) == 1
+    assert {f["step"] for f in finals.values()} == {STEPS}
+    _assert_close_to(reference, finals["0"]["params"])
+
+
+@pytest.mark.parametrize(
+    "kill",
+    [
+        Kill(worker=1, step=8, where="boundary"),
+        Kill(worker=2, step=8, where="collective", delay_s=0.001),
+    ],
+    ids=["at-step-boundary", "inside-allreduce"],
+)
+def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, kill: Kill) -> None:
+    # Survivors go on alone from step 8, then wait at step 20 until the replacement joined.
+    stdout = _launch(tmp_path, 3, KillSchedule((kill,)), "--hold-at", "20", "--hold-size", "3")
+    events = read_events(tmp_path / "events")
+    survivors = [w for w in (0, 1, 2) if w != kill.worker]
+    assert sorted(events) == [0, 1, 2, 3], "one replacement, with a fresh worker id"
+    for w in survivors:  # never restarted: one start, one finish, a detected fault
+        kinds = [e["kind"] for e in events[w]]
+        assert kinds.count("start") == 1 and kinds.count("finish") == 1
+        assert "fault-detected" in kinds
+        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
+        assert any(e["kind"] == "step" and e["committed"] and len(e["members"]) == 2
+                   for e in events[w])  # fmt: skip
+    healed = [e for e in events[3] if e["kind"] == "state-received"]
+    assert healed and healed[0]["step"] == 20, "the newcomer received the committed state"
+    assert any(e["kind"] == "first-commit-after-change" for e in events[3])
+    _periodic_digests_agree(events)
+    finals = _finals(tmp_path / "out")
+    assert sorted(finals) == sorted([str(w) for w in survivors] + ["3"])
+    assert len({f["digest"] for f in finals.values()}) == 1, "bit parity at the end"
+    assert {f["step"] for f in finals.values()} == {STEPS}
+    _assert_close_to(reference, finals["3"]["params"])
+    assert "restarts" in stdout
+
+
+def test_parity_policy_ahead_wins_then_majority() -> None:
+    results = run_ranks(elastic_worker.reconcile_policies, 3, timeout_s=60)
+    steps, digests, received, sources = zip(*(r["ahead"] for r in results), strict=True)
+    assert steps == (1, 1, 1) and len(set(digests)) == 1
+    assert received == (False, True, True) and set(sources) == {0}
+    steps, digests, received, mismatch, sources = zip(
+        *(r["majority"] for r in results), strict=True
+    )
+    assert steps == (2, 2, 2) and len(set(digests)) == 1
+    assert received == (False, True, False)
+    assert all(mismatch) and set(sources) == {0}
