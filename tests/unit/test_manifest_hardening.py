@@ -212,6 +212,8 @@ def test_save_refuses_steps_the_manifest_key_cannot_hold(tmp_path: Path) -> None
     with stalwart.Checkpointer(tmp_path, OPTS) as ck:
         with pytest.raises(ConfigError, match="20 digits"):
             ck.save(MAX_STEP + 1, {"x": torch.ones(1)})
+        with pytest.raises(ConfigError, match="20 digits"):
+            ck.save_async(10**20, {"x": torch.ones(1)})
         ck.save(MAX_STEP, {"x": torch.ones(1)})
         assert ck.steps() == [MAX_STEP]
         assert ck.load(None)["x"].item() == 1.0
