@@ -346,11 +346,18 @@ def export(
     step: int | None = _STEP,
     fmt: str = typer.Option("safetensors", "--format", "-f", help=f"One of {', '.join(FORMATS)}."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    subtree: str | None = typer.Option(
+        None,
+        "--subtree",
+        help="Export only this model state dict (e.g. model), its prefix stripped.",
+    ),
     storage_option: list[str] = _OPTS,
 ) -> None:
     """Write a step's full tensors to one safetensors or torch.save file."""
     with _handled(), _open(root, storage_option) as ck:
-        r = export_step(ck, out, step=_step(ck, step), format=fmt, overwrite=overwrite)
+        r = export_step(
+            ck, out, step=_step(ck, step), format=fmt, overwrite=overwrite, subtree=subtree
+        )
         _out().print(
             f"exported step {r.step} ({r.tensors} tensors, {_size(r.bytes)}) to "
             f"{escape(str(r.path))} as {r.format}"

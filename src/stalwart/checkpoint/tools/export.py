@@ -44,7 +44,7 @@ from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpo
 from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten
 
-__all__ = ["FORMATS", "ExportResult", "ImportResult", "export_step", "import_file"]
+__all__ = ["FORMATS", "ExportResult", "ImportResult", "export_step", "import_file", "model_subtree"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ def export_step(
     step: int | None = None,
     format: str = "safetensors",
     overwrite: bool = False,
+    subtree: str | None = None,
 ) -> ExportResult:
     """Write the consolidated tensors of ``step`` to the file ``out``.
 
@@ -105,9 +106,13 @@ def export_step(
             (``torch.save`` of the nested tree; numpy arrays become tensors so that the file
             loads with ``torch.load(weights_only=True)``).
         overwrite: replace ``out`` when it exists.
+        subtree: export only this model state dict of the tree (``model`` in a
+            ``TrainingState``), its prefix stripped, as ``from_pretrained`` and
+            ``load_state_dict`` expect; see :func:`model_subtree`.
 
     Raises:
-        ConfigError: unknown format, or ``out`` exists and ``overwrite`` is False.
+        ConfigError: unknown format, ``out`` exists and ``overwrite`` is False, or
+            ``subtree`` is not a state dict of tensors.
         CheckpointNotFoundError: no such root or step.
         CorruptCheckpointError: the step's data is damaged.
     """
@@ -130,6 +135,8 @@ def export_step(
                 f"no committed checkpoint under {ckpt.url}; nothing to export"
             )
     tree = ckpt.load(None, step)
+    if subtree is not None:
+        tree = model_subtree(tree, subtree, where=f"{ckpt.url} step {step}")
     flat = flatten(tree)
     tensors = {fqn: leaf.tensor.contiguous() for fqn, leaf in flat.leaves.items()}
     if format == "safetensors":
@@ -154,6 +161,39 @@ def export_step(
         plain = _numpy_to_tensors(tree)
         _atomic_write(path, lambda tmp: torch.save(plain, tmp))
     return ExportResult(path, step, format, len(tensors), path.stat().st_size)
+
+
+def model_subtree(tree: Any, subtree: str | None, *, where: str) -> dict[str, torch.Tensor]:
+    """The flat ``{name: tensor}`` state dict at the dotted path ``subtree`` of ``tree``.
+
+    Raises:
+        ConfigError: no such path, or what is there (the whole tree when ``subtree`` is
+            None) is not a flat dict of tensors, e.g. a whole training state with optimizer
+            and RNG entries; the message names the subtree to pick.
+    """
+    node = tree
+    for key in subtree.split(".") if subtree else []:
+        if not isinstance(node, dict) or key not in node:
+            keys = sorted(map(str, node)) if isinstance(node, dict) else []
+            raise ConfigError(
+                f"{where} has no subtree {subtree!r} (no key {key!r}; keys there: {keys}); "
+                "pick one with subtree= (--subtree)"
+            )
+        node = node[key]
+    if isinstance(node, dict) and node and all(isinstance(v, torch.Tensor) for v in node.values()):
+        return {str(k): v for k, v in node.items()}
+    models = sorted(
+        str(k)
+        for k, v in (node.items() if isinstance(node, dict) else [])
+        if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())
+    )
+    hint = f"subtree='{models[0]}' (--subtree {models[0]})" if models else "subtree= (--subtree)"
+    keys = sorted(map(str, node))[:8] if isinstance(node, dict) else type(node).__name__
+    raise ConfigError(
+        f"{where}{' at ' + repr(subtree) if subtree else ''} is not a model's state dict of "
+        f"tensors (it holds {keys}), e.g. a whole training state with optimizer and RNG "
+        f"entries; a loader would find only unexpected keys. Pick the model with {hint}"
+    )
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:

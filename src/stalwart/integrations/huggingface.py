@@ -1,0 +1,356 @@
+"""Hugging Face: a ``Trainer`` callback, ``accelerate`` save/load hooks, and pretrained export.
+
+Adopting it in a ``Trainer`` is three lines::
+
+    from stalwart.integrations.huggingface import StalwartCallback
+    cb = StalwartCallback("runs/ckpt")                       # Trainer(..., callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_path())  # None on the first run
+
+**Saving.** The callback takes over the Trainer's saves: when the Trainer decides to save
+(``save_strategy``, ``save_steps``), the callback writes model, optimizer, LR scheduler, RNG
+and trainer state as stalwart step ``global_step`` into one root (consecutive saves share every
+unchanged chunk) and clears ``control.should_save``, so the Trainer writes no folder of its
+own. The model's config and class name go into the manifest's metadata (``hf.config``,
+``hf.model_class``) for :func:`export_pretrained`.
+
+**Resuming.** The Trainer resumes only from a folder in its own layout, so
+:meth:`StalwartCallback.resume_path` writes the newest step as one (``model.safetensors``,
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``) in a temporary
+folder and returns it; the Trainer then restores everything, RNG and data position included,
+so the resumed run is bit-identical to an uninterrupted one. That folder is a view made at
+resume time; the root stays the record. State of other stateful callbacks (early stopping)
+is not carried.
+
+**accelerate.** :func:`register_accelerate_hooks` makes ``Accelerator.save_state`` store the
+models' weights in a stalwart root (a ``stalwart.json`` pointer goes in the folder instead of
+``model.safetensors``) and ``load_state`` read them back; accelerate keeps writing the
+optimizer, scheduler and RNG files itself (its hooks see only the models).
+
+**Export and import.** :func:`export_pretrained` writes a step's model subtree as a
+``save_pretrained`` folder (safetensors + ``config.json``, prefix stripped, tied weights
+tied) through the model's own ``save_pretrained``; :func:`import_pretrained` reads such a
+folder into a step. Exporting a whole training state where a model is expected is an error
+that names the subtree to pick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalwart.checkpoint import Checkpointer, CheckpointOptions
+from stalwart.checkpoint.tools.export import model_subtree
+from stalwart.errors import CheckpointNotFoundError, ConfigError, MissingDependencyError
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover (the dev extra installs transformers)
+    raise MissingDependencyError(
+        "stalwart.integrations.huggingface needs transformers: pip install "
+        "'stalwart[huggingface]' (or pip install transformers accelerate)"
+    ) from e
+
+__all__ = [
+    "StalwartCallback",
+    "export_pretrained",
+    "import_pretrained",
+    "register_accelerate_hooks",
+]
+
+CONFIG_KEY = "hf.config"
+CLASS_KEY = "hf.model_class"
+POINTER_NAME = "stalwart.json"
+
+
+def _capture_rng() -> dict[str, Any]:
+    """The RNG states the Trainer saves, as values the state tree holds without pickle."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": list(py_state), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.random.get_rng_state_all()
+    return rng
+
+
+def _trainer_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """``rng_state.pth`` as the Trainer writes it, from :func:`_capture_rng`'s tree."""
+    py, npy = rng["python"], rng["numpy"]
+    keys = np.asarray(npy["keys"].numpy(), dtype=np.uint32)
+    out: dict[str, Any] = {
+        "python": (py["version"], tuple(py["state"]), py["gauss"]),
+        "numpy": (npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]),
+        "cpu": rng["cpu"],
+    }
+    if "cuda" in rng and torch.cuda.is_available():
+        cuda = rng["cuda"]
+        out["cuda"] = cuda if torch.cuda.device_count() > 1 else cuda[0]
+    return out
+
+
+def _model_metadata(model: Any) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        meta[CONFIG_KEY] = config.to_json_string(use_diff=False)
+    cls = type(model)
+    if getattr(transformers, cls.__name__, None) is cls:
+        meta[CLASS_KEY] = cls.__name__
+    return meta
+
+
+class StalwartCallback(TrainerCallback):  # type: ignore[misc]
+    """A ``transformers.TrainerCallback`` that saves the Trainer's state into a stalwart root.
+
+    Args:
+        root: folder or fsspec URL of the stalwart root.
+        options: the stalwart checkpoint options (chunking, compression, retention).
+        keep_trainer_checkpoints: also let the Trainer write its own ``checkpoint-N`` folders.
+        storage_options: fsspec options for a remote root.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        options: CheckpointOptions | None = None,
+        keep_trainer_checkpoints: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.checkpointer = Checkpointer(root, options, storage_options=storage_options)
+        self.keep_trainer_checkpoints = keep_trainer_checkpoints
+
+    def _maybe_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not control.should_save:
+            return control
+        model = kwargs["model"]
+        if state.is_world_process_zero or args.save_on_each_node:
+            state.stateful_callbacks["TrainerControl"] = control.state()
+            tree = {
+                "model": model,
+                "optimizer": kwargs.get("optimizer"),
+                "lr_scheduler": kwargs.get("lr_scheduler"),
+                "rng": _capture_rng(),
+                "trainer_state": json.dumps(_asdict(state), sort_keys=True),
+            }
+            self.checkpointer.save(state.global_step, tree, metadata=_model_metadata(model))
+        if not self.keep_trainer_checkpoints:
+            control.should_save = False
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Save when the Trainer would (its save schedule set ``control.should_save``)."""
+        return self._maybe_save(args, state, control, **kwargs)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Save at the end of an epoch when the Trainer would (``save_strategy="epoch"``)."""
+        return self._maybe_save(args, state, control, **kwargs)
+
+    def resume_path(self, step: int | None = None, folder: str | None = None) -> str | None:
+        """Write ``step`` (the newest when None) as a Trainer checkpoint folder; return it.
+
+        Args:
+            step: the step to resume from.
+            folder: where to write it; a new temporary folder when None.
+
+        Returns:
+            The folder for ``Trainer.train(resume_from_checkpoint=...)``, or None when the
+            root holds no checkpoint yet (a first run).
+        """
+        if step is None:
+            try:
+                step = self.checkpointer.latest_step()
+            except CheckpointNotFoundError:
+                step = None
+            if step is None:
+                return None
+        tree = self.checkpointer.load(None, step)
+        out = Path(folder or tempfile.mkdtemp(prefix="stalwart-resume-")) / f"checkpoint-{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
+        weights = {k: v.contiguous() for k, v in tree["model"].items()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = self.checkpointer.manifest(step).metadata.get(CONFIG_KEY)
+        if config is not None:
+            (out / "config.json").write_text(config)
+        if tree.get("optimizer") is not None:
+            torch.save(tree["optimizer"], out / "optimizer.pt")
+        if tree.get("lr_scheduler") is not None:
+            torch.save(tree["lr_scheduler"], out / "scheduler.pt")
+        torch.save(_trainer_rng(tree["rng"]), out / "rng_state.pth")
+        (out / "trainer_state.json").write_text(tree["trainer_state"])
+        return str(out)
+
+
+def _asdict(state: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(state)
+
+
+def register_accelerate_hooks(accelerator: Any, root: str | os.PathLike[str]) -> Checkpointer:
+    """Store the models' weights of ``accelerator.save_state`` in the stalwart root ``root``.
+
+    ``save_state(dir)`` then writes the weights as the next step of ``root`` and a
+    ``stalwart.json`` pointer in ``dir`` (no ``model.safetensors``); ``load_state(dir)`` loads
+    them from the step the pointer names. Optimizer, scheduler and RNG files stay accelerate's.
+
+    Returns:
+        The root's :class:`Checkpointer`.
+    """
+    ck = Checkpointer(root)
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        if not weights:
+            return
+        step = max(ck.steps(), default=0) + 1
+        ck.save(step, {"models": list(weights)}, metadata=_model_metadata(models[0]))
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, POINTER_NAME), "w") as f:
+            json.dump({"root": ck.url, "step": step, "models": len(weights)}, f)
+        weights.clear()  # accelerate writes no model files
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        pointer = os.path.join(input_dir, POINTER_NAME)
+        if not os.path.isfile(pointer):
+            return  # a folder accelerate wrote itself: let it load as usual
+        with open(pointer) as f:
+            step = int(json.load(f)["step"])
+        ck.load({"models": [accelerator.unwrap_model(m) for m in models]}, step)
+        models.clear()  # accelerate loads no model files
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    return ck
+
+
+def _model_class(name: str | None, given: Any) -> Any:
+    if given is not None:
+        return given
+    cls = getattr(transformers, name, None) if name else None
+    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
+        raise ConfigError(
+            f"cannot tell which transformers class the checkpoint's model is ({name!r}); pass "
+            "model_class=, e.g. export_pretrained(..., model_class=AutoModelForCausalLM)"
+        )
+    return cls
+
+
+def export_pretrained(
+    root: str | os.PathLike[str] | Checkpointer,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    subtree: str | None = "model",
+    model_class: Any = None,
+    config: Any = None,
+) -> Path:
+    """Write ``step``'s model as a ``save_pretrained`` folder that ``from_pretrained`` loads.
+
+    The model is built on the meta device from its config (no weights allocated twice), given
+    the checkpoint's tensors, its tied weights re-tied, and saved by its own
+    ``save_pretrained``: safetensors, ``config.json``, shared weights stored once.
+
+    Args:
+        root: the stalwart root (or its Checkpointer).
+        out: the folder to write.
+        step: the step; the newest when None.
+        subtree: the path of the model's state dict in the tree (``model`` for
+            :class:`StalwartCallback` and ``TrainingState``); None when the step is the bare
+            state dict.
+        model_class: the transformers class; read from the metadata (``hf.model_class``)
+            when None.
+        config: a ``PretrainedConfig``; read from the metadata (``hf.config``) when None.
+
+    Raises:
+        ConfigError: the subtree is not a model's state dict (a whole training state, say),
+            or the class or config is unknown.
+    """
+    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
+    step = ck.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {ck.url}; nothing to export")
+    weights = model_subtree(ck.load(None, step), subtree, where=f"{ck.url} step {step}")
+    meta = ck.manifest(step).metadata
+    cls = _model_class(meta.get(CLASS_KEY), model_class)
+    if config is None:
+        if CONFIG_KEY not in meta:
+            raise ConfigError(f"step {step} records no model config; pass config=")
+        config = transformers.AutoConfig.for_model(**json.loads(meta[CONFIG_KEY]))
+    with torch.device("meta"):
+        model = cls(config)
+    model.load_state_dict(weights, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ConfigError(
+            f"the checkpoint's model lacks {len(missing)} weights of {cls.__name__} "
+            f"({missing[:5]}...); check subtree= and model_class="
+        )
+    model.save_pretrained(str(out))
+    return Path(out)
+
+
+def import_pretrained(
+    folder: str | os.PathLike[str],
+    root: str | os.PathLike[str] | Checkpointer,
+    *,
+    step: int,
+    subtree: str = "model",
+) -> int:
+    """Save a ``save_pretrained`` folder's weights as ``step`` under ``subtree``.
+
+    Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` (no pickle)
+    and keeps ``config.json`` in the metadata. Weights that ``save_pretrained`` leaves out
+    because they are tied stay out: load with ``strict=False`` or re-tie after loading.
+
+    Returns:
+        The number of tensors imported.
+    """
+    from safetensors.torch import load_file
+
+    src = Path(folder)
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (src / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointNotFoundError(
+            f"{src} holds no model.safetensors (or its index); save the model with "
+            "save_pretrained(..., safe_serialization=True) first"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(str(src / name)))
+    meta = {"stalwart.source": f"pretrained:{src.name}"}
+    if (src / "config.json").is_file():
+        config = json.loads((src / "config.json").read_text())
+        meta[CONFIG_KEY] = json.dumps(config)
+        archs = config.get("architectures") or []
+        if archs:
+            meta[CLASS_KEY] = archs[0]
+    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
+    tree: Any = weights
+    for key in reversed(subtree.split(".") if subtree else []):
+        tree = {key: tree}
+    ck.save(step, tree, metadata=meta)
+    return len(weights)
