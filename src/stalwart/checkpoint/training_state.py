@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,52 @@ from stalwart.errors import StateMismatchError
 __all__ = ["TrainingState"]
 
 logger = logging.getLogger(__name__)
+
+
+def _parts(model: Any, optimizer: Any) -> list[tuple[nn.Module, Optimizer]]:
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    optims = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if len(models) != len(optims):
+        raise ValueError(f"{len(models)} model parts but {len(optims)} optimizers")
+    return list(zip(models, optims, strict=True))
+
+
+def _fqn_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state of every part, merged; optimizer keys are parameter FQNs."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd: dict[str, Any] = {}
+    osd: dict[str, Any] = {}
+    for part, opt in _parts(model, optimizer):
+        m, o = get_state_dict(part, opt, options=opts)
+        msd.update(m)
+        osd.update(o)
+    return msd, osd
+
+
+def _set_fqn_state_dicts(model: Any, optimizer: Any, state_dict: Mapping[str, Any]) -> None:
+    """Restore every part from merged FQN-keyed state (each part takes its own keys)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+    for part, opt in _parts(model, optimizer):
+        # set_state_dict fills a fresh optimizer's state only after a zero step that it
+        # skips when any gradient exists, and then silently loads no state: hide them.
+        grads = {p: p.grad for g in opt.param_groups for p in g["params"]} if not opt.state else {}
+        for p in grads:
+            p.grad = None
+        try:
+            set_state_dict(
+                part,
+                opt,
+                model_state_dict=dict(state_dict["model"]),
+                optim_state_dict=dict(state_dict["optimizer"]),
+                options=opts,
+            )
+        finally:
+            for p, grad in grads.items():
+                p.grad = grad
 
 
 def _current_rank() -> int:
@@ -200,6 +246,12 @@ class TrainingState:
         rng: save and restore the global torch, CUDA, numpy and Python RNGs of this rank.
         generators: further generators by name (a data loader's or sampler's
             ``torch.Generator``), saved with the RNG state of this rank.
+        fqn_optimizer_state: build model and optimizer state with
+            ``torch.distributed.checkpoint.state_dict.get_state_dict`` (restore with
+            ``set_state_dict``): optimizer state keyed by parameter FQN, not by index, so
+            pipeline stages and multi-part models do not collide and FSDP2/TP state is
+            saved sharded. ``model`` and ``optimizer`` may then be lists of parts
+            (``model[i]`` is optimized by ``optimizer[i]``), as in torchtitan.
 
     Example:
         >>> ts = TrainingState(model=model, optimizer=opt, extra={"step": 0})
@@ -210,13 +262,20 @@ class TrainingState:
     def __init__(
         self,
         *,
-        model: nn.Module | None = None,
-        optimizer: Optimizer | None = None,
+        model: nn.Module | Sequence[nn.Module] | None = None,
+        optimizer: Optimizer | Sequence[Optimizer] | None = None,
         scheduler: LRScheduler | None = None,
         extra: dict[str, Any] | None = None,
         rng: bool = True,
         generators: Mapping[str, torch.Generator] | None = None,
+        fqn_optimizer_state: bool = False,
     ) -> None:
+        self.fqn_optimizer_state = fqn_optimizer_state
+        if fqn_optimizer_state and (model is None) != (optimizer is None):
+            raise ValueError(
+                "fqn_optimizer_state=True keys optimizer state by the model's parameter names, "
+                "so it needs both model= and optimizer= (lists of the same length for parts)"
+            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -245,9 +304,11 @@ class TrainingState:
         RNG states are fresh tensors taken at call time, under this rank's key only.
         """
         sd: dict[str, Any] = {}
-        if self.model is not None:
+        if self.fqn_optimizer_state and self.model is not None:
+            sd["model"], sd["optimizer"] = _fqn_state_dicts(self.model, self.optimizer)
+        elif self.model is not None:
             sd["model"] = self.model.state_dict()
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.fqn_optimizer_state:
             sd["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             sd["scheduler"] = self.scheduler.state_dict()
@@ -273,9 +334,11 @@ class TrainingState:
                     f"(found {sorted(state_dict)}); build the TrainingState with the same "
                     "parts that were saved, or pass that part as None"
                 )
-        if self.model is not None:
+        if self.fqn_optimizer_state and self.model is not None:
+            _set_fqn_state_dicts(self.model, self.optimizer, state_dict)
+        elif self.model is not None:
             self.model.load_state_dict(state_dict["model"])
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.fqn_optimizer_state:
             self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])

@@ -185,8 +185,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:
             raise ConfigError(
                 f"DCP value {fqn!r} is a pickle that torch.load(weights_only=True) refuses "
-                f"({str(e).splitlines()[0][:200]}); if you trust the source, pass "
-                "trust_pickle=True (CLI: --trust-pickle)"
+                f"({type(e).__name__}); if you trust the source, pass trust_pickle=True "
+                "(CLI: --trust-pickle)"
             ) from None
         self.raw[fqn] = data
         self.state_dict[fqn] = obj
@@ -323,8 +323,9 @@ def _load(sd: dict[str, Any], reader: Any, planner: Any) -> None:
 
 
 def _causes(e: BaseException) -> list[BaseException]:
-    failures = getattr(e, "failures", None) or {}
-    return [*failures.values(), *([e.__cause__] if e.__cause__ else [])]
+    failures = getattr(e, "failures", None) or {}  # rank -> (exception, stack summary)
+    found = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return [*found, *([e.__cause__] if e.__cause__ else [])]
 
 
 def _load_values(md: Metadata, reader: Any, trust_pickle: bool) -> tuple[dict[str, Any], list[str]]:
