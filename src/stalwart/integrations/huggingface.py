@@ -72,7 +72,8 @@ POINTER_NAME = "stalwart.json"
 
 def _capture_rng() -> dict[str, Any]:
     """The RNG states the Trainer saves, as values the state tree holds without pickle."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # legacy=True: the MT19937 tuple
     version, py_state, gauss = random.getstate()
     rng: dict[str, Any] = {
         "python": {"version": version, "state": list(py_state), "gauss": gauss},
@@ -116,7 +117,7 @@ def _model_metadata(model: Any) -> dict[str, str]:
     return meta
 
 
-class StalwartCallback(TrainerCallback):  # type: ignore[misc]
+class StalwartCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that saves the Trainer's state into a stalwart root.
 
     Args:

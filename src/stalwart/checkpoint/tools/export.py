@@ -188,10 +188,10 @@ def model_subtree(tree: Any, subtree: str | None, *, where: str) -> dict[str, to
         if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())
     )
     hint = f"subtree='{models[0]}' (--subtree {models[0]})" if models else "subtree= (--subtree)"
-    keys = sorted(map(str, node))[:8] if isinstance(node, dict) else type(node).__name__
+    held = sorted(map(str, node))[:8] if isinstance(node, dict) else type(node).__name__
     raise ConfigError(
         f"{where}{' at ' + repr(subtree) if subtree else ''} is not a model's state dict of "
-        f"tensors (it holds {keys}), e.g. a whole training state with optimizer and RNG "
+        f"tensors (it holds {held}), e.g. a whole training state with optimizer and RNG "
         f"entries; a loader would find only unexpected keys. Pick the model with {hint}"
     )
 
