@@ -263,42 +263,58 @@ class Checkpointer(AsyncSaves):
         g: Group,
         t0: float,
     ) -> SaveResult:
-        """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton."""
+        """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
+
+        Rank 0 leases the committed steps before any rank reads their manifests, so that
+        another process's retention or GC cannot delete a pack this save deduplicates
+        against between that read and the commit (retention honours leased steps).
+        """
         local: dict[str, Any] = {}
+        with contextlib.ExitStack() as held:
 
-        def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
-            # Everything that can fail on one rank alone (opening and listing the store,
-            # reading manifests, flattening the state) runs inside g.run, so that such a
-            # failure fails every rank instead of leaving the others in the next collective.
-            local["store"] = self._store(create=True)
-            local["items"], skeleton = capture()
-            local["steps"] = self.steps()
-            local["known"] = self._known_chunks(local["steps"])
-            return [it.describe() for it in local["items"]], skeleton
+            def listing() -> list[int]:
+                local["store"] = store = self._store(create=True)
+                steps = self.steps() if g.rank == 0 else []
+                if g.rank == 0:
+                    held.enter_context(
+                        Lease(store, steps=steps, packs=(), lease_s=self.options.lease_s)
+                    )
+                return steps
 
-        described = g.run(f"preparing step {step}", prepare)
-        store, items, steps, known = (local[k] for k in ("store", "items", "steps", "known"))
-        plan = plan_writes(items, [d[0] for d in described], g.rank)
-        skeleton = merge_skeletons([d[1] for d in described])
-        lease = Lease(
-            store, steps=steps, packs={c.pack for c in known.values()}, lease_s=self.options.lease_s
-        )
-        pack_key = f"packs/step-{step:020d}-rank{g.rank:05d}-{uuid.uuid4().hex[:12]}.pack"
+            steps = g.run(f"listing steps before step {step}", listing)[0]
 
-        def persist() -> Any:
-            shards, stats = persist_boxes(
-                store,
-                plan.writes,
-                pack_key=pack_key,
-                known=known,
-                options=self.options,
-                pool=self._pool,
-                previous=self._fast_index,
-            )
-            local["fast_index"], stats.fast_index = stats.fast_index, {}  # stays on this rank
-            return {k: s.to_json() for k, s in shards.items()}, stats
+            def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+                # Everything that can fail on one rank alone (opening the store, reading
+                # manifests, flattening the state) runs inside g.run, so that such a failure
+                # fails every rank instead of leaving the others in the next collective.
+                local["items"], skeleton = capture()
+                local["known"] = self._known_chunks(steps)
+                return [it.describe() for it in local["items"]], skeleton
 
-        with lease if g.rank == 0 else contextlib.nullcontext():
+            described = g.run(f"preparing step {step}", prepare)
+            store, items, known = local["store"], local["items"], local["known"]
+            plan = plan_writes(items, [d[0] for d in described], g.rank)
+            skeleton = merge_skeletons([d[1] for d in described])
+            pack_key = f"packs/step-{step:020d}-rank{g.rank:05d}-{uuid.uuid4().hex[:12]}.pack"
+
+            def persist() -> Any:
+                shards, stats = persist_boxes(
+                    store,
+                    plan.writes,
+                    pack_key=pack_key,
+                    known=known,
+                    options=self.options,
+                    pool=self._pool,
+                    previous=self._fast_index,
+                )
+                local["fast_index"], stats.fast_index = stats.fast_index, {}  # this rank's
+                return {k: s.to_json() for k, s in shards.items()}, stats
+
+            if g.rank == 0:
+                packs = {c.pack for c in known.values()}
+                held.enter_context(
+                    Lease(store, steps=steps, packs=packs, lease_s=self.options.lease_s)
+                )
             results = g.run(f"saving step {step}", persist)
 
             def commit() -> Manifest | None:
