@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,3 +217,19 @@ def test_remote_root_with_storage_options(
     assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [1]
     code, out, _ = run(app, "verify", url, *flags)
     assert code == 0 and "step 1: ok" in out
+
+
+def test_log_messages_never_reach_stdout(root: Path) -> None:
+    # A warning logged while a command runs (any library's) must not corrupt --json output.
+    code = (
+        "import logging, sys\n"
+        "from stalwart.cli import main\n"
+        "main._main(verbose=False)\n"
+        "logging.getLogger('stalwart.any').warning('a warning while listing')\n"
+        "main.app(['ckpt', 'ls', sys.argv[1], '--json'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert json.loads(proc.stdout)["steps"], proc.stdout  # stdout is pure JSON
+    assert "a warning while listing" in proc.stderr

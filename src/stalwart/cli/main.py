@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import typer
+from rich.console import Console
 from rich.logging import RichHandler
 
 from stalwart.cli import ckpt, demo, protect, pvf, rca, run
@@ -25,7 +26,8 @@ def _main(
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
-        handlers=[RichHandler(show_path=False)],
+        # stderr: stdout carries results (--json) that logging must never interleave with
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
     )
 
 
