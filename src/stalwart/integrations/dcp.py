@@ -25,16 +25,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -53,103 +49,31 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.commit import build_manifest
-from stalwart.checkpoint.durable.gc import apply_retention
-from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
-from stalwart.checkpoint.durable.persist import PersistStats, persist_boxes
+from stalwart.checkpoint.durable.manifest import Manifest
+from stalwart.checkpoint.durable.persist import PersistStats
 from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.checkpoint.durable.reshard import Box, read_boxes
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointNotFoundError, ConfigError
-from stalwart.storage import open_storage
+from stalwart.integrations.dcp_root import (
+    PICKLED_KEY,
+    READ_BATCH_BYTES,
+    Root,
+    dcp_leaves,
+    fqn_of,
+    nest,
+    parse_checkpoint_id,
+    plain_value,
+    strip_numpy,
+)
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
 __all__ = ["StalwartReader", "StalwartWriter", "export_dcp", "import_dcp"]  # noqa: F822
 
-PICKLED_KEY = "dcp.pickled"
-"""Manifest metadata: JSON list of the values stored as pickles (loading them needs trust)."""
-READ_BATCH_BYTES = 256 << 20
-"""Tensor bytes read per batch when loading or importing (bounds the temporaries held)."""
-_ID_RE = re.compile(r"(\d+)$")
 _TRUST_HINT = (
     "loading it would run a pickle from the checkpoint; if you trust the checkpoint, pass "
     "StalwartReader(..., trust_pickle=True)"
 )
-
-
-def parse_checkpoint_id(checkpoint_id: Any) -> tuple[str | None, int]:
-    """``(root or None, step)`` named by a DCP ``checkpoint_id``.
-
-    Raises:
-        ConfigError: the id neither is an int nor ends in digits.
-    """
-    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
-        return None, checkpoint_id
-    s = os.fspath(checkpoint_id).rstrip("/")
-    parent, _, name = s.rpartition("/")
-    m = _ID_RE.search(name)
-    if m is None:
-        raise ConfigError(
-            f"checkpoint_id {checkpoint_id!r} names no step: stalwart keeps one step per "
-            "checkpoint, so pass an int or a name that ends in the step ('step-100')"
-        )
-    return (parent or None), int(m.group(1))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-class _Root:
-    """One stalwart root opened for DCP: committed chunks, new packs, manifests."""
-
-    def __init__(
-        self, root: Any, options: CheckpointOptions, storage_options: dict[str, Any] | None
-    ) -> None:
-        self.options = options
-        self.store = open_storage(root, storage_options=storage_options, create=True)
-        self.ckpt = Checkpointer(self.store, options)
-        self.pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="stalwart-dcp")
-        self.fast_index: dict[Any, Any] = {}
-
-    def known(self) -> dict[str, ChunkRef]:
-        """Every chunk of every committed step, by hash (what a save may reference)."""
-        known: dict[str, ChunkRef] = {}
-        for s in self.ckpt.steps():
-            for c in self.ckpt.manifest(s).chunks():
-                known.setdefault(c.hash, c)
-        return known
-
-    def persist(
-        self, step: int, items: list[LocalItem], known: dict[str, ChunkRef]
-    ) -> tuple[dict[Any, Any], PersistStats]:
-        """Write ``items`` as chunks (new ones into one new pack); shard entries as JSON."""
-        pack = f"packs/step-{step:020d}-rank{_rank():05d}-{uuid.uuid4().hex[:12]}.pack"
-        shards, stats = persist_boxes(
-            self.store,
-            items,
-            pack_key=pack,
-            known=known,
-            options=self.options,
-            pool=self.pool,
-            previous=self.fast_index,
-        )
-        self.fast_index, stats.fast_index = stats.fast_index, {}
-        return {k: s.to_json() for k, s in shards.items()}, stats
-
-    def commit(
-        self, step: int, tensors: Any, tree: Any, results: list[Any], meta: Any, t0: float
-    ) -> Manifest:
-        """Write the manifest of ``step`` (the commit), then apply retention."""
-        skeleton = flatten(tree).skeleton
-        m = build_manifest(step, tensors, skeleton, results, len(results), meta, t0)
-        self.store.write(manifest_key(step), [m.to_bytes()])
-        apply_retention(self.store, self.options.keep, self.ckpt.steps(), self.ckpt.manifest)
-        return m
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        self.ckpt.close()
 
 
 @dataclass(frozen=True)
@@ -160,65 +84,6 @@ class _Stored:
     value: Any = None
     pickled: bool = False
     stats: PersistStats | None = None
-
-
-def _plain_value(data: bytes) -> tuple[Any, bool]:
-    """``(value, False)`` when the pickle holds plain data, else ``(data, True)``."""
-    try:
-        value = torch.load(io.BytesIO(data), weights_only=True)
-        if not flatten(value).leaves:  # tensors inside a value: keep DCP's pickle
-            return value, False
-    except Exception:  # weights_only refuses it, or the format cannot hold it
-        pass
-    return data, True
-
-
-def _nest(leaves: Mapping[tuple[Any, ...], Any]) -> Any:
-    """A tree from ``path -> leaf``; int path items become list indices (DCP's paths)."""
-    root: dict[Any, Any] = {}
-    for path, leaf in leaves.items():
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = leaf
-
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict) or not node:
-            return node
-        out = {k: lists(v) for k, v in node.items()}
-        if all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
-            return [out[i] for i in range(len(out))]
-        return out
-
-    return lists(root)
-
-
-def _dcp_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """The leaves DCP's ``traverse_state_dict`` visits: mappings always, lists holding
-    tensors, mappings or such lists; every other value (tuples too) is one leaf."""
-
-    def terminal(v: Any) -> bool:
-        if isinstance(v, Mapping):
-            return False
-        if not isinstance(v, list):
-            return True
-        return not any(
-            isinstance(e, torch.Tensor) or (isinstance(e, (Mapping, list)) and not terminal(e))
-            for e in v
-        )
-
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _dcp_leaves(v, (*path, str(k)))
-    elif path and terminal(tree):
-        yield path, tree
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from _dcp_leaves(v, (*path, i))
-
-
-def _fqn(path: tuple[Any, ...]) -> str:
-    return ".".join(map(str, path))
 
 
 class StalwartWriter(StorageWriter):
@@ -248,7 +113,7 @@ class StalwartWriter(StorageWriter):
         self.step = step
         self.options = options or CheckpointOptions()
         self._storage_options = storage_options
-        self._root: _Root | None = None
+        self._root: Root | None = None
         self._root_url: Any = None
         self._t0 = time.perf_counter()
 
@@ -276,14 +141,14 @@ class StalwartWriter(StorageWriter):
             return False
         return True
 
-    def _open(self) -> _Root:
+    def _open(self) -> Root:
         if self.step is None:
             raise ConfigError("no step to save: pass checkpoint_id to dcp.save, or step=")
         if self._root is None:
             url = self._root_url if self._root_url is not None else self._root_arg
             if url is None:
                 raise ConfigError("StalwartWriter has no root: pass one or a checkpoint_id path")
-            self._root, self._root_url = _Root(url, self.options, self._storage_options), url
+            self._root, self._root_url = Root(url, self.options, self._storage_options), url
         return self._root
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -308,7 +173,7 @@ class StalwartWriter(StorageWriter):
             if wi.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(wi)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                value, pickled = _plain_value(raw)
+                value, pickled = plain_value(raw)
                 results.append(
                     WriteResult(wi.index, len(raw), _Stored(value=value, pickled=pickled))
                 )
@@ -366,8 +231,8 @@ class StalwartWriter(StorageWriter):
                         pickled.append(fqn)
             per_rank.append((shards, stats))
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        tree = _nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
-        if {_fqn(p) for p, v in _dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
+        tree = nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
+        if {fqn_of(p) for p, v in dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
             tree = dict(leaves)  # an unusual planner: keep DCP's names, flat
         meta = {"stalwart.source": "torch.distributed.checkpoint"}
         if pickled:
@@ -412,7 +277,7 @@ class StalwartReader(StorageReader):
         super().__init__()
         self._root_arg, self.step, self.trust_pickle = root, step, trust_pickle
         self._storage_options = storage_options
-        self._root: _Root | None = None
+        self._root: Root | None = None
         self._loaded: _Loaded | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -437,15 +302,15 @@ class StalwartReader(StorageReader):
                 raise ConfigError("StalwartReader has no root: pass one or a checkpoint_id path")
             if not Checkpointer(self._root_arg).steps():
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self._root_arg}")
-            self._root = _Root(self._root_arg, CheckpointOptions(), self._storage_options)
+            self._root = Root(self._root_arg, CheckpointOptions(), self._storage_options)
         step = self.step if self.step is not None else self._root.ckpt.latest_step()
         assert step is not None
         m = self._root.ckpt.manifest(step)
-        tree = unflatten(_no_numpy(m.skeleton), lambda fqn: torch.empty(0))
+        tree = unflatten(strip_numpy(m.skeleton), lambda fqn: torch.empty(0))
         loaded = _Loaded(m, pickled=set(json.loads(m.metadata.get(PICKLED_KEY, "[]"))))
-        for path, v in _dcp_leaves(tree):
+        for path, v in dcp_leaves(tree):
             if not isinstance(v, torch.Tensor) and not flatten(v).leaves:
-                loaded.values[_fqn(path)] = v  # (a tuple holding tensors is not offered)
+                loaded.values[fqn_of(path)] = v  # (a tuple holding tensors is not offered)
         self._loaded = loaded
         return loaded
 
@@ -529,15 +394,6 @@ class StalwartReader(StorageReader):
         if self._root is not None:
             self._root.close()
             self._root = None
-
-
-def _no_numpy(node: Any) -> Any:
-    """``skeleton`` without numpy markers (placeholders stay tensors)."""
-    if isinstance(node, dict):
-        return {k: _no_numpy(v) for k, v in node.items() if k != "numpy"}
-    if isinstance(node, list):
-        return [_no_numpy(v) for v in node]
-    return node
 
 
 def __getattr__(name: str) -> Any:

@@ -42,15 +42,15 @@ from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.tools.dcp_import import parse_metadata
 from stalwart.errors import ConfigError, CorruptCheckpointError
-from stalwart.integrations.dcp import (
+from stalwart.integrations.dcp_root import (
     PICKLED_KEY,
     READ_BATCH_BYTES,
-    _dcp_leaves,
-    _fqn,
-    _nest,
-    _no_numpy,
-    _plain_value,
-    _Root,
+    Root,
+    dcp_leaves,
+    fqn_of,
+    nest,
+    plain_value,
+    strip_numpy,
 )
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
@@ -130,10 +130,10 @@ def export_dcp(
         e = m.tensors[fqn]
         return torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta")
 
-    tree = _lists(unflatten(_no_numpy(m.skeleton), meta))
+    tree = _lists(unflatten(strip_numpy(m.skeleton), meta))
     if not isinstance(tree, dict):
         tree = {"state": tree}
-    names = {_fqn(p): n for p, n in _tensor_paths(tree, m.tensors)}  # DCP's name -> stalwart's
+    names = {fqn_of(p): n for p, n in _tensor_paths(tree, m.tensors)}  # DCP's name -> stalwart's
     planner = _StreamingSavePlanner(ckpt, step, names)
     if _is_url(dest):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -142,7 +142,7 @@ def export_dcp(
     else:
         writer = FileSystemWriter(os.fspath(dest), thread_count=1)
     dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
-    values = sum(1 for _, v in _dcp_leaves(tree) if not isinstance(v, torch.Tensor))
+    values = sum(1 for _, v in dcp_leaves(tree) if not isinstance(v, torch.Tensor))
     total = sum(e.nbytes for e in m.tensors.values())
     return TransferResult(
         step, len(m.tensors), values, total, planner.bytes_read, time.perf_counter() - t0
@@ -160,9 +160,9 @@ def _lists(tree: Any) -> Any:
 def _tensor_paths(tree: Any, tensors: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
     """``(DCP path, stalwart name)`` of every tensor leaf (both join keys with '.')."""
     out = []
-    for path, v in _dcp_leaves(tree):
+    for path, v in dcp_leaves(tree):
         if isinstance(v, torch.Tensor):
-            name = _fqn(path)
+            name = fqn_of(path)
             if name not in tensors:
                 raise ConfigError(f"tensor at {path!r} has no stalwart name {name!r}")
             out.append((path, name))
@@ -250,7 +250,7 @@ def import_dcp(
     raw = _read_metadata_bytes(source, storage_options)
     md = parse_metadata(raw, source, trust_pickle=trust_pickle)
     reader = _reader(source, md, storage_options)
-    dest = _Root(root, options or CheckpointOptions(), storage_options)
+    dest = Root(root, options or CheckpointOptions(), storage_options)
     try:
         known = dest.known()
         tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -282,8 +282,8 @@ def import_dcp(
         values, pickled = _load_values(md, reader, trust_pickle)
         paths = md.planner_data if isinstance(md.planner_data, dict) else {}
         leaves: dict[str, Any] = {f: torch.empty(0) for f in tensors} | values
-        tree = _nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
-        if {_fqn(p) for p, v in _dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
+        tree = nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
+        if {fqn_of(p) for p, v in dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
             tree = leaves
         meta = {"stalwart.source": f"dcp import of {os.fspath(source)}"}
         if pickled:
@@ -340,7 +340,7 @@ def _load_values(md: Metadata, reader: Any, trust_pickle: bool) -> tuple[dict[st
     values: dict[str, Any] = {}
     pickled: list[str] = []
     for fqn in sd:
-        value, is_pickle = _plain_value(planner.raw[fqn])
+        value, is_pickle = plain_value(planner.raw[fqn])
         values[fqn] = value
         if is_pickle:
             pickled.append(fqn)

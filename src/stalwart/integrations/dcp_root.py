@@ -1,0 +1,194 @@
+"""What the DCP adapters share: step ids, DCP's tree paths, and a stalwart root to write.
+
+DCP names a state dict's leaves by their key paths joined with ``.``, descending into
+mappings always and into lists only when they hold tensors or mappings (every other value,
+tuples included, is one leaf); :func:`dcp_leaves` walks a tree by the same rule and
+:func:`nest` rebuilds a tree from DCP's paths, so a step written through DCP reads back,
+through stalwart, as the nested tree that was saved. :class:`Root` persists boxes and
+commits manifests with the durable engine's own functions (one format, one set of checks).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.commit import build_manifest
+from stalwart.checkpoint.durable.gc import apply_retention
+from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
+from stalwart.checkpoint.durable.persist import PersistStats, persist_boxes
+from stalwart.checkpoint.durable.plan import LocalItem
+from stalwart.checkpoint.options import CheckpointOptions
+from stalwart.errors import ConfigError
+from stalwart.storage import open_storage
+from stalwart.tree import flatten
+
+__all__ = [
+    "PICKLED_KEY",
+    "READ_BATCH_BYTES",
+    "Root",
+    "dcp_leaves",
+    "fqn_of",
+    "nest",
+    "parse_checkpoint_id",
+    "plain_value",
+    "strip_numpy",
+]
+
+PICKLED_KEY = "dcp.pickled"
+"""Manifest metadata: JSON list of the values stored as pickles (loading them needs trust)."""
+READ_BATCH_BYTES = 256 << 20
+"""Tensor bytes read per batch when loading or importing (bounds the temporaries held)."""
+_ID_RE = re.compile(r"(\d+)$")
+
+
+def parse_checkpoint_id(checkpoint_id: Any) -> tuple[str | None, int]:
+    """``(root or None, step)`` named by a DCP ``checkpoint_id``.
+
+    Raises:
+        ConfigError: the id neither is an int nor ends in digits.
+    """
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+        return None, checkpoint_id
+    s = os.fspath(checkpoint_id).rstrip("/")
+    parent, _, name = s.rpartition("/")
+    m = _ID_RE.search(name)
+    if m is None:
+        raise ConfigError(
+            f"checkpoint_id {checkpoint_id!r} names no step: stalwart keeps one step per "
+            "checkpoint, so pass an int or a name that ends in the step ('step-100')"
+        )
+    return (parent or None), int(m.group(1))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Root:
+    """One stalwart root opened for DCP: committed chunks, new packs, manifests."""
+
+    def __init__(
+        self, root: Any, options: CheckpointOptions, storage_options: dict[str, Any] | None
+    ) -> None:
+        self.options = options
+        self.store = open_storage(root, storage_options=storage_options, create=True)
+        self.ckpt = Checkpointer(self.store, options)
+        self.pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="stalwart-dcp")
+        self.fast_index: dict[Any, Any] = {}
+
+    def known(self) -> dict[str, ChunkRef]:
+        """Every chunk of every committed step, by hash (what a save may reference)."""
+        known: dict[str, ChunkRef] = {}
+        for s in self.ckpt.steps():
+            for c in self.ckpt.manifest(s).chunks():
+                known.setdefault(c.hash, c)
+        return known
+
+    def persist(
+        self, step: int, items: list[LocalItem], known: dict[str, ChunkRef]
+    ) -> tuple[dict[Any, Any], PersistStats]:
+        """Write ``items`` as chunks (new ones into one new pack); shard entries as JSON."""
+        pack = f"packs/step-{step:020d}-rank{_rank():05d}-{uuid.uuid4().hex[:12]}.pack"
+        shards, stats = persist_boxes(
+            self.store,
+            items,
+            pack_key=pack,
+            known=known,
+            options=self.options,
+            pool=self.pool,
+            previous=self.fast_index,
+        )
+        self.fast_index, stats.fast_index = stats.fast_index, {}
+        return {k: s.to_json() for k, s in shards.items()}, stats
+
+    def commit(
+        self, step: int, tensors: Any, tree: Any, results: list[Any], meta: Any, t0: float
+    ) -> Manifest:
+        """Write the manifest of ``step`` (the commit), then apply retention."""
+        skeleton = flatten(tree).skeleton
+        m = build_manifest(step, tensors, skeleton, results, len(results), meta, t0)
+        self.store.write(manifest_key(step), [m.to_bytes()])
+        apply_retention(self.store, self.options.keep, self.ckpt.steps(), self.ckpt.manifest)
+        return m
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.ckpt.close()
+
+
+def plain_value(data: bytes) -> tuple[Any, bool]:
+    """``(value, False)`` when the pickle holds plain data, else ``(data, True)``."""
+    try:
+        value = torch.load(io.BytesIO(data), weights_only=True)
+        if not flatten(value).leaves:  # tensors inside a value: keep DCP's pickle
+            return value, False
+    except Exception:  # weights_only refuses it, or the format cannot hold it
+        pass
+    return data, True
+
+
+def nest(leaves: Mapping[tuple[Any, ...], Any]) -> Any:
+    """A tree from ``path -> leaf``; int path items become list indices (DCP's paths)."""
+    root: dict[Any, Any] = {}
+    for path, leaf in leaves.items():
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict) or not node:
+            return node
+        out = {k: lists(v) for k, v in node.items()}
+        if all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+            return [out[i] for i in range(len(out))]
+        return out
+
+    return lists(root)
+
+
+def dcp_leaves(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The leaves DCP's ``traverse_state_dict`` visits: mappings always, lists holding
+    tensors, mappings or such lists; every other value (tuples too) is one leaf."""
+
+    def terminal(v: Any) -> bool:
+        if isinstance(v, Mapping):
+            return False
+        if not isinstance(v, list):
+            return True
+        return not any(
+            isinstance(e, torch.Tensor) or (isinstance(e, (Mapping, list)) and not terminal(e))
+            for e in v
+        )
+
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from dcp_leaves(v, (*path, str(k)))
+    elif path and terminal(tree):
+        yield path, tree
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from dcp_leaves(v, (*path, i))
+
+
+def fqn_of(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+def strip_numpy(node: Any) -> Any:
+    """``skeleton`` without numpy markers (placeholders stay tensors)."""
+    if isinstance(node, dict):
+        return {k: strip_numpy(v) for k, v in node.items() if k != "numpy"}
+    if isinstance(node, list):
+        return [strip_numpy(v) for v in node]
+    return node
