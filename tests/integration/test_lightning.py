@@ -172,3 +172,22 @@ def test_remove_checkpoint_keeps_a_step_another_pointer_names(tmp_path: pathlib.
     io.remove_checkpoint(b)
     assert io.checkpointer(str(tmp_path / "root")).steps() == []
     io.teardown()
+
+
+def _rank_zero_saves(rank: int, world_size: int, tmp: str) -> list[float]:
+    """Lightning's DDP pattern: only rank 0 saves; every rank loads."""
+    io = StalwartCheckpointIO(pathlib.Path(tmp) / "root")
+    path = pathlib.Path(tmp) / "c" / "a.ckpt"
+    if rank == 0:
+        io.save_checkpoint({"state_dict": {"w": torch.arange(3.0)}, "global_step": 1}, path)
+    torch.distributed.barrier()
+    loaded = io.load_checkpoint(path)["state_dict"]["w"].tolist()
+    io.teardown()
+    return loaded
+
+
+@pytest.mark.slow  # two processes that each import Lightning
+def test_rank_zero_saves_alone_under_ddp(tmp_path: pathlib.Path) -> None:
+    from stalwart.testing import run_ranks
+
+    assert run_ranks(_rank_zero_saves, 2, str(tmp_path), timeout_s=90) == [[0.0, 1.0, 2.0]] * 2

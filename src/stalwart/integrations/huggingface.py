@@ -142,16 +142,17 @@ class StalwartCallback(TrainerCallback):
         if not control.should_save:
             return control
         model = kwargs["model"]
-        if state.is_world_process_zero or args.save_on_each_node:
-            state.stateful_callbacks["TrainerControl"] = control.state()
-            tree = {
-                "model": model,
-                "optimizer": kwargs.get("optimizer"),
-                "lr_scheduler": kwargs.get("lr_scheduler"),
-                "rng": _capture_rng(),
-                "trainer_state": json.dumps(_asdict(state), sort_keys=True),
-            }
-            self.checkpointer.save(state.global_step, tree, metadata=_model_metadata(model))
+        # Every rank saves, together: replicated tensors are written once, sharded ones
+        # (FSDP) by their holders; RNG states are per rank.
+        state.stateful_callbacks["TrainerControl"] = control.state()
+        tree = {
+            "model": model,
+            "optimizer": kwargs.get("optimizer"),
+            "lr_scheduler": kwargs.get("lr_scheduler"),
+            "rng": {f"rank{_rank()}": _capture_rng()},
+            "trainer_state": json.dumps(_asdict(state), sort_keys=True),
+        }
+        self.checkpointer.save(state.global_step, tree, metadata=_model_metadata(model))
         if not self.keep_trainer_checkpoints:
             control.should_save = False
         return control
@@ -173,7 +174,8 @@ class StalwartCallback(TrainerCallback):
 
         Returns:
             The folder for ``Trainer.train(resume_from_checkpoint=...)``, or None when the
-            root holds no checkpoint yet (a first run).
+            root holds no checkpoint yet (a first run). Under torch.distributed every rank
+            calls it (the load is collective) and gets a folder with its own RNG file.
         """
         if step is None:
             try:
@@ -196,9 +198,21 @@ class StalwartCallback(TrainerCallback):
             torch.save(tree["optimizer"], out / "optimizer.pt")
         if tree.get("lr_scheduler") is not None:
             torch.save(tree["lr_scheduler"], out / "scheduler.pt")
-        torch.save(_trainer_rng(tree["rng"]), out / "rng_state.pth")
+        rank, world = _rank(), _world()
+        rng_name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"
+        torch.save(_trainer_rng(tree["rng"][f"rank{rank}"]), out / rng_name)
         (out / "trainer_state.json").write_text(tree["trainer_state"])
         return str(out)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _asdict(state: Any) -> dict[str, Any]:
