@@ -128,42 +128,19 @@ class AsyncSaver:
         stager thread copies them, and the guard makes that step wait.
         """
         t0 = time.perf_counter()
-        self.raise_unobserved()
-        while len(self.pending) >= self.max_inflight:
-            self.pending[0].future.exception()  # wait for the oldest (errors surface later)
-            self._reap()
+        self._make_room()
         # The lowest slot no pending save holds: back-to-back saves reuse the same buffers
         # (warm pages) instead of cycling through cold ones.
         busy = {id(p.slot) for p in self.pending}
         slot = next(s for s in self.slots if id(s) not in busy)
-        pending = PendingSave(step, lazy)
-        pending.slot = slot
-        ts = time.perf_counter()
         cap, finish = stage(items, slot, defer=defer if lazy else frozenset())
-        pending.capture = cap
-        stage_future: Future[None] | None = None
+        staged: Future[None] = Future()
         if finish is None:
-            pending.staging_s = time.perf_counter() - ts
-            pending.staged.set()
+            staged.set_result(None)
         else:
-
-            def do_stage() -> None:
-                try:
-                    finish()
-                finally:
-                    pending.staging_s = time.perf_counter() - ts
-                    pending.staged.set()
-
-            stage_future = self._stager.submit(do_stage)
-
-        def capture() -> tuple[list[LocalItem], dict[str, Any]]:
-            if stage_future is not None:
-                stage_future.result()  # a staging error fails the save on every rank
-            cap.ready()
-            return _staged_items(items, cap), skeleton
-
-        self._enqueue(pending, capture, write)
-        pending.blocking_s = time.perf_counter() - t0
+            staged = self._stager.submit(finish)
+        pending = self.submit_captured(step, cap, items, skeleton, staged, write, t0=t0)
+        pending.slot, pending.lazy = slot, lazy
         return pending
 
     def submit_captured(
@@ -174,29 +151,40 @@ class AsyncSaver:
         skeleton: dict[str, Any],
         staged: Future[None],
         write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+        *,
+        t0: float | None = None,
     ) -> PendingSave:
         """Persist a capture another tier made (``staged`` completes once it is copied).
 
         The capture's buffer belongs to the caller, who must not reuse it before the save
         completes; no slot of this saver is used.
         """
-        t0 = time.perf_counter()
-        self.raise_unobserved()
-        while len(self.pending) >= self.max_inflight:
-            self.pending[0].future.exception()
-            self._reap()
+        t0 = time.perf_counter() if t0 is None else t0
+        self._make_room()
         pending = PendingSave(step, lazy=not staged.done())
         pending.capture = cap
-        staged.add_done_callback(lambda _f: pending.staged.set())
+
+        def on_staged(_f: Future[None]) -> None:
+            pending.staging_s = time.perf_counter() - t0
+            pending.staged.set()  # also on a staging error: never leave a guard waiting
+
+        staged.add_done_callback(on_staged)
 
         def capture() -> tuple[list[LocalItem], dict[str, Any]]:
-            staged.result()
+            staged.result()  # a staging error fails the save on every rank
             cap.ready()
             return _staged_items(items, cap), skeleton
 
         self._enqueue(pending, capture, write)
         pending.blocking_s = time.perf_counter() - t0
         return pending
+
+    def _make_room(self) -> None:
+        """Raise an unseen background failure; wait while too many saves are in flight."""
+        self.raise_unobserved()
+        while len(self.pending) >= self.max_inflight:
+            self.pending[0].future.exception()  # wait for the oldest (errors surface later)
+            self._reap()
 
     def _enqueue(
         self,
