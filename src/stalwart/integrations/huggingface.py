@@ -300,11 +300,17 @@ def export_pretrained(
             or the class or config is unknown.
     """
     ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
-    step = ck.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {ck.url}; nothing to export")
-    weights = model_subtree(ck.load(None, step), subtree, where=f"{ck.url} step {step}")
-    meta = ck.manifest(step).metadata
+    try:
+        step = ck.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {ck.url}; nothing to export"
+            )
+        weights = model_subtree(ck.load(None, step), subtree, where=f"{ck.url} step {step}")
+        meta = ck.manifest(step).metadata
+    finally:
+        if ck is not root:
+            ck.close()
     cls = _model_class(meta.get(CLASS_KEY), model_class)
     if config is None:
         if CONFIG_KEY not in meta:
@@ -363,9 +369,13 @@ def import_pretrained(
         archs = config.get("architectures") or []
         if archs:
             meta[CLASS_KEY] = archs[0]
-    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
     tree: Any = weights
     for key in reversed(subtree.split(".") if subtree else []):
         tree = {key: tree}
-    ck.save(step, tree, metadata=meta)
+    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
+    try:
+        ck.save(step, tree, metadata=meta)
+    finally:
+        if ck is not root:
+            ck.close()
     return len(weights)

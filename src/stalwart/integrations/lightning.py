@@ -324,7 +324,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, root: str | None = None) ->
             f"{path} is not a stalwart pointer file; load it with "
             "LightningModule.load_from_checkpoint as usual"
         )
-    with Checkpointer(root or ptr["root"]) as ck:
+    with Checkpointer(root or ptr["root"], process_group=_local_group()) as ck:
         return ck.load(None, ptr["step"])
 
 
