@@ -174,6 +174,14 @@ def test_remove_checkpoint_keeps_a_step_another_pointer_names(tmp_path: pathlib.
     io.teardown()
 
 
+def test_a_retention_policy_is_refused() -> None:
+    from stalwart.checkpoint import CheckpointOptions, KeepLast
+    from stalwart.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="save_top_k"):
+        StalwartCheckpointIO(options=CheckpointOptions(keep=KeepLast(2)))
+
+
 def _rank_zero_saves(rank: int, world_size: int, tmp: str) -> list[float]:
     """Lightning's DDP pattern: only rank 0 saves; every rank loads."""
     io = StalwartCheckpointIO(pathlib.Path(tmp) / "root")

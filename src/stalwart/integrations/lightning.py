@@ -45,8 +45,13 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint import Checkpointer, CheckpointOptions, PendingSave
-from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDependencyError
+from stalwart.checkpoint import Checkpointer, CheckpointOptions, KeepAll, PendingSave
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+)
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -137,6 +142,12 @@ class StalwartCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if options is not None and not isinstance(options.keep, KeepAll):
+            raise ConfigError(
+                f"StalwartCheckpointIO(options=...) has keep={options.keep!r}, which would "
+                "delete steps Lightning's files point to; leave keep at KeepAll() and let "
+                "ModelCheckpoint(save_top_k=...) decide what to keep"
+            )
         self.root = None if root is None else _root_url(root)
         self.options = options
         self.async_save = async_save
