@@ -256,3 +256,29 @@ def test_training_state_keys_optimizer_state_by_fqn_across_parts(tmp_path: Path)
     assert (
         "train.optimizer.state.head.weight.exp_avg_sq" in Checkpointer(tmp_path).manifest(2).tensors
     )
+
+
+def test_cli_exports_a_step_to_dcp_and_imports_it_back(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from stalwart.cli.main import app
+
+    state = {"model": {"w": torch.randn(4, 3)}, "epoch": 2}
+    Checkpointer(tmp_path / "r").save(3, state)
+    runner = CliRunner()
+    r = runner.invoke(
+        app, ["ckpt", "export", str(tmp_path / "r"), str(tmp_path / "d"), "--format", "dcp"]
+    )
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "d" / ".metadata").is_file()
+    r = runner.invoke(
+        app, ["ckpt", "import", str(tmp_path / "d"), str(tmp_path / "r2"), "--step", "8"]
+    )
+    assert r.exit_code == 0 and "(dcp)" in r.output, r.output
+    _assert_same(state, Checkpointer(tmp_path / "r2").load(None, 8))
+
+
+def test_reader_of_a_missing_root_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(BaseException, match="no committed checkpoint"):
+        dcp.load({"w": torch.zeros(1)}, storage_reader=StalwartReader(tmp_path / "nope"))
+    assert not (tmp_path / "nope").exists()

@@ -344,7 +344,9 @@ def export(
     root: str = _ROOT,
     out: Path = _OUT_FILE,
     step: int | None = _STEP,
-    fmt: str = typer.Option("safetensors", "--format", "-f", help=f"One of {', '.join(FORMATS)}."),
+    fmt: str = typer.Option(
+        "safetensors", "--format", "-f", help=f"One of {', '.join(FORMATS)}, or dcp (a DCP folder)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     subtree: str | None = typer.Option(
         None,
@@ -353,7 +355,10 @@ def export(
     ),
     storage_option: list[str] = _OPTS,
 ) -> None:
-    """Write a step's full tensors to one safetensors or torch.save file."""
+    """Write a step's full tensors to one safetensors or torch.save file, or a DCP folder."""
+    if fmt == "dcp":
+        _export_dcp(root, out, step, overwrite, subtree, storage_option)
+        return
     with _handled(), _open(root, storage_option) as ck:
         r = export_step(
             ck, out, step=_step(ck, step), format=fmt, overwrite=overwrite, subtree=subtree
@@ -361,6 +366,23 @@ def export(
         _out().print(
             f"exported step {r.step} ({r.tensors} tensors, {_size(r.bytes)}) to "
             f"{escape(str(r.path))} as {r.format}"
+        )
+
+
+def _export_dcp(
+    root: str, out: Path, step: int | None, overwrite: bool, subtree: str | None, pairs: list[str]
+) -> None:
+    from stalwart.integrations.dcp import export_dcp
+
+    with _handled(), _open(root, pairs) as ck:
+        if subtree is not None:
+            raise ConfigError("--subtree is for file formats; --format dcp writes the whole step")
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another OUT")
+        r = export_dcp(ck, out, step=_step(ck, step))
+        _out().print(
+            f"exported step {r.step} ({r.tensors} tensors, {r.values} values, "
+            f"{_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint"
         )
 
 
@@ -378,12 +400,33 @@ def import_(
     storage_option: list[str] = _OPTS,
 ) -> None:
     """Save a safetensors / torch.save file or a DCP checkpoint as a step (no pickle runs)."""
+    if (src / ".metadata").is_file():  # a DCP folder: streamed through DCP's public API
+        _import_dcp(src, root, step, overwrite, trust_pickle, storage_option)
+        return
     with _handled(), _open(root, storage_option, must_exist=False) as ck:
         r = import_file(src, ck, step=step, overwrite=overwrite, trust_pickle=trust_pickle)
         _out().print(
             f"imported {escape(str(src))} ({r.kind}) as step {step} into {escape(ck.url)}: "
             f"{r.tensors} tensors, {_size(r.save.bytes_total)} "
             f"({_size(r.save.bytes_written)} written)"
+        )
+
+
+def _import_dcp(
+    src: Path, root: str, step: int, overwrite: bool, trust_pickle: bool, pairs: list[str]
+) -> None:
+    from stalwart.integrations.dcp import import_dcp
+
+    with _handled():
+        with _open(root, pairs, must_exist=False) as ck:
+            if step in ck.steps() and not overwrite:
+                raise ConfigError(f"step {step} exists in {root}; pass --overwrite or another step")
+        r = import_dcp(
+            src, root, step, trust_pickle=trust_pickle, storage_options=_storage_options(pairs)
+        )
+        _out().print(
+            f"imported {escape(str(src))} (dcp) as step {step} into {escape(root)}: "
+            f"{r.tensors} tensors, {_size(r.bytes_total)} ({_size(r.bytes_written)} written)"
         )
 
 

@@ -300,8 +300,12 @@ class StalwartReader(StorageReader):
         if self._root is None:
             if self._root_arg is None:
                 raise ConfigError("StalwartReader has no root: pass one or a checkpoint_id path")
-            if not Checkpointer(self._root_arg).steps():
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self._root_arg}")
+            with Checkpointer(self._root_arg, storage_options=self._storage_options) as ck:
+                if not ck.steps():  # (before Root, which would create a missing root)
+                    raise CheckpointNotFoundError(
+                        f"no committed checkpoint under {self._root_arg}; check the path, or "
+                        "save one first"
+                    )
             self._root = Root(self._root_arg, CheckpointOptions(), self._storage_options)
         step = self.step if self.step is not None else self._root.ckpt.latest_step()
         assert step is not None

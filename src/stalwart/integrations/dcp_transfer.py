@@ -16,10 +16,13 @@ time, so neither holds the whole checkpoint in memory:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,12 +144,21 @@ def export_dcp(
         writer: Any = FsspecWriter(os.fspath(dest), **(storage_options or {}))
     else:
         writer = FileSystemWriter(os.fspath(dest), thread_count=1)
-    dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+    with _one_process():
+        dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
     values = sum(1 for _, v in dcp_leaves(tree) if not isinstance(v, torch.Tensor))
     total = sum(e.nbytes for e in m.tensors.values())
     return TransferResult(
         step, len(m.tensors), values, total, planner.bytes_read, time.perf_counter() - t0
     )
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that no_dist means one process; here that is the point, not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _lists(tree: Any) -> Any:
@@ -305,7 +317,8 @@ def _chunk(c: list[Any]) -> Any:
 
 def _load(sd: dict[str, Any], reader: Any, planner: Any) -> None:
     try:
-        dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
+        with _one_process():
+            dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
     except ConfigError:
         raise
     except BaseException as e:  # CheckpointException is a BaseException
