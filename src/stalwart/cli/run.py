@@ -58,7 +58,8 @@ def run(
     ):
         table.add_row(name, str(value))
     Console().print(table)
-    raise typer.Exit(result.exit_code)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
 
 
 def register(app: typer.Typer) -> None:

@@ -184,7 +184,7 @@ class Job:
             fn(event, self._step)
 
     def _mark_boundary(self) -> None:
-        self._rng = RngSnapshot()
+        self._rng = RngSnapshot(self.state)
         self._t0 = time.time()
 
     def begin_step(self) -> None:

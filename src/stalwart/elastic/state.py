@@ -133,15 +133,24 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
 
 
 class RngSnapshot:
-    """The global torch, numpy and Python RNG states, to put back when a step is discarded."""
+    """The RNG states to put back when a step is discarded.
 
-    def __init__(self) -> None:
+    The global torch, numpy and Python generators, and the named generators of a
+    :class:`stalwart.TrainingState` (``state.generators``), if any.
+    """
+
+    def __init__(self, state: Any = None) -> None:
         self.torch_state = torch.get_rng_state()
         self.numpy_state = np.random.get_state()
         self.python_state = random.getstate()
+        named = getattr(state, "generators", None)
+        gens = list(named.values()) if isinstance(named, Mapping) else []
+        self.named = [(g, g.get_state()) for g in gens]
 
     def restore(self) -> None:
-        """Set the three generators back to the snapshot."""
+        """Set every generator back to the snapshot."""
         torch.set_rng_state(self.torch_state)
         np.random.set_state(self.numpy_state)
         random.setstate(self.python_state)
+        for gen, st in self.named:
+            gen.set_state(st)

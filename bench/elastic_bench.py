@@ -1,0 +1,149 @@
+"""Healthy per-step overhead of ``stalwart.elastic`` against plain gloo DDP, in the same run.
+
+Both contenders train the same MLP (512→512→512→10, ≈0.53 M parameters, AdamW, batch 32 per
+worker) on 2 worker processes with gloo on CPU:
+
+* ``ddp``: ``torchrun`` + ``init_process_group("gloo")`` + ``DistributedDataParallel``;
+* ``stalwart``: ``stalwart run --nproc 2`` + ``stalwart.elastic.Job`` (one all-reduce per
+  step carrying gradients, votes and the change flag; rank 0 reads the coordinator's epoch
+  each step; digests compared every ``--verify-every`` steps, default 50 as in the library).
+
+Each run times ``--steps`` steps after ``--warmup`` steps on rank 0 and reports the median
+step; runs alternate between contenders (order rotating), and the table gives the median and
+range of the per-run medians, and the difference.
+
+    .venv/bin/python bench/elastic_bench.py --runs 5 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 10))  # fmt: skip
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def _time_loop(step_fn, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        step_fn(i)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker_ddp(total: int, out: Path) -> None:
+    """One DDP rank (under torchrun)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        x, y = _batch(i, rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    times = _time_loop(step, total)
+    if rank == 0:
+        out.write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def worker_stalwart(total: int, out: Path, verify_every: int) -> None:
+    """One elastic member (under stalwart run)."""
+    import stalwart
+    from stalwart.elastic import Job
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=verify_every)
+    model = job.data_parallel(model)
+    optimizer = job.optimizer(opt)
+
+    def step(i: int) -> None:
+        optimizer.zero_grad()
+        x, y = _batch(job.step, job.rank)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    times = _time_loop(step, total)
+    job.close()
+    if job.rank == 0:
+        out.write_text(json.dumps(times))
+
+
+def _run(contender: str, a: argparse.Namespace, tmp: Path) -> float:
+    out = tmp / f"{contender}-{time.monotonic_ns()}.json"
+    total = a.warmup + a.steps
+    me = [str(Path(__file__).resolve()), "--worker", contender, "--total", str(total),
+          "--out", str(out), "--verify-every", str(a.verify_every)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if contender == "ddp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *me]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", *me]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    times = json.loads(out.read_text())[a.warmup :]
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--verify-every", type=int, default=50)
+    p.add_argument("--worker", choices=["ddp", "stalwart"])
+    p.add_argument("--total", type=int)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    if a.worker == "ddp":
+        worker_ddp(a.total, a.out)
+        return
+    if a.worker == "stalwart":
+        worker_stalwart(a.total, a.out, a.verify_every)
+        return
+    medians: dict[str, list[float]] = {"ddp": [], "stalwart": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.runs):
+            order = ["ddp", "stalwart"] if r % 2 == 0 else ["stalwart", "ddp"]
+            for c in order:
+                medians[c].append(_run(c, a, Path(tmp)))
+            print(f"run {r}: " + ", ".join(f"{c} {medians[c][-1]:.2f} ms" for c in order))
+    print("\n| contender | median step (ms) | range of run medians (ms) |")
+    print("|---|---|---|")
+    for c, m in medians.items():
+        print(f"| {c} | {statistics.median(m):.2f} | {min(m):.2f} to {max(m):.2f} |")
+    diffs = [s - d for s, d in zip(medians["stalwart"], medians["ddp"], strict=True)]
+    print(f"\nstalwart minus ddp per run (ms): median {statistics.median(diffs):+.2f}, "
+          f"range {min(diffs):+.2f} to {max(diffs):+.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
