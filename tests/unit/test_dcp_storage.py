@@ -282,3 +282,19 @@ def test_reader_of_a_missing_root_says_so_and_creates_nothing(tmp_path: Path) ->
     with pytest.raises(BaseException, match="no committed checkpoint"):
         dcp.load({"w": torch.zeros(1)}, storage_reader=StalwartReader(tmp_path / "nope"))
     assert not (tmp_path / "nope").exists()
+
+
+def test_one_reader_and_writer_serve_several_roots_by_checkpoint_id(tmp_path: Path) -> None:
+    writer, reader = StalwartWriter(), StalwartReader()
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        dcp.save(
+            {"w": torch.full((3,), value)},
+            checkpoint_id=tmp_path / name / "step-1",
+            storage_writer=writer,
+        )
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        target = {"w": torch.zeros(3)}
+        dcp.load(target, checkpoint_id=tmp_path / name / "step-1", storage_reader=reader)
+        assert torch.equal(target["w"], torch.full((3,), value))
+    writer.close()
+    reader.close()

@@ -275,7 +275,8 @@ class StalwartReader(StorageReader):
         trust_pickle: bool = False,
     ) -> None:
         super().__init__()
-        self._root_arg, self.step, self.trust_pickle = root, step, trust_pickle
+        self._root_given = self._root_arg = root
+        self.step, self.trust_pickle = step, trust_pickle
         self._storage_options = storage_options
         self._root: Root | None = None
         self._loaded: _Loaded | None = None
@@ -285,10 +286,11 @@ class StalwartReader(StorageReader):
         if checkpoint_id is None:
             return
         parent, self.step = parse_checkpoint_id(checkpoint_id)
-        if self._root_arg is None and parent is not None and self._root is not None:
+        root = self._root_given if self._root_given is not None else parent
+        if root != self._root_arg and self._root is not None:  # another root: reopen
             self._root.close()
             self._root = None
-        self._root_arg = self._root_arg if self._root_arg is not None else parent
+        self._root_arg = root
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
