@@ -1,17 +1,16 @@
 """``stalwart ckpt``: list, inspect, verify, diff, export, import and collect checkpoints.
 
-Exit status: 0 on success; 1 when ``verify`` finds damage; 2 for any other problem (a missing
-root or step, a bad argument, damaged data met while exporting or diffing), reported as one
-short red line on stderr with what to do next, never a traceback. ``--json`` output goes to
-stdout alone (progress bars and errors go to stderr), so it can be piped.
+Exit status (as for every command, :mod:`stalwart.cli.conventions`): 0 on success; 1 when
+``verify`` finds damage or damaged data is met while reading; 2 for any other problem (a
+missing root or step, a bad argument), reported as one short red line on stderr with what to
+do next, never a traceback. ``--json`` (on every command) prints JSON on stdout alone
+(progress bars and errors go to stderr), so it can be piped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,9 @@ from stalwart.checkpoint.policy import KeepLast
 from stalwart.checkpoint.tools.diff import diff_steps
 from stalwart.checkpoint.tools.export import FORMATS, export_step, import_file
 from stalwart.checkpoint.tools.verify import verify_all, verify_step
+from stalwart.cli.conventions import JSON_HELP, choices, emit_json, handled
 from stalwart.cli.diff_html import write_diff_html
-from stalwart.errors import ConfigError, CorruptCheckpointError, StalwartError
+from stalwart.errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["ckpt_app", "register"]
 
@@ -39,7 +39,11 @@ ckpt_app = typer.Typer(
 
 _ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
 _STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
-_JSON = typer.Option(False, "--json", help="Print JSON on stdout instead of tables.")
+_JSON = typer.Option(False, "--json", help=JSON_HELP)
+Format = choices("Format", (*FORMATS, "dcp"))
+_FORMAT = typer.Option(
+    Format["safetensors"], "--format", "-f", help="File format, or dcp (a DCP folder)."
+)
 _OPTS = typer.Option(
     [],
     "--storage-option",
@@ -61,14 +65,15 @@ def _err() -> Console:
     return Console(stderr=True)
 
 
-@contextlib.contextmanager
-def _handled() -> Iterator[None]:
-    """Turn stalwart (and OS) errors into one red line on stderr and exit status 2."""
-    try:
-        yield
-    except (StalwartError, OSError) as e:
-        _err().print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from None
+_handled = handled  # damaged data: exit 1; other stalwart or OS errors: exit 2
+
+
+def _done(as_json: bool, doc: dict[str, Any], text: str) -> None:
+    """Report a command's result: ``doc`` as JSON with ``--json``, else the ``text`` line."""
+    if as_json:
+        emit_json(doc)
+    else:
+        _out().print(text)
 
 
 def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
@@ -131,7 +136,7 @@ def _table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
 
 
 def _json(obj: Any) -> None:
-    _out().out(json.dumps(obj, indent=2), highlight=False)
+    emit_json(obj)
 
 
 @ckpt_app.command("ls")
@@ -344,9 +349,7 @@ def export(
     root: str = _ROOT,
     out: Path = _OUT_FILE,
     step: int | None = _STEP,
-    fmt: str = typer.Option(
-        "safetensors", "--format", "-f", help=f"One of {', '.join(FORMATS)}, or dcp (a DCP folder)."
-    ),
+    fmt: Format = _FORMAT,  # type: ignore[valid-type]
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     subtree: str | None = typer.Option(
         None,
@@ -354,23 +357,33 @@ def export(
         help="Export only this model state dict (e.g. model), its prefix stripped.",
     ),
     storage_option: list[str] = _OPTS,
+    as_json: bool = _JSON,
 ) -> None:
     """Write a step's full tensors to one safetensors or torch.save file, or a DCP folder."""
-    if fmt == "dcp":
-        _export_dcp(root, out, step, overwrite, subtree, storage_option)
+    if fmt.value == "dcp":
+        _export_dcp(root, out, step, overwrite, subtree, storage_option, as_json)
         return
     with _handled(), _open(root, storage_option) as ck:
         r = export_step(
-            ck, out, step=_step(ck, step), format=fmt, overwrite=overwrite, subtree=subtree
+            ck, out, step=_step(ck, step), format=fmt.value, overwrite=overwrite, subtree=subtree
         )
-        _out().print(
+        doc = {"step": r.step, "tensors": r.tensors, "bytes": r.bytes, "path": str(r.path)}
+        _done(
+            as_json,
+            {**doc, "format": r.format},
             f"exported step {r.step} ({r.tensors} tensors, {_size(r.bytes)}) to "
-            f"{escape(str(r.path))} as {r.format}"
+            f"{escape(str(r.path))} as {r.format}",
         )
 
 
 def _export_dcp(
-    root: str, out: Path, step: int | None, overwrite: bool, subtree: str | None, pairs: list[str]
+    root: str,
+    out: Path,
+    step: int | None,
+    overwrite: bool,
+    subtree: str | None,
+    pairs: list[str],
+    as_json: bool,
 ) -> None:
     from stalwart.integrations.dcp import export_dcp
 
@@ -380,9 +393,12 @@ def _export_dcp(
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another OUT")
         r = export_dcp(ck, out, step=_step(ck, step))
-        _out().print(
+        doc = {"step": r.step, "tensors": r.tensors, "values": r.values, "path": str(out)}
+        _done(
+            as_json,
+            {**doc, "bytes": r.bytes_total, "format": "dcp"},
             f"exported step {r.step} ({r.tensors} tensors, {r.values} values, "
-            f"{_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint"
+            f"{_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint",
         )
 
 
@@ -390,7 +406,13 @@ def _export_dcp(
 def import_(
     src: Path = _SRC,
     root: str = _ROOT,
-    step: int = typer.Option(..., "--step", "-s", min=0, help="Step to save it as."),
+    step: int | None = typer.Option(
+        None,
+        "--step",
+        "-s",
+        min=0,
+        help="Step to save it as (default: 0 in a new root, else one past the newest step).",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace STEP if it exists."),
     trust_pickle: bool = typer.Option(
         False,
@@ -398,22 +420,36 @@ def import_(
         help="Let a DCP folder's pickles run unrestricted (only for folders you trust).",
     ),
     storage_option: list[str] = _OPTS,
+    as_json: bool = _JSON,
 ) -> None:
     """Save a safetensors / torch.save file or a DCP checkpoint as a step (no pickle runs)."""
+    if step is None:
+        with _handled(), _open(root, storage_option, must_exist=False) as ck:
+            latest = ck.latest_step()
+        step = 0 if latest is None else latest + 1
     if (src / ".metadata").is_file():  # a DCP folder: streamed through DCP's public API
-        _import_dcp(src, root, step, overwrite, trust_pickle, storage_option)
+        _import_dcp(src, root, step, overwrite, trust_pickle, storage_option, as_json)
         return
     with _handled(), _open(root, storage_option, must_exist=False) as ck:
         r = import_file(src, ck, step=step, overwrite=overwrite, trust_pickle=trust_pickle)
-        _out().print(
+        doc = {"source": str(src), "kind": r.kind, "step": step, "root": ck.url}
+        _done(
+            as_json,
+            {**doc, "tensors": r.tensors, "bytes": r.save.bytes_total},
             f"imported {escape(str(src))} ({r.kind}) as step {step} into {escape(ck.url)}: "
             f"{r.tensors} tensors, {_size(r.save.bytes_total)} "
-            f"({_size(r.save.bytes_written)} written)"
+            f"({_size(r.save.bytes_written)} written)",
         )
 
 
 def _import_dcp(
-    src: Path, root: str, step: int, overwrite: bool, trust_pickle: bool, pairs: list[str]
+    src: Path,
+    root: str,
+    step: int,
+    overwrite: bool,
+    trust_pickle: bool,
+    pairs: list[str],
+    as_json: bool,
 ) -> None:
     from stalwart.integrations.dcp import import_dcp
 
@@ -424,9 +460,12 @@ def _import_dcp(
         r = import_dcp(
             src, root, step, trust_pickle=trust_pickle, storage_options=_storage_options(pairs)
         )
-        _out().print(
+        doc = {"source": str(src), "kind": "dcp", "step": step, "root": root}
+        _done(
+            as_json,
+            {**doc, "tensors": r.tensors, "bytes": r.bytes_total},
             f"imported {escape(str(src))} (dcp) as step {step} into {escape(root)}: "
-            f"{r.tensors} tensors, {_size(r.bytes_total)} ({_size(r.bytes_written)} written)"
+            f"{r.tensors} tensors, {_size(r.bytes_total)} ({_size(r.bytes_written)} written)",
         )
 
 
@@ -440,16 +479,20 @@ def gc(
         None, "--keep-last", min=1, help="Delete all but the newest N steps first."
     ),
     storage_option: list[str] = _OPTS,
+    as_json: bool = _JSON,
 ) -> None:
     """Apply retention, then delete pack files no checkpoint or live lease references."""
     with _handled():
         options = CheckpointOptions(keep=KeepLast(keep_last)) if keep_last else None
         with _open(root, storage_option, options=options) as ck:
             r = ck.gc(grace_s=grace_s)
-            _out().print(
+            doc = {"deleted_steps": r.deleted_steps, "deleted_packs": r.deleted_packs}
+            _done(
+                as_json,
+                {**doc, "bytes_freed": r.bytes_freed, "kept_packs": r.kept_packs},
                 f"deleted {len(r.deleted_steps)} steps {r.deleted_steps or ''} and "
                 f"{len(r.deleted_packs)} packs, freed {_size(r.bytes_freed)}; "
-                f"{r.kept_packs} packs kept"
+                f"{r.kept_packs} packs kept",
             )
             if r.skipped:
                 _err().print(
@@ -463,12 +506,15 @@ def rm(
     root: str = _ROOT,
     step: int = typer.Argument(..., help="The step to delete (its manifest; packs go at gc)."),
     storage_option: list[str] = _OPTS,
+    as_json: bool = _JSON,
 ) -> None:
     """Delete one committed step, even one whose manifest is damaged; then run gc."""
     with _handled(), _open(root, storage_option) as ck:
         ck.delete(step)
-        _out().print(
-            f"deleted step {step} from {escape(ck.url)}; run `stalwart ckpt gc` to free space"
+        _done(
+            as_json,
+            {"deleted_step": step, "root": ck.url},
+            f"deleted step {step} from {escape(ck.url)}; run `stalwart ckpt gc` to free space",
         )
 
 

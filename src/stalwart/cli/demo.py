@@ -7,6 +7,7 @@ cause (a generated failure log analysed).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from stalwart.cli.conventions import JSON_HELP, emit_json
 from stalwart.demos.resume import REPORT_NAME, run_demo
 from stalwart.errors import ConfigError, MissingDependencyError, require
 
@@ -52,6 +54,9 @@ def demo(
     ] = True,
     pvf: Annotated[bool, typer.Option(help="Also run a short PVF campaign.")] = True,
     rca: Annotated[bool, typer.Option(help="Also analyse a generated failure log.")] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help=JSON_HELP + " (progress goes to stderr)")
+    ] = False,
 ) -> None:
     """The main job: crash and resume bit-identically, rebuild a lost rank, PVF, root cause.
 
@@ -60,11 +65,11 @@ def demo(
     then loses a rank of 5 and rebuilds it from its peers' memory, runs a short PVF campaign
     and analyses a generated failure log.
 
-    Exits with status 1 unless the resumed run equals the uninterrupted one (and the rebuilt
-    rank equals its lost state).
+    Exits with status 1 (a finding) unless the resumed run equals the uninterrupted one (and
+    the rebuilt rank equals its lost state).
     """
     started = time.perf_counter()
-    console = Console()
+    console = Console(stderr=as_json)  # with --json, stdout carries the summary alone
     try:
         _check_extras({"pvf": pvf, "rca": rca})
     except MissingDependencyError as e:
@@ -88,20 +93,25 @@ def demo(
     except ConfigError as e:
         console.print(str(e), style="red", markup=False)
         raise typer.Exit(code=2) from e
+    summary: dict[str, object] = {"resume": dataclasses.asdict(report), "resume_ok": report.ok}
     ok = report.ok
     if recovery:
         from stalwart.demos.recovery import run_recovery_demo
 
-        ok = run_recovery_demo(console) and ok
+        summary["recovery_ok"] = run_recovery_demo(console)
+        ok = bool(summary["recovery_ok"]) and ok
     if pvf:
         from stalwart.demos.pvf import run_pvf_demo
 
-        run_pvf_demo(console)
+        summary["pvf"] = run_pvf_demo(console).to_dict()
     if rca:
         from stalwart.demos.rca import run_rca_demo
 
-        run_rca_demo(console)
-    console.print(f"demo finished in {time.perf_counter() - started:.1f} s; folder: {root}")
+        summary["rca"] = run_rca_demo(console).to_dict()
+    seconds = time.perf_counter() - started
+    console.print(f"demo finished in {seconds:.1f} s; folder: {root}")
+    if as_json:
+        emit_json({"ok": ok, "root": str(root), "seconds": seconds, **summary})
     if not ok:
         raise typer.Exit(code=1)
 

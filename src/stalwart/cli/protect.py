@@ -22,7 +22,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.pvf import handled, load_spec
+from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.pvf import check_criteria, load_spec
 from stalwart.errors import ConfigError, require
 
 __all__ = ["protect_command", "register"]
@@ -142,6 +143,7 @@ def protect_command(
     out: Annotated[
         Path | None, typer.Option(help="Write protect.json and report.html here.")
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Replay one fault list with and without each protection; report recovery and cost."""
     from stalwart import inject, protect, vulnerability
@@ -151,6 +153,7 @@ def protect_command(
         bad = [n for n in names if n not in CHOICES]
         if bad:
             raise ConfigError(f"--protection {bad[0]!r}: choose from {', '.join(CHOICES)}")
+        check_criteria([criterion] if criterion else [])
         ref = load_spec(model_spec)
         calibration, scored, split = _split(ref, model_spec, calibration_fraction, seed)
         ps = _build(names, ref, calibration, tmp)
@@ -168,7 +171,7 @@ def protect_command(
             labels=labels,
             in_sample=calibration_fraction == 0.0,
         )
-        console = Console()
+        console = Console(stderr=as_json)  # with --json, stdout carries the JSON alone
         title = (
             f"Protections on {model_spec}: {trials} replayed faults ({crit}); calibrated on "
             f"{split['calibration_samples']} inputs, scored on {split['evaluation_samples']} "
@@ -193,14 +196,31 @@ def protect_command(
                     f"{rate:g}", *[f"{sum(v[rate]) / len(v[rate]):.4f}" for v in sweep.values()]
                 )
             console.print(st)
+        data = _data(model_spec, scored, results, sweep, split)
+        if as_json:
+            emit_json(data)
         if out is not None:
-            _write(out, model_spec, scored, results, sweep, split)
+            _write(out, model_spec, data, scored, results, sweep, split)
             console.print(f"wrote {out / 'protect.json'}, {out / 'report.html'}")
+
+
+def _data(
+    spec: str, ref: Any, results: list[Any], sweep: dict[str, Any], split: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``--json`` prints and ``protect.json`` holds."""
+    return {
+        "model": spec,
+        "quality": ref.quality,
+        "calibration": split,
+        "results": [dataclasses.asdict(r) for r in results],
+        "ber_sweep": {k: {str(r): v for r, v in d.items()} for k, d in sweep.items()},
+    }
 
 
 def _write(
     out: Path,
     spec: str,
+    data: dict[str, Any],
     ref: Any,
     results: list[Any],
     sweep: dict[str, Any],
@@ -215,13 +235,6 @@ def _write(
     from stalwart.vulnerability.report import figure_html, write_html
 
     out.mkdir(parents=True, exist_ok=True)
-    data = {
-        "model": spec,
-        "quality": ref.quality,
-        "calibration": split,
-        "results": [dataclasses.asdict(r) for r in results],
-        "ber_sweep": {k: {str(r): v for r, v in d.items()} for k, d in sweep.items()},
-    }
     (out / "protect.json").write_text(json.dumps(data, indent=2))
     rows = "".join(
         f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(r.method)}</td></tr>" for r in results

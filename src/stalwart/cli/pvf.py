@@ -3,26 +3,25 @@
 MODEL_SPEC is a reference model name (``digits-cnn``, ``mlp``, ``dlrm``, ``gcn``,
 ``transformer``) or ``package.module:factory``, where ``factory()`` returns a
 :class:`stalwart.models.ReferenceModel` or a tuple ``(model, inputs[, labels])``.
-Exit status 0 on success, 2 on bad input (one red line on stderr, never a traceback).
+Exit codes as for every command (:mod:`stalwart.cli.conventions`): 0 on success, 2 on bad
+input (one red line on stderr, never a traceback); choices are checked before any work.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from stalwart.errors import ConfigError, StalwartError
+from stalwart.cli.conventions import JSON_HELP, choices, emit_json, handled
+from stalwart.errors import ConfigError
 
-__all__ = ["load_spec", "pvf_command", "register"]
+__all__ = ["handled", "load_spec", "pvf_command", "register"]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -30,16 +29,24 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "fp64": torch.float64,
 }
+# The library's names, copied so that ``--help`` needs no SciPy; a unit test keeps them equal.
+GROUPINGS = (
+    "tensor", "layer", "module", "param", "part", "bit", "field", "dtype", "component", "all",
+)  # fmt: skip
+ERRORS = ("bitflip", "multibit", "burst", "stuck_at", "random_value")
+By = choices("By", GROUPINGS)
+Error = choices("Error", ERRORS)
+Dtype = choices("Dtype", tuple(_DTYPES))
+Interval = choices("Interval", ("wilson", "clopper-pearson"))
+Engine = choices("Engine", ("fast", "naive", "copy"))
 
 
-@contextlib.contextmanager
-def handled() -> Iterator[None]:
-    """Stalwart and OS errors become one red line on stderr and exit status 2."""
-    try:
-        yield
-    except (StalwartError, OSError) as e:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from None
+def check_criteria(names: list[str]) -> None:
+    """Reject a misspelt criterion before the model is built (which may mean training it)."""
+    from stalwart.vulnerability.criteria import criterion
+
+    for name in names:
+        criterion(name)
 
 
 def load_spec(spec: str, dtype: str = "fp32") -> Any:
@@ -83,9 +90,7 @@ def pvf_command(
         str, typer.Argument(help="Reference model name or package.module:factory.")
     ],
     trials: Annotated[int, typer.Option(min=1, help="Faults (per tensor when stratified).")] = 2000,
-    by: Annotated[
-        str, typer.Option(help="Group by tensor, layer, module, bit, field, dtype, all.")
-    ] = "bit",
+    by: Annotated[By, typer.Option(help="Group the trials by this.")] = By["bit"],
     criterion: Annotated[
         list[str] | None,
         typer.Option(
@@ -93,51 +98,48 @@ def pvf_command(
         ),
     ] = None,
     targets: Annotated[str, typer.Option(help="Glob of parameters to corrupt.")] = "*",
-    error: Annotated[
-        str, typer.Option(help="bitflip, multibit, burst, stuck_at or random_value.")
-    ] = "bitflip",
-    dtype: Annotated[str, typer.Option(help="Run the model in fp32, fp16, bf16 or fp64.")] = "fp32",
+    error: Annotated[Error, typer.Option(help="Error model of each fault.")] = Error["bitflip"],
+    dtype: Annotated[Dtype, typer.Option(help="Run the model in this dtype.")] = Dtype["fp32"],
     seed: Annotated[int, typer.Option(help="Fault-list seed.")] = 0,
     margin: Annotated[
         float | None,
         typer.Option(help="Add rounds until every interval half-width is at most this."),
     ] = None,
     confidence: Annotated[float, typer.Option(help="Interval confidence.")] = 0.95,
-    interval: Annotated[str, typer.Option(help="wilson or clopper-pearson.")] = "wilson",
-    engine: Annotated[str, typer.Option(help="fast, naive or copy.")] = "fast",
+    interval: Annotated[Interval, typer.Option(help="Confidence interval.")] = Interval["wilson"],
+    engine: Annotated[Engine, typer.Option(help="Campaign engine.")] = Engine["fast"],
     out: Annotated[
         Path | None, typer.Option(help="Write trials.parquet/csv, pvf.json, report.html here.")
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the report as JSON on stdout.")
-    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""
     from stalwart.vulnerability import pvf
     from stalwart.vulnerability.report import write_outputs
 
     with handled():
-        ref = load_spec(model_spec, dtype)
+        check_criteria(criterion or [])
+        ref = load_spec(model_spec, dtype.value)
         crits = criterion or [ref.criteria[0]]
         labels = ref.labels if len(ref.labels) else None
         report = pvf(
             ref.model,
             ref.inputs,
             crits,
-            by=by,
+            by=by.value,
             trials=trials,
             seed=seed,
             targets=targets,
-            error=error,
+            error=error.value,
             labels=labels,
             margin=margin,
             confidence=confidence,
-            method=interval,
-            engine=engine,
+            method=interval.value,
+            engine=engine.value,
             progress=not as_json,
         )
         if as_json:
-            Console().out(report.to_json(), highlight=False)
+            emit_json(report.to_dict())
         else:
             _print(Console(), report, model_spec)
         if out is not None:

@@ -3,8 +3,8 @@
 
 Exit status: 0 when the analysis ran (with findings, or with a clear "nothing found"); 2 for bad
 input (a missing or misspelt column, an unreadable file, a bad option), reported as one short
-red line on stderr with what to do next, never a traceback. ``--json -`` prints JSON alone on
-stdout so it can be piped.
+red line on stderr with what to do next, never a traceback. ``--json`` prints JSON alone on
+stdout so it can be piped; ``--json-out FILE`` writes it to a file.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stalwart.errors import StalwartError
+from stalwart.cli.conventions import JSON_HELP, choices, handled
 
 __all__ = ["rca", "register"]
+
+Engine = choices("Engine", ("duckdb", "spark"))
 
 
 def _pair(value: str | None, what: str) -> str | tuple[str, str] | None:
@@ -56,7 +58,7 @@ def rca(
         str | None, typer.Option(help="KPI mode: expected value column, or NUM,DEN.")
     ] = None,
     columns: Annotated[
-        list[str], typer.Option("--columns", "-c", help="Attribute columns (default: all).")
+        list[str], typer.Option("--columns", help="Attribute columns (default: all).")
     ] = [],  # noqa: B006 - typer reads the default
     exclude: Annotated[list[str], typer.Option("--exclude", "-x", help="Columns to skip.")] = [],  # noqa: B006
     keep: Annotated[
@@ -72,24 +74,24 @@ def rca(
     memory_limit: Annotated[
         str | None, typer.Option(help="DuckDB memory limit, e.g. 4GB; spills beyond it.")
     ] = None,
-    engine: Annotated[str, typer.Option(help="duckdb (default) or spark.")] = "duckdb",
+    engine: Annotated[Engine, typer.Option(help="Query engine.")] = Engine["duckdb"],
     skip_bad_lines: Annotated[bool, typer.Option(help="Skip malformed CSV lines.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     json_out: Annotated[
-        str | None, typer.Option("--json", help="Write JSON here ('-' for stdout).")
+        Path | None, typer.Option("--json-out", help="Also write the JSON result to this file.")
     ] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an HTML report.")] = None,
 ) -> None:
     """Find the attribute combinations that single out failures, or explain a KPI deviation."""
-    out = Console(stderr=json_out == "-")
-    err = Console(stderr=True)
-    try:
+    out = Console(stderr=as_json)
+    with handled():
         d = _analyse(
             data,
             label,
             weight,
             _pair(actual, "--actual"),
             _pair(expected, "--expected"),
-            engine,
+            engine.value,
             skip_bad_lines,
             {
                 "columns": _names(columns) or None,
@@ -103,15 +105,12 @@ def rca(
                 "memory_limit": memory_limit,
             },
         )
-        if json_out == "-":
+        if as_json:
             typer.echo(d.to_json())
-        elif json_out:
-            d.to_json(json_out)
+        if json_out is not None:
+            d.to_json(str(json_out))
         if html_out is not None:
             d.write_html(html_out)
-    except (StalwartError, OSError) as e:
-        err.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from None
     what = "failures" if d.mode == "events" else "deviation"
     out.print(
         f"{d.total_failures:,.0f} {what} in {d.total_rows:,.0f} rows "

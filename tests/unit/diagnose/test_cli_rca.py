@@ -60,7 +60,7 @@ def test_table_json_and_html(
             assert f"{k}={v}" in out
     page = (tmp_path / "r.html").read_text()
     assert "<svg" in page and "Subsumed neighbours" in page and "http" not in page.split("<svg")[0]
-    code, out, _ = run(app, csv, "--label", "failed", "--json", "-")
+    code, out, _ = run(app, csv, "--label", "failed", "--json")
     assert code == 0
     assert sorted(map(str, (f["items"] for f in json.loads(out)["findings"]))) == sorted(
         map(str, log2.causes)

@@ -1,0 +1,125 @@
+"""What every ``stalwart`` command shares: exit codes, ``--json``, error reporting.
+
+Exit codes (the same for every command)::
+
+    0  OK           the command did what was asked
+    1  FINDING      it ran and found damage or a failed check (verify, demo parity, a
+                    damaged checkpoint met while reading)
+    2  USAGE        bad input: an unknown option or choice, a missing file, root or step,
+                    a missing extra; one red line on stderr says what to do next
+    3  UNEXPECTED   a bug or an environment failure nobody anticipated: a short message on
+                    stderr; ``stalwart -v ...`` prints the traceback
+
+``--json`` is a switch on every command: the result goes to stdout as one JSON document
+instead of tables (progress and messages go to stderr), so it can be piped. Files are written
+by path options (``--out DIR``, ``--json-out FILE``, ``--html FILE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+from stalwart.errors import CorruptCheckpointError, StalwartError
+
+__all__ = [
+    "EXIT_FINDING",
+    "EXIT_OK",
+    "EXIT_UNEXPECTED",
+    "EXIT_USAGE",
+    "JSON_HELP",
+    "GuardedGroup",
+    "choices",
+    "emit_json",
+    "handled",
+]
+
+EXIT_OK = 0
+EXIT_FINDING = 1
+EXIT_USAGE = 2
+EXIT_UNEXPECTED = 3
+
+JSON_HELP = "Print the result as JSON on stdout instead of tables."
+
+
+def choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
+    """A string enum for an option, so that click rejects a bad value before any work starts
+    (and ``--help`` lists the accepted ones); read the choice back with ``.value``."""
+    return enum.Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
+
+
+def emit_json(obj: Any) -> None:
+    """Write ``obj`` as indented JSON on stdout, alone (nothing else goes to stdout)."""
+    Console().out(json.dumps(obj, indent=2, default=str), highlight=False)
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """Expected failures become one red line on stderr and a documented exit code.
+
+    Damaged data (:class:`CorruptCheckpointError`) exits with 1; any other stalwart or OS
+    error (a bad argument, a missing file, root, step or extra) exits with 2.
+    """
+    try:
+        yield
+    except (StalwartError, OSError) as e:
+        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}")
+        code = EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
+        raise typer.Exit(code) from None
+
+
+class GuardedGroup(TyperGroup):
+    """The root command group: an exception no command handled exits with 3, not 1.
+
+    Click turns usage errors into exit 2 and ``typer.Exit`` carries the command's own code;
+    anything else is a bug or an unforeseen failure, reported in one line (the traceback
+    with ``-v``) so that scripts can tell it from "damage found" (1).
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:
+            if _control_flow(e):
+                raise
+            raise typer.Exit(_report(e, verbose=bool(ctx.params.get("verbose")))) from None
+
+
+_CONTROL = {"ClickException", "Exit", "Abort"}
+
+
+def _control_flow(e: Exception) -> bool:
+    """Click's and typer's own signals (usage errors, exits, aborts), whichever copy of
+    click raised them (typer >= 0.29 vendors its own)."""
+    return any(
+        c.__name__ in _CONTROL and c.__module__.startswith(("click", "typer"))
+        for c in type(e).__mro__
+    )
+
+
+def _report(e: Exception, *, verbose: bool) -> int:
+    """Print ``e`` on stderr the way its kind deserves; return the exit code."""
+    err = Console(stderr=True)
+    if isinstance(e, (StalwartError, OSError)):  # a command without its own handled()
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        return EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
+    if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
+        err.out("".join(traceback.format_exception(e)), highlight=False)
+    err.print(
+        f"[red]unexpected error:[/] {escape(type(e).__name__)}: {escape(str(e))}\n"
+        "This is a bug or an unforeseen failure; run again with `stalwart -v ...` for the "
+        "traceback and report it."
+    )
+    return EXIT_UNEXPECTED
