@@ -235,7 +235,7 @@ class Opaque:
     "bad, match",
     [
         ({"x": Opaque()}, "Opaque"),
-        ({"x": {1, 2}}, "set"),
+        ({"x": {Opaque()}}, "Opaque"),  # sets are stored now; their members must be too
         ({(1, 2): torch.ones(1)}, "dict key"),
         ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, "same name 'a.b'"),
     ],
