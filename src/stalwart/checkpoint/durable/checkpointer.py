@@ -343,8 +343,10 @@ class Checkpointer(AsyncSaves):
         t0: float,
     ) -> Manifest:
         m = build_manifest(step, tensors, skeleton, results, world, metadata, t0)
-        self._store(create=True).write(manifest_key(step), [m.to_bytes()])
+        data = m.to_bytes()
+        self._store(create=True).write(manifest_key(step), [data])
         self._manifests[step] = m
+        self._cache.adopt(step, data, m)  # known bytes: the next check is one read, no parse
         return m
 
     def _retain(self, store: Storage) -> GCReport:

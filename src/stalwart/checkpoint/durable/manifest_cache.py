@@ -90,6 +90,13 @@ class ManifestCache:
         self._entries[step] = _Entry(digest, identity, read_unix, m)
         return m
 
+    def adopt(self, step: int, data: bytes, manifest: Manifest) -> None:
+        """Remember ``manifest``, which this process just wrote as exactly ``data``.
+
+        Still checked against the store at every use (a second writer may replace it).
+        """
+        self._entries[step] = _Entry(xxhash.xxh3_128_digest(data), None, 0.0, manifest)
+
     def forget(self, step: int) -> None:
         """Drop ``step`` (deleted, or about to be)."""
         self._entries.pop(step, None)
