@@ -254,6 +254,15 @@ def import_dcp(
     Tensors are read in batches of at most ``batch_bytes`` (a larger tensor alone), each
     persisted (chunked, deduplicated against the root) before the next is read.
 
+    Args:
+        source: the DCP folder or fsspec URL (``s3://bucket/ckpt/step-100``).
+        root: the stalwart root to save into.
+        step: the step to save it as (replaced atomically if it exists).
+        trust_pickle: let the source's pickles run unrestricted (only for trusted sources).
+        options: chunking, compression and retention of the root.
+        storage_options: fsspec options, for the source URL and a remote root alike.
+        batch_bytes: tensor bytes held in memory at a time.
+
     Raises:
         ConfigError: the source needs pickle and ``trust_pickle`` is False.
         CorruptCheckpointError: the source is incomplete or damaged.
