@@ -55,3 +55,12 @@ __all__ = [
     "TrainingState",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``stalwart.elastic`` is imported on first use, so ``import stalwart`` stays light."""
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("stalwart.elastic")
+    raise AttributeError(f"module 'stalwart' has no attribute {name!r}")
