@@ -1,0 +1,199 @@
+"""The CLI's surface is frozen in tests/golden/cli_surface.json; and it keeps its conventions.
+
+Every command, every option name, its type, default and choices are compared with the golden
+file, so that a renamed flag or a changed default is a deliberate decision, not an accident.
+After such a decision, regenerate the file with
+
+    STALWART_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_cli_surface.py
+
+and commit it with the change (and README's "Command line" section, if it shows the flag).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from stalwart.cli.main import app
+
+pytestmark = pytest.mark.timeout(120)
+
+GOLDEN = Path(__file__).parents[1] / "golden" / "cli_surface.json"
+ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def _type(annotation: Any) -> tuple[str, list[str] | None]:
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "choice", [m.value for m in annotation]
+    name = getattr(annotation, "__name__", None)
+    return (name if name and "[" not in str(annotation) else str(annotation)), None
+
+
+def _param(p: Any) -> dict[str, Any]:
+    kind, choices = _type(p.type_descriptor.annotation)
+    default = p.default
+    if isinstance(default, (list, tuple)):
+        default = [getattr(d, "value", d) for d in default]
+    elif not isinstance(default, (str, int, float, bool, type(None))):
+        default = str(getattr(default, "value", default))
+    return {
+        "kind": type(p).__name__.removeprefix("Typer").lower(),
+        "opts": sorted(p.opts + p.secondary_opts),
+        "type": kind,
+        "default": default,
+        "required": p.required,
+        "multiple": bool(getattr(p, "multiple", False) or p.nargs == -1),
+        **({"choices": choices} if choices else {}),
+    }
+
+
+def surface() -> dict[str, Any]:
+    """Every command path -> its parameters, in a JSON-comparable form."""
+    out: dict[str, Any] = {}
+
+    def walk(cmd: Any, path: str) -> None:
+        out[path] = {p.name: _param(p) for p in cmd.params}
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, f"{path} {name}")
+
+    walk(get_command(app), "stalwart")
+    return out
+
+
+def _dump(s: dict[str, Any]) -> str:
+    """JSON with one line per parameter, so that a diff of the golden file reads well."""
+    cmds = []
+    for cmd in sorted(s):
+        rows = [
+            f"    {json.dumps(n)}: {json.dumps(p, sort_keys=True)}"
+            for n, p in sorted(s[cmd].items())
+        ]
+        cmds.append(
+            f"  {json.dumps(cmd)}: {{\n" + ",\n".join(rows) + "\n  }"
+            if rows
+            else f"  {json.dumps(cmd)}: {{}}"
+        )
+    return "{\n" + ",\n".join(cmds) + "\n}\n"
+
+
+def test_cli_surface_matches_golden() -> None:
+    now = surface()
+    if os.environ.get("STALWART_UPDATE_GOLDEN"):
+        GOLDEN.write_text(_dump(now))
+    golden = json.loads(GOLDEN.read_text())
+    changed = sorted(
+        f"{cmd}: {name}"
+        for cmd in set(now) | set(golden)
+        for name in set(now.get(cmd, {})) | set(golden.get(cmd, {}))
+        if now.get(cmd, {}).get(name) != golden.get(cmd, {}).get(name)
+    )
+    assert not changed and set(now) == set(golden), (
+        "the CLI surface changed (command: parameter): "
+        + ", ".join(changed or sorted(set(now) ^ set(golden)))
+        + ". If that is deliberate, update the golden file with STALWART_UPDATE_GOLDEN=1 "
+        ".venv/bin/python -m pytest tests/unit/test_cli_surface.py, keep one flag name per "
+        "meaning (see stalwart.cli.conventions), and commit tests/golden/cli_surface.json"
+    )
+
+
+def test_one_flag_per_meaning_and_json_everywhere() -> None:
+    meaning: dict[str, set[str]] = {}
+    for cmd, params in surface().items():
+        leaf = not any(other.startswith(cmd + " ") for other in surface())
+        if leaf and cmd != "stalwart run":  # run forwards the worker script's own output
+            assert "as_json" in params, f"{cmd} has no --json"
+            assert params["as_json"]["opts"] == ["--json"] and params["as_json"]["type"] == "bool"
+        for name, p in params.items():
+            for opt in p["opts"]:
+                if opt.startswith("-") and not opt.startswith("--"):
+                    meaning.setdefault(opt, set()).add(name)
+    clashes = {opt: names for opt, names in meaning.items() if len(names) > 1}
+    assert not clashes, f"one short flag, several meanings: {clashes}"
+
+
+def test_library_choices_match_the_cli_copies() -> None:
+    from stalwart.cli import pvf
+    from stalwart.inject.error_models import _MODELS
+    from stalwart.vulnerability.pvf import GROUPINGS
+    from stalwart.vulnerability.stats import INTERVALS
+
+    assert pvf.GROUPINGS == GROUPINGS
+    assert set(pvf.ERRORS) == set(_MODELS)
+    assert {c.value for c in pvf.Interval} == set(INTERVALS)
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def test_bad_choice_fails_before_any_work() -> None:
+    r = _invoke("pvf", "no-such-model", "--by", "banana")  # the model is never looked up
+    assert r.exit_code == 2 and "banana" in r.output and "no-such-model" not in r.output
+    r = _invoke("pvf", "no-such-model", "-c", "banana")
+    assert r.exit_code == 2 and "unknown criterion" in r.output
+    r = _invoke("rca", "nothing.csv", "--label", "x", "--engine", "pandas")
+    assert r.exit_code == 2 and "pandas" in r.output
+
+
+def test_unexpected_error_exits_3_with_a_hint(tmp_path: Path, monkeypatch: Any) -> None:
+    (tmp_path / "boom_factory.py").write_text(
+        "def make():\n    raise RuntimeError('kaboom in the factory')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = _invoke("pvf", "boom_factory:make", "--trials", "1")
+    assert r.exit_code == 3, r.output
+    assert "kaboom in the factory" in r.output and "-v" in r.output
+    assert "Traceback" not in r.output
+    r = _invoke("-v", "pvf", "boom_factory:make", "--trials", "1")
+    assert r.exit_code == 3 and "Traceback" in r.output
+
+
+def test_version_and_python_m_run_every_command() -> None:
+    from importlib.metadata import version
+
+    r = _invoke("--version")
+    assert r.exit_code == 0 and version("stalwart") in r.output
+    env = {**os.environ, **ENV}
+    for cmd in ([], ["ckpt"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "stalwart", *cmd, "--help"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        for sub in (
+            ("demo", "ckpt", "pvf", "protect", "rca", "run")
+            if not cmd
+            else ("ls", "inspect", "verify", "diff", "export", "import", "gc", "rm")
+        ):
+            assert sub in out.stdout, (cmd, sub)
+    assert "--install-completion" in _invoke("--help").output
+
+
+def test_ckpt_import_without_step(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "model.pt")
+    root = tmp_path / "imported"
+    r = _invoke("ckpt", "import", str(tmp_path / "model.pt"), str(root))
+    assert r.exit_code == 0 and "as step 0" in r.output, r.output
+    r = _invoke("ckpt", "import", str(tmp_path / "model.pt"), str(root), "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["step"] == 1, r.output
+
+
+def test_typer_app_is_the_one_entry_point() -> None:
+    import stalwart.__main__ as entry
+
+    assert entry.app is app and isinstance(app, typer.Typer)
