@@ -7,11 +7,13 @@ into page-aligned buffers that are allocated once per store and reused (fresh pa
 several times more than reused ones), and a writer thread issues ``pwrite`` with ``O_DIRECT``
 while the caller fills the next buffer.
 
-Reads go the same way: :func:`read_range` reads a byte range, widened to block boundaries,
-with ``O_DIRECT`` into a page-aligned buffer from a :class:`ReadBufferPool`. The caller
-verifies the bytes there and only then copies them where they belong, so a damaged chunk
-never lands in a destination tensor; that copy (memory bandwidth, ~10x the disk's) is cheaper
-than the page-cache copy and bookkeeping a buffered read costs on the two cores we load with.
+Reads: :func:`read_range` reads a byte range into a reused page-aligned buffer from a
+:class:`ReadBufferPool` (widened to block boundaries when ``O_DIRECT``); the caller verifies
+the bytes there and only then copies them where they belong, so a damaged chunk never lands
+in a destination tensor. Unlike writes, reads are not direct by default: on our virtio disk
+(8 MiB kernel read-ahead) buffered 4 MiB reads from 2-4 threads ran at 1.6x the bandwidth of
+``dd iflag=direct bs=64M`` and of O_DIRECT reads of any size and depth we tried (1-64 MiB,
+1-16 threads: 0.9-1.05x); see ``bench/ckpt_bench.py``.
 
 Filesystems without O_DIRECT (tmpfs, some FUSE mounts) fall back to plain buffered I/O;
 small objects (one buffer or less) are always written buffered.
@@ -74,10 +76,10 @@ class ReadBufferPool:
     Sizes are rounded up to ``granule_bytes`` so that spans of similar size share buffers;
     ``get`` never blocks (each concurrent reader gets its own) and at most ``keep`` idle
     buffers stay allocated (the largest are kept): with the loader's 32 MiB spans that is
-    ~130 MiB per store, kept because fresh pages cost more to fault in than to reuse.
+    ~20 MiB per store, kept because fresh pages cost more to fault in than to reuse.
     """
 
-    def __init__(self, keep: int = 4, granule_bytes: int = 1 << 20) -> None:
+    def __init__(self, keep: int = 12, granule_bytes: int = 1 << 20) -> None:
         if granule_bytes % ALIGN:
             raise ValueError(f"granule_bytes must be a multiple of {ALIGN}")
         self._granule = granule_bytes
@@ -109,14 +111,14 @@ class ReadBufferPool:
             _close_quietly(buf)
 
 
-def open_read(path: str) -> tuple[int, bool]:
-    """Open ``path`` read-only, with ``O_DIRECT`` where the filesystem allows it.
+def open_read(path: str, *, direct: bool = True) -> tuple[int, bool]:
+    """Open ``path`` read-only, with ``O_DIRECT`` if asked and the filesystem allows it.
 
     Returns:
         ``(fd, direct)``; the caller closes ``fd``.
     """
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    if hasattr(os, "O_DIRECT"):
+    if direct and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT), True
         except OSError as e:

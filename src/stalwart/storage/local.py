@@ -209,9 +209,10 @@ class LocalStorage:
     def read_view(self, key: str, offset: int, length: int) -> Iterator[memoryview]:
         """Bytes ``[offset, offset + length)`` of ``key`` as a read-only view for the ``with``.
 
-        One large read with O_DIRECT (where the filesystem has it) into a reused page-aligned
-        buffer: no page-cache copy, and the caller can check the bytes before copying them
-        where they belong. The view is shorter than ``length`` when the object ends first.
+        One read into a reused page-aligned buffer (no allocation per read), so the caller
+        can check the bytes before copying them where they belong. Buffered, not O_DIRECT:
+        with the kernel's read-ahead that measured 1.6x faster (see ``direct_io``). The view
+        is shorter than ``length`` when the object ends first.
         """
         if offset < 0 or length < 0:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
@@ -219,7 +220,7 @@ class LocalStorage:
         buf = self._read_buffers.get(length + 2 * ALIGN)
         try:
             try:
-                fd, direct = open_read(path)
+                fd, direct = open_read(path, direct=False)
             except OSError as e:
                 raise translate_os_error(e, path, "read") from e
             try:
