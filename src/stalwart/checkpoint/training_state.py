@@ -39,7 +39,7 @@ import hashlib
 import logging
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -276,6 +276,11 @@ class TrainingState:
                 "fqn_optimizer_state=True keys optimizer state by the model's parameter names, "
                 "so it needs both model= and optimizer= (lists of the same length for parts)"
             )
+        if not fqn_optimizer_state and isinstance(model, (list, tuple)):
+            raise ValueError(
+                "a list of model parts needs fqn_optimizer_state=True (optimizer state keyed "
+                "by parameter FQN, so the parts do not collide)"
+            )
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -307,9 +312,9 @@ class TrainingState:
         if self.fqn_optimizer_state and self.model is not None:
             sd["model"], sd["optimizer"] = _fqn_state_dicts(self.model, self.optimizer)
         elif self.model is not None:
-            sd["model"] = self.model.state_dict()
+            sd["model"] = cast(nn.Module, self.model).state_dict()
         if self.optimizer is not None and not self.fqn_optimizer_state:
-            sd["optimizer"] = self.optimizer.state_dict()
+            sd["optimizer"] = cast(Optimizer, self.optimizer).state_dict()
         if self.scheduler is not None:
             sd["scheduler"] = self.scheduler.state_dict()
         if self.extra is not None:
@@ -337,9 +342,9 @@ class TrainingState:
         if self.fqn_optimizer_state and self.model is not None:
             _set_fqn_state_dicts(self.model, self.optimizer, state_dict)
         elif self.model is not None:
-            self.model.load_state_dict(state_dict["model"])
+            cast(nn.Module, self.model).load_state_dict(state_dict["model"])
         if self.optimizer is not None and not self.fqn_optimizer_state:
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            cast(Optimizer, self.optimizer).load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
         if self.extra is not None:

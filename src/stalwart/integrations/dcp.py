@@ -181,6 +181,7 @@ class StalwartWriter(StorageWriter):
             td = wi.tensor_data
             assert td is not None
             t = planner.resolve_data(wi)
+            assert isinstance(t, torch.Tensor)  # DCP resolves tensor items to tensors
             items.append(
                 LocalItem(
                     wi.index.fqn,

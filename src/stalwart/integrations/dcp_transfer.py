@@ -215,7 +215,7 @@ def _reader(source: Any, md: Metadata, storage_options: dict[str, Any] | None) -
     else:
         base, args, kwargs = FileSystemReader, (os.fspath(source),), {}
 
-    class _Reader(base):  # type: ignore[misc, valid-type]
+    class _Reader(base):
         def read_metadata(self, *a: Any, **k: Any) -> Metadata:
             return md
 
