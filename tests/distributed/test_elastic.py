@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from stalwart.elastic import launch, protocol, read_events, summarize
+from stalwart.elastic import launch, protocol, read_events, recoveries, summarize
 from stalwart.elastic.events import EventLog
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule, run_ranks
@@ -134,7 +134,11 @@ def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, ki
     assert len({f["digest"] for f in finals.values()}) == 1, "bit parity at the end"
     assert {f["step"] for f in finals.values()} == {STEPS}
     _assert_close_to(reference, finals["3"]["params"])
-    assert "restarts" in stdout
+    assert "restarts" in stdout and "recoveries" in stdout
+    (rec,) = recoveries(tmp_path / "events")
+    assert (rec.worker, rec.exit_code, rec.replacement) == (kill.worker, -9, 3)
+    assert rec.lost_steps <= 1 and rec.detect_s is not None and rec.resume_s is not None
+    assert rec.rejoin_s is not None and rec.rejoin_s > 0
 
 
 def test_parity_policy_ahead_wins_then_majority() -> None:

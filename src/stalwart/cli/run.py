@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -57,9 +57,36 @@ def run(
         ("events", str(result.events_dir)),
     ):
         table.add_row(name, str(value))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if result.recoveries:
+        console.print(_recovery_table(result.recoveries))
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _recovery_table(recoveries: list[Any]) -> Table:
+    """One row per worker that died: detection, resumption, lost steps, rejoin.
+
+    ``detected`` and ``resumed`` count from the launcher reaping the dead worker (the first
+    survivor's fault-detected, and its first commit without the dead worker); ``rejoined``
+    from the replacement's launch to its first commit.
+    """
+    table = Table(title="recoveries")
+    for col in ("worker", "exit", "detected", "resumed", "lost steps", "replacement",
+                "rejoined"):  # fmt: skip
+        table.add_column(col)
+    for r in recoveries:
+        table.add_row(
+            str(r.worker), str(r.exit_code), _seconds(r.detect_s), _seconds(r.resume_s),
+            str(r.lost_steps), "-" if r.replacement is None else str(r.replacement),
+            _seconds(r.rejoin_s),
+        )  # fmt: skip
+    return table
 
 
 def register(app: typer.Typer) -> None:

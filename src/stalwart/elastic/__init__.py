@@ -42,6 +42,7 @@ from stalwart.elastic.events import JobSummary, read_events, summarize
 from stalwart.elastic.job import Job
 from stalwart.elastic.launcher import LaunchResult, launch
 from stalwart.elastic.optimizer import ElasticOptimizer
+from stalwart.elastic.recovery import Recovery, recoveries
 
 __all__ = [
     "ElasticOptimizer",
@@ -49,6 +50,8 @@ __all__ = [
     "JobSummary",
     "LaunchResult",
     "launch",
+    "Recovery",
     "read_events",
+    "recoveries",
     "summarize",
 ]

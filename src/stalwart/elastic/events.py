@@ -31,14 +31,16 @@ class EventLog:
     Args:
         folder: where the file goes; None keeps no events.
         wid: the worker id, written on every line.
+        name: the file name, if not ``worker<wid>.jsonl`` (the launcher's own log).
     """
 
-    def __init__(self, folder: Path | None, wid: int) -> None:
+    def __init__(self, folder: Path | None, wid: int, name: str | None = None) -> None:
         self.wid = wid
         self._file: TextIO | None = None
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            self._file = open(folder / f"worker{wid}.jsonl", "a", buffering=1)  # noqa: SIM115
+            path = folder / (name or f"worker{wid}.jsonl")
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one line (flushed: a SIGKILL loses nothing written before it)."""

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.elastic.coordinator import Coordinator
-from stalwart.elastic.events import JobSummary, summarize
+from stalwart.elastic.events import EventLog, JobSummary, summarize
 from stalwart.elastic.protocol import ENV_EVENTS, ENV_STORE, ENV_TIMEOUT, ENV_WORKER
+from stalwart.elastic.recovery import LAUNCHER_LOG, Recovery, recoveries
 from stalwart.errors import ConfigError
 
 __all__ = ["LaunchResult", "launch"]
@@ -45,6 +46,7 @@ class LaunchResult:
         wall_s: seconds from the start to the last worker's exit.
         events_dir: the folder of the workers' event files.
         summary: what the event files say.
+        recoveries: each abnormal worker exit and how the job recovered from it.
     """
 
     exit_code: int
@@ -52,6 +54,7 @@ class LaunchResult:
     wall_s: float
     events_dir: Path
     summary: JobSummary
+    recoveries: list[Recovery]
 
 
 class _Supervisor:
@@ -68,9 +71,12 @@ class _Supervisor:
         self.restarts = 0
         self.final_members: tuple[int, ...] | None = None
         self.t0 = time.monotonic()
+        events = Path(env[ENV_EVENTS])
+        self.log = EventLog(events, -1, name=LAUNCHER_LOG)
 
-    def spawn(self) -> None:
+    def spawn(self, replaces: int | None = None) -> None:
         wid = len(self.procs)
+        self.log.write("spawned", wid=wid, replaces=replaces)
         env = dict(self.env, **{ENV_WORKER: str(wid)})
         self.procs[wid] = subprocess.Popen(self.cmd, env=env)
 
@@ -82,11 +88,13 @@ class _Supervisor:
             if wid in self.codes or p.poll() is None:
                 continue
             self.codes[wid] = p.returncode
+            stopped = self.final_members is not None and wid not in self.final_members
+            self.log.write("exited", wid=wid, rc=p.returncode, stopped=stopped)
             if p.returncode != 0 and self.final_members is None:
                 log.warning("worker %d exited with %d", wid, p.returncode)
                 if self.restarts < self.max_restarts:
                     self.restarts += 1
-                    self.spawn()
+                    self.spawn(replaces=wid)
 
     def check_finish(self) -> None:
         if self.final_members is not None:
@@ -150,7 +158,10 @@ class _Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-            self.codes.setdefault(wid, p.returncode)
+            if wid not in self.codes:
+                self.codes[wid] = p.returncode
+                self.log.write("exited", wid=wid, rc=p.returncode, stopped=True)
+        self.log.close()
 
 
 def launch(
@@ -194,4 +205,4 @@ def launch(
     sup = _Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s)
     code = sup.run()
     wall = time.monotonic() - sup.t0
-    return LaunchResult(code, sup.restarts, wall, folder, summarize(folder))
+    return LaunchResult(code, sup.restarts, wall, folder, summarize(folder), recoveries(folder))

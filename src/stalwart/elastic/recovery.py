@@ -1,0 +1,110 @@
+"""Recovery breakdown: for each worker that died, how long the job took to notice and go on.
+
+The launcher logs ``spawned`` (``wid``, ``replaces``) and ``exited`` (``wid``, ``rc``) lines in
+``<events>/launcher.jsonl``; the workers' own event files (:mod:`stalwart.elastic.events`)
+give the rest. Times are wall-clock seconds from the launcher reaping the dead worker, which
+it polls every 20 ms, so a detection can precede the reaping by up to that much (shown as 0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.elastic.events import read_events
+
+__all__ = ["LAUNCHER_LOG", "Recovery", "recoveries"]
+
+LAUNCHER_LOG = "launcher.jsonl"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One worker's death and what followed.
+
+    Attributes:
+        worker: the dead worker's id.
+        exit_code: its exit status (negative: killed by that signal).
+        detect_s: reaping → the first survivor's ``fault-detected`` (None: nobody noticed).
+        resume_s: reaping → the first step a survivor committed without the dead worker.
+        lost_steps: step attempts the survivors discarded for it (most on one survivor).
+        replacement: the replacement's worker id (None: not replaced).
+        rejoin_s: the replacement's launch → its first committed step (None: never committed).
+    """
+
+    worker: int
+    exit_code: int
+    detect_s: float | None
+    resume_s: float | None
+    lost_steps: int
+    replacement: int | None
+    rejoin_s: float | None
+
+
+def _launcher_lines(folder: Path) -> list[dict[str, Any]]:
+    path = folder / LAUNCHER_LOG
+    if not path.exists():
+        return []
+    out = []
+    for raw in path.read_text().splitlines():
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _first_after(lines: list[dict[str, Any]], t: float, pred: Any) -> float | None:
+    times = [e["t"] for e in lines if e["t"] >= t and pred(e)]
+    return min(times) if times else None
+
+
+def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
+              spawned: dict[int, dict[str, Any]]) -> Recovery:  # fmt: skip
+    wid, t0 = int(death["wid"]), float(death["t"])
+    slack = t0 - 0.05  # the launcher reaps up to one poll after the death
+
+    def resumed(e: dict[str, Any]) -> bool:
+        return e["kind"] == "step" and e["committed"] and wid not in e["members"]
+
+    def detected(e: dict[str, Any]) -> bool:
+        return e["kind"] == "fault-detected"
+
+    others = [lines for w, lines in events.items() if w != wid]
+    detect = min((t for ls in others if (t := _first_after(ls, slack, detected))), default=None)
+    resume = min((t for ls in others if (t := _first_after(ls, slack, resumed))), default=None)
+    end = resume if resume is not None else float("inf")
+    lost = max(
+        (sum(e["kind"] == "step" and not e["committed"] and slack <= e["t"] <= end for e in ls)
+         for ls in others),
+        default=0,
+    )  # fmt: skip
+    new = next((w for w, s in spawned.items() if s.get("replaces") == wid), None)
+    first = None
+    if new is not None and new in events:
+        first = _first_after(events[new], 0, lambda e: e["kind"] == "step" and e["committed"])
+    return Recovery(
+        worker=wid,
+        exit_code=int(death["rc"]),
+        detect_s=None if detect is None else max(0.0, detect - t0),
+        resume_s=None if resume is None else max(0.0, resume - t0),
+        lost_steps=int(lost),
+        replacement=new,
+        rejoin_s=None if first is None or new is None else first - spawned[new]["t"],
+    )
+
+
+def recoveries(folder: Path) -> list[Recovery]:
+    """Every abnormal worker exit in ``folder``'s logs, with its recovery times.
+
+    A joiner the launcher stopped because the job had finished is not a failure.
+    """
+    launcher = _launcher_lines(folder)
+    events = read_events(folder)
+    spawned = {int(e["wid"]): e for e in launcher if e["kind"] == "spawned"}
+    deaths = [
+        e for e in launcher if e["kind"] == "exited" and e["rc"] != 0 and not e.get("stopped")
+    ]
+    return [_recovery(d, events, spawned) for d in deaths]
