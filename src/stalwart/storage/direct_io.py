@@ -76,7 +76,7 @@ class ReadBufferPool:
     Sizes are rounded up to ``granule_bytes`` so that spans of similar size share buffers;
     ``get`` never blocks (each concurrent reader gets its own) and at most ``keep`` idle
     buffers stay allocated (the largest are kept): with the loader's 32 MiB spans that is
-    ~20 MiB per store, kept because fresh pages cost more to fault in than to reuse.
+    ~60 MiB per store, kept because fresh pages cost more to fault in than to reuse.
     """
 
     def __init__(self, keep: int = 12, granule_bytes: int = 1 << 20) -> None:
