@@ -45,13 +45,16 @@ def analyze(
     options: DiagnoseOptions | None = None,
     connection: duckdb.DuckDBPyConnection | None = None,
     skip_bad_lines: bool = False,
+    storage_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Diagnosis:
     """Find the combinations of attribute values that single out failing events.
 
     Args:
-        data: a CSV or Parquet path (or glob), a SQL query, a DuckDB relation, a pandas or polars
-            DataFrame, or an Arrow table; one row per event (or per group, with ``weight``).
+        data: a CSV, Parquet or JSON lines (``.jsonl``/``.ndjson``) path or glob, local or a
+            URL (``s3://bucket/logs/*.parquet``), a SQL query, a DuckDB relation, a pandas or
+            polars DataFrame, a polars LazyFrame (streamed, never collected), or an Arrow
+            table; one row per event (or per group, with ``weight``).
         label: the failure label: a column (boolean, 0/1, or text such as ``fail``/``ok``) or a
             SQL condition such as ``"status != 'ok'"``.
         weight: a column counting the events each row stands for (pre-aggregated input).
@@ -59,6 +62,8 @@ def analyze(
         options: cleaning, mining and selection settings; keyword ``overrides`` replace fields.
         connection: a DuckDB connection to run a SQL ``data`` on (it sees your tables).
         skip_bad_lines: drop malformed CSV lines (and report how many) instead of failing.
+        storage_options: options of a URL's fsspec filesystem (for s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``); the filesystem's environment otherwise.
 
     Returns:
         A ``Diagnosis`` whose ``findings`` are empty, with ``message`` saying why, when there
@@ -68,7 +73,7 @@ def analyze(
         ConfigError: unreadable input, a missing column (with the closest names), bad options.
     """
     opts = _options(options, overrides)
-    with _open(data, opts, connection, skip_bad_lines) as src:
+    with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
         masses = event_masses(src, label, weight)
         return _run(src, masses, columns, opts, mode="events")
 
@@ -82,6 +87,7 @@ def localize(
     options: DiagnoseOptions | None = None,
     connection: duckdb.DuckDBPyConnection | None = None,
     skip_bad_lines: bool = False,
+    storage_options: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Diagnosis:
     """Find the combinations of attribute values that explain a KPI's deviation from forecast.
@@ -91,7 +97,7 @@ def localize(
     pairs for a ratio KPI (success rate = successes / requests). See ``analyze`` for the rest.
     """
     opts = _options(options, overrides)
-    with _open(data, opts, connection, skip_bad_lines) as src:
+    with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
         masses = kpi_masses(src, actual, expected)
         mode = "kpi-additive" if isinstance(actual, str) else "kpi-ratio"
         return _run(src, masses, columns, opts, mode=mode)
@@ -410,6 +416,7 @@ def _open(
     opts: DiagnoseOptions,
     connection: duckdb.DuckDBPyConnection | None,
     skip_bad_lines: bool,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """The input as a DuckDB source, with the engine settings of ``opts``."""
     return open_source(
@@ -419,4 +426,5 @@ def _open(
         temp_directory=opts.temp_directory,
         threads=opts.threads,
         skip_bad_lines=skip_bad_lines,
+        storage_options=storage_options,
     )

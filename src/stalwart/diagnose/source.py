@@ -1,9 +1,22 @@
 """Open any supported input as one DuckDB view, and turn bad input into clear ``ConfigError``\\s.
 
-Accepted: a CSV or Parquet path (or glob), a SQL query string, a DuckDB relation, a pandas or
-polars DataFrame, an Arrow table. Files are scanned lazily so DuckDB can aggregate tables larger
-than memory, spilling to its temporary directory under ``memory_limit``; a CSV is parsed once into
-a DuckDB temporary table (compressed, spillable) since the analysis reads it several times.
+Accepted: a CSV, Parquet or JSON lines path (or glob), local or a URL any fsspec filesystem
+reads (``s3://bucket/logs/*.parquet``), a SQL query string, a DuckDB relation, a pandas or polars
+DataFrame, a polars LazyFrame, an Arrow table. Files are scanned lazily so DuckDB can aggregate
+tables larger than memory, spilling to its temporary directory under ``memory_limit``; a CSV or
+JSON lines file is parsed once into a DuckDB temporary table (compressed, spillable) since the
+analysis reads it several times.
+
+URLs go through fsspec (``s3fs`` for ``s3://``, the ``s3`` extra), registered on the DuckDB
+connection, so Parquet is read in byte ranges of the columns each pass needs; credentials and
+endpoints come from ``storage_options`` or the filesystem's usual environment. DuckDB's own
+``httpfs`` extension is not used: it downloads itself on first use, which air-gapped clusters
+cannot do.
+
+A polars ``LazyFrame`` is never collected: polars' streaming engine sinks it, morsel by morsel,
+into a Parquet file in a private temporary folder (``temp_directory`` when given), and DuckDB
+scans that file like any other. Peak memory is bounded by the two engines' batch sizes, not by
+the table, and each of the analysis' passes reads only the columns it needs.
 """
 
 from __future__ import annotations
@@ -19,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import fsspec
 
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, require
 
 __all__ = ["Source", "open_source", "quote", "suggest"]
 
@@ -28,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _SQL_START = re.compile(r"^\s*(select|with|from|values|\()", re.IGNORECASE)
 _CSV_SUFFIXES = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".csv.zst")
+_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
 
 
@@ -59,6 +75,8 @@ class Source:
     notes: list[str] = field(default_factory=list)
     owns_connection: bool = True
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _sink: tempfile.TemporaryDirectory[str] | None = None
+    """Where a LazyFrame was streamed to; removed on close."""
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run ``query`` (which may name ``{src}``) against the source."""
@@ -67,9 +85,10 @@ class Source:
     def close(self) -> None:
         if self.owns_connection:
             self.con.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        for tmp in (self._tmp, self._sink):
+            if tmp is not None:
+                tmp.cleanup()
+        self._tmp = self._sink = None
 
     def __enter__(self) -> Source:
         return self
@@ -105,11 +124,18 @@ def open_source(
     temp_directory: str | None = None,
     threads: int | None = None,
     skip_bad_lines: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Source:
     """Register ``data`` as a view and describe its columns.
 
+    Args:
+        storage_options: passed to the fsspec filesystem of a URL (``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}`` for s3fs); ignored for local paths.
+
     Raises:
-        ConfigError: the file is missing, empty, not CSV/Parquet, malformed, or has no columns.
+        ConfigError: the file is missing, empty, not CSV/Parquet/JSON lines, malformed, or has
+            no columns.
+        MissingDependencyError: a URL's filesystem (``s3fs``) or polars is not installed.
     """
     name = "stalwart_src_" + uuid.uuid4().hex[:8]
     owns = connection is None
@@ -119,26 +145,37 @@ def open_source(
     else:
         con = connection
     notes: list[str] = []
+    where = _Where(notes, skip_bad_lines, storage_options, temp_directory)
     try:
-        _register(con, name, data, notes, skip_bad_lines)
+        _register(con, name, data, where)
         desc = con.sql(f"DESCRIBE SELECT * FROM {name}").fetchall()
-    except ConfigError:
+    except BaseException as e:
         if owns:
             con.close()
-        if tmp is not None:
-            tmp.cleanup()
+        for t in (tmp, where.sink):
+            if t is not None:
+                t.cleanup()
+        if isinstance(e, duckdb.Error):
+            raise ConfigError(f"could not read the input: {_first_line(e)}") from e
         raise
-    except duckdb.Error as e:
-        if owns:
-            con.close()
-        if tmp is not None:
-            tmp.cleanup()
-        raise ConfigError(f"could not read the input: {_first_line(e)}") from e
     columns = [str(r[0]) for r in desc]
     types = {str(r[0]): str(r[1]) for r in desc}
     if not columns:
         raise ConfigError("the input has no columns")
-    return Source(con, name, columns, types, notes, owns, tmp)
+    return Source(con, name, columns, types, notes, owns, tmp, where.sink)
+
+
+@dataclass
+class _Where:
+    """How to read the input: options of ``open_source`` and what reading it left behind."""
+
+    notes: list[str]
+    skip_bad: bool
+    storage_options: dict[str, Any] | None
+    temp_directory: str | None
+    sink: tempfile.TemporaryDirectory[str] | None = None
+    fs: Any = None
+    """The fsspec filesystem of a URL input (None for local paths)."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -146,9 +183,7 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _register(
-    con: duckdb.DuckDBPyConnection, name: str, data: Any, notes: list[str], skip_bad: bool
-) -> None:
+def _register(con: duckdb.DuckDBPyConnection, name: str, data: Any, where: _Where) -> None:
     if isinstance(data, duckdb.DuckDBPyRelation):
         # A relation belongs to its own connection; bring its rows over as Arrow.
         con.register(name + "_arrow", data.to_arrow_table())
@@ -162,48 +197,142 @@ def _register(
             except duckdb.Error as e:
                 raise ConfigError(f"the SQL query failed: {_first_line(e)}") from e
             return
-        _register_file(con, name, text, notes, skip_bad)
+        _register_file(con, name, text, where)
         return
     mod = type(data).__module__.split(".")[0]
+    if mod == "polars" and type(data).__name__ == "LazyFrame":
+        _register_lazy(con, name, data, where)
+        return
     if mod in ("pandas", "polars", "pyarrow"):
         arrow = data.to_arrow() if mod == "polars" else data
         con.register(name + "_frame", arrow)
         con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM {name}_frame")
         return
     raise ConfigError(
-        f"cannot analyse a {type(data).__name__}: pass a CSV or Parquet path, a SQL query, a "
-        "DuckDB relation, a pandas or polars DataFrame, or an Arrow table"
+        f"cannot analyse a {type(data).__name__}: pass a CSV, Parquet or JSON lines path or URL, "
+        "a SQL query, a DuckDB relation, a pandas or polars DataFrame, a polars LazyFrame, or an "
+        "Arrow table"
     )
 
 
-def _register_file(
-    con: duckdb.DuckDBPyConnection, name: str, path: str, notes: list[str], skip_bad: bool
-) -> None:
+def _register_lazy(con: duckdb.DuckDBPyConnection, name: str, lazy: Any, where: _Where) -> None:
+    """Stream a polars LazyFrame into a Parquet file and scan it (see the module docstring)."""
+    where.sink = tempfile.TemporaryDirectory(prefix="stalwart-rca-lazy-", dir=where.temp_directory)
+    path = os.path.join(where.sink.name, "frame.parquet")
+    try:
+        lazy.sink_parquet(path)
+    except Exception as e:  # polars raises its own tree (ComputeError, ColumnNotFoundError...)
+        raise ConfigError(
+            f"the polars LazyFrame failed while streaming it: {_first_line(e)}; check its query "
+            "with lazy.explain(), or pass lazy.collect() if it needs the in-memory engine"
+        ) from e
+    lit = "'" + path.replace("'", "''") + "'"
+    con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
+
+
+def _filesystem(con: duckdb.DuckDBPyConnection, url: str, where: _Where) -> Any:
+    """The fsspec filesystem of ``url``, registered on ``con`` so DuckDB reads through it."""
+    protocol = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    if protocol in ("s3", "s3a"):
+        require("s3fs", "s3", "s3:// inputs of stalwart.diagnose")
+    try:
+        fs = fsspec.filesystem(protocol, **(where.storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise ConfigError(
+            f"{url}: no filesystem for {protocol}:// ({_first_line(e)}); install the fsspec "
+            "implementation for it, or download the file and pass its local path"
+        ) from e
+    try:
+        con.register_filesystem(fs)
+    except duckdb.Error as e:  # the caller's connection may hold one already: use ours
+        name = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        log.debug("replacing DuckDB's %s filesystem: %s", name, e)
+        con.unregister_filesystem(name)
+        con.register_filesystem(fs)
+    where.fs = fs
+    return fs
+
+
+def _check_remote(fs: Any, url: str) -> None:
+    try:
+        if not fs.exists(url):
+            raise ConfigError(
+                f"{url}: no such object; check the bucket and key, and the endpoint and "
+                "credentials in storage_options"
+            )
+        size = None if fs.isdir(url) else fs.size(url)
+    except (OSError, PermissionError) as e:
+        raise ConfigError(
+            f"{url}: cannot reach it ({_first_line(e)}); check the credentials and endpoint in "
+            "storage_options (or the filesystem's environment variables)"
+        ) from e
+    if size == 0:
+        raise ConfigError(f"{url}: the file is empty; nothing to analyse")
+
+
+def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: _Where) -> None:
     lower = path.lower()
     is_glob = any(ch in path for ch in "*?[")
-    if not is_glob:
+    is_dir = False
+    if _URL.match(path):
+        fs = _filesystem(con, path, where)
+        if not is_glob:
+            _check_remote(fs, path)
+            is_dir = bool(fs.isdir(path))
+    elif not is_glob:
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"{path}: no such file; check the path")
         if p.is_file() and p.stat().st_size == 0:
             raise ConfigError(f"{path}: the file is empty; nothing to analyse")
+        is_dir = p.is_dir()
     lit = "'" + path.replace("'", "''") + "'"
-    if lower.endswith(_PARQUET_SUFFIXES) or (not is_glob and Path(path).is_dir()):
+    if lower.endswith(_PARQUET_SUFFIXES) or is_dir:
         try:
             con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
         except duckdb.Error as e:
             raise ConfigError(f"{path}: not a readable Parquet file: {_first_line(e)}") from e
         return
+    if lower.endswith(_JSONL_SUFFIXES):
+        _register_jsonl(con, name, path, lit, where)
+        return
     if not lower.endswith(_CSV_SUFFIXES) and not is_glob:
         log.info("%s: no known suffix, reading it as CSV", path)
-    _register_csv(con, name, path, lit, notes, skip_bad)
+    _register_csv(con, name, path, lit, where)
+
+
+def _register_jsonl(
+    con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, where: _Where
+) -> None:
+    """One JSON object per line, parsed once into a temporary table (types sniffed by DuckDB)."""
+    opts = ", ignore_errors=true" if where.skip_bad else ""
+    try:
+        con.execute(
+            f"CREATE TEMP TABLE {name} AS SELECT * FROM "
+            f"read_json_auto({lit}, format='newline_delimited'{opts})"
+        )
+    except duckdb.Error as e:
+        line = re.search(r"[Ll]ine:?\s*(\d+)", str(e))
+        at = f" at line {line.group(1)}" if line else ""
+        raise ConfigError(
+            f"{path}: malformed JSON lines{at}: {_first_line(e)}. Fix the line, or skip such "
+            "lines with skip_bad_lines=True (CLI: --skip-bad-lines)"
+        ) from e
+    if where.skip_bad:
+        # DuckDB keeps a skipped JSON line as a row of NULLs: drop those rows, and say so.
+        cols = [str(r[0]) for r in con.sql(f"DESCRIBE {name}").fetchall()]
+        empty = " AND ".join(f"{quote(c)} IS NULL" for c in cols) or "false"
+        dropped = con.execute(f"DELETE FROM {name} WHERE {empty}").fetchall()[0][0]
+        if dropped:
+            where.notes.append(f"skipped {dropped} malformed or empty line(s) of {path}")
 
 
 def _register_csv(
-    con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, notes: list[str], skip: bool
+    con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, where: _Where
 ) -> None:
+    skip, notes = where.skip_bad, where.notes
     opts = ", ignore_errors=true" if skip else ""
-    delim = _delimiter(path)
+    delim = _delimiter(path, where.fs)
     if delim:
         # Without a hint a single bad line can make the sniffer settle on one column.
         opts += f", delim='{delim}'"
@@ -218,15 +347,15 @@ def _register_csv(
             if "unicode" in msg.lower() or "utf-8" in msg.lower() or "utf8" in msg.lower():
                 continue
             line = re.search(r"[Ll]ine:?\s*(\d+)", msg)
-            where = f" at line {line.group(1)}" if line else ""
+            at = f" at line {line.group(1)}" if line else ""
             raise ConfigError(
-                f"{path}: malformed CSV{where}: {_first_line(e)}. Fix the line, or skip such "
+                f"{path}: malformed CSV{at}: {_first_line(e)}. Fix the line, or skip such "
                 "lines with skip_bad_lines=True (CLI: --skip-bad-lines)"
             ) from e
         if note:
             notes.append(f"{Path(path).name}: {note}")
         if skip:
-            total = _count_lines(path)
+            total = _count_lines(path, where.fs)
             kept = con.sql(f"SELECT count(*) FROM {name}").fetchall()[0]
             if total is not None and total - 1 > kept[0]:
                 notes.append(f"skipped {total - 1 - kept[0]} malformed line(s) of {path}")
@@ -234,21 +363,25 @@ def _register_csv(
     raise ConfigError(f"{path}: could not decode the text: {_first_line(last or Exception())}")
 
 
-def _count_lines(path: str) -> int | None:
+def _open_binary(path: str, fs: Any) -> Any:
+    return fs.open(path, "rb") if fs is not None else open(path, "rb")
+
+
+def _count_lines(path: str, fs: Any = None) -> int | None:
     try:
-        with open(path, "rb") as f:
+        with _open_binary(path, fs) as f:
             return sum(1 for line in f if line.strip())
     except OSError:
         return None
 
 
-def _delimiter(path: str) -> str | None:
+def _delimiter(path: str, fs: Any = None) -> str | None:
     """The delimiter of the header line, when one stands out (None for globs and gzip)."""
     if any(ch in path for ch in "*?[") or not path.lower().endswith((".csv", ".tsv", ".txt")):
         return None
     try:
-        with open(path, encoding="latin-1") as f:
-            header = f.readline()
+        with _open_binary(path, fs) as f:
+            header = f.readline().decode("latin-1")
     except OSError:
         return None
     counts = {d: header.count(d) for d in (",", "\t", ";", "|")}
