@@ -14,6 +14,7 @@ from stalwart.checkpoint.durable.manifest import (
     TensorEntry,
 )
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
+from stalwart.checkpoint.events import CheckpointEvent
 from stalwart.checkpoint.memory.tiers import RecoveryReport, Tier, TieredCheckpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import (
@@ -21,16 +22,19 @@ from stalwart.checkpoint.policy import (
     EveryNSeconds,
     EveryNSteps,
     KeepAll,
+    KeepBest,
     KeepEvery,
     KeepLast,
     RetentionPolicy,
     SavePolicy,
 )
+from stalwart.checkpoint.preemption import PreemptionGuard
 from stalwart.checkpoint.training_state import TrainingState
 
 __all__ = [
     "FORMAT_VERSION",
     "AnyOf",
+    "CheckpointEvent",
     "CheckpointOptions",
     "Checkpointer",
     "ChunkRef",
@@ -38,11 +42,13 @@ __all__ = [
     "EveryNSteps",
     "GCReport",
     "KeepAll",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "LoadResult",
     "Manifest",
     "PendingSave",
+    "PreemptionGuard",
     "RecoveryReport",
     "RetentionPolicy",
     "SavePolicy",

@@ -1,13 +1,85 @@
-"""Options of the checkpoint engine, validated once, in one place."""
+"""Options of the checkpoint engine, validated once, in one place; and every ``STALWART_*``
+environment variable stalwart reads (nowhere else reads the environment).
+
+An explicit argument wins over the environment variable, which wins over the default. The
+variables cover what operators change without touching code:
+
+    STALWART_IO_THREADS              CheckpointOptions.io_threads            (4)
+    STALWART_COMPRESSION             CheckpointOptions.compression: none|zstd (none)
+    STALWART_LEASE_S                 CheckpointOptions.lease_s               (900)
+    STALWART_GC_GRACE_S              CheckpointOptions.gc_grace_s            (3600)
+    STALWART_MAX_INFLIGHT_SAVES      CheckpointOptions.max_inflight_saves    (2)
+    STALWART_EXIT_FLUSH_TIMEOUT_S    CheckpointOptions.exit_flush_timeout_s  (600)
+    STALWART_PREEMPTION_SIGNALS      PreemptionGuard signals, e.g. TERM,USR1 (TERM,USR1)
+
+A variable is read when the options (or the guard) are made; a value that does not parse
+raises :class:`~stalwart.errors.ConfigError` naming the variable.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from stalwart.checkpoint.events import EventListener
 from stalwart.checkpoint.policy import KeepAll, RetentionPolicy
 from stalwart.errors import ConfigError
 
-__all__ = ["CheckpointOptions"]
+__all__ = ["ENV_VARS", "CheckpointOptions", "env_signals"]
+
+T = TypeVar("T")
+
+ENV_VARS = (
+    "STALWART_IO_THREADS",
+    "STALWART_COMPRESSION",
+    "STALWART_LEASE_S",
+    "STALWART_GC_GRACE_S",
+    "STALWART_MAX_INFLIGHT_SAVES",
+    "STALWART_EXIT_FLUSH_TIMEOUT_S",
+    "STALWART_PREEMPTION_SIGNALS",
+)
+
+
+def _env(name: str, default: T, parse: Callable[[str], T]) -> Callable[[], T]:
+    """A default factory: ``parse(os.environ[name])`` when set and not empty, else default."""
+    assert name in ENV_VARS
+
+    def read() -> T:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return parse(raw)
+        except ValueError as e:
+            raise ConfigError(
+                f"environment variable {name}={raw!r} does not parse ({e}); fix or unset it"
+            ) from None
+
+    return read
+
+
+def _compression(raw: str) -> str | None:
+    return None if raw.lower() == "none" else raw
+
+
+def _signal(name: str) -> signal.Signals:
+    name = name.strip().upper()
+    try:
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except KeyError:
+        raise ValueError(f"{name} is not a signal name such as TERM or USR1") from None
+
+
+def env_signals(default: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
+    """The signals named by ``STALWART_PREEMPTION_SIGNALS`` (``TERM,USR1``), else ``default``."""
+    return _env(
+        "STALWART_PREEMPTION_SIGNALS",
+        default,
+        lambda raw: tuple(_signal(n) for n in raw.split(",") if n.strip()),
+    )()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,17 +103,27 @@ class CheckpointOptions:
         max_inflight_saves: asynchronous saves that may be staged or persisting at once;
             each holds one set of host buffers. A further ``save_async`` waits.
         exit_flush_timeout_s: at interpreter exit, how long to wait for saves in flight.
+        on_event: called with a :class:`~stalwart.checkpoint.events.CheckpointEvent` after
+            each save commits or fails and after each load, on every rank (from the
+            background thread for asynchronous saves); see :mod:`stalwart.checkpoint.events`.
+
+    Fields marked in the module docstring default to their ``STALWART_*`` variable.
     """
 
     chunk_bytes: int = 16 << 20
-    compression: str | None = None
+    compression: str | None = field(
+        default_factory=_env("STALWART_COMPRESSION", None, _compression)
+    )
     compression_level: int = 1
-    io_threads: int = 4
+    io_threads: int = field(default_factory=_env("STALWART_IO_THREADS", 4, int))
     keep: RetentionPolicy = field(default_factory=KeepAll)
-    gc_grace_s: float = 3600.0
-    lease_s: float = 900.0
-    max_inflight_saves: int = 2
-    exit_flush_timeout_s: float = 600.0
+    gc_grace_s: float = field(default_factory=_env("STALWART_GC_GRACE_S", 3600.0, float))
+    lease_s: float = field(default_factory=_env("STALWART_LEASE_S", 900.0, float))
+    max_inflight_saves: int = field(default_factory=_env("STALWART_MAX_INFLIGHT_SAVES", 2, int))
+    exit_flush_timeout_s: float = field(
+        default_factory=_env("STALWART_EXIT_FLUSH_TIMEOUT_S", 600.0, float)
+    )
+    on_event: EventListener | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
@@ -58,3 +140,5 @@ class CheckpointOptions:
             raise ConfigError(f"max_inflight_saves={self.max_inflight_saves!r}: must be >= 1")
         if self.gc_grace_s < 0 or self.lease_s <= 0:
             raise ConfigError("gc_grace_s must be >= 0 and lease_s > 0")
+        if self.on_event is not None and not callable(self.on_event):
+            raise ConfigError(f"on_event={self.on_event!r}: must be a callable taking an event")

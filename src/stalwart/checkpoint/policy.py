@@ -5,14 +5,21 @@ everything else may be deleted after a save. A save policy says whether a step i
 Compose either kind with :class:`AnyOf` (keep or save if any policy says so)::
 
     AnyOf(KeepLast(3), KeepEvery(1000))      # the last three, plus every 1000th step forever
+    AnyOf(KeepLast(1), KeepBest(3, metric="val_loss"))   # the newest, plus the 3 best by metric
     AnyOf(EveryNSteps(500), EveryNSeconds(1800))   # every 500 steps or every half hour
+
+A retention policy that ranks steps by what their saves recorded (:class:`KeepBest`) sets
+``uses_metadata = True`` and takes ``keep(steps, metadata=...)``, a function from a step to
+its save's ``metadata``; :func:`kept_steps` is how the engine calls any policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from stalwart.errors import ConfigError
 
@@ -21,11 +28,17 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "KeepAll",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "RetentionPolicy",
     "SavePolicy",
+    "kept_steps",
 ]
+
+log = logging.getLogger(__name__)
+
+MetadataOf = Callable[[int], Mapping[str, str]]
 
 
 @runtime_checkable
@@ -73,6 +86,72 @@ class KeepEvery:
         return {s for s in steps if s % self.n == 0}
 
 
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``k`` steps with the best ``metric``, read from each save's ``metadata``.
+
+    Record the metric when saving, e.g. ``ckpt.save(step, state, metadata={"val_loss":
+    f"{loss:.6g}"})``, and compose with a policy that keeps the newest steps (to resume
+    from): ``AnyOf(KeepLast(1), KeepBest(3, metric="val_loss"))``. Ties go to the newer step.
+
+    Attributes:
+        k: how many of the best steps to keep.
+        metric: the metadata key holding the metric (a number written as a string).
+        mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"`` (e.g. accuracy).
+        keep_unscored: keep steps whose metadata lacks the metric or holds no finite number
+            (they cannot be ranked); False lets them go unless another policy keeps them.
+    """
+
+    k: int
+    metric: str
+    mode: str = "min"
+    keep_unscored: bool = True
+    uses_metadata: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ConfigError(f"KeepBest(k={self.k!r}): k must be an int >= 1")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"KeepBest(mode={self.mode!r}): use 'min' or 'max'")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"KeepBest(metric={self.metric!r}): name a metadata key")
+
+    def keep(self, steps: Sequence[int], metadata: MetadataOf | None = None) -> set[int]:
+        """The ``k`` best steps (and the unscored ones if ``keep_unscored``)."""
+        if metadata is None:
+            log.warning(
+                "KeepBest(%r) got no metadata to rank steps by, so it keeps them all; use it "
+                "as a Checkpointer's retention (CheckpointOptions(keep=...))",
+                self.metric,
+            )
+            return set(steps)
+        scored: list[tuple[float, int]] = []
+        unscored: set[int] = set()
+        for s in steps:
+            value = _number(metadata(s).get(self.metric))
+            if value is None:
+                unscored.add(s)
+            else:
+                scored.append((value if self.mode == "min" else -value, -s))
+        best = {-neg_step for _, neg_step in sorted(scored)[: self.k]}
+        return best | unscored if self.keep_unscored else best
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def kept_steps(policy: Any, steps: Sequence[int], metadata: MetadataOf | None = None) -> set[int]:
+    """``policy.keep(steps)``, handing ``metadata`` to the policies that rank by it."""
+    if getattr(policy, "uses_metadata", False):
+        return set(policy.keep(steps, metadata=metadata))
+    return set(policy.keep(steps))
+
+
 @runtime_checkable
 class SavePolicy(Protocol):
     """Decides whether ``step`` is due, given the last saved step and its time."""
@@ -118,10 +197,15 @@ class AnyOf:
             raise ConfigError("AnyOf() needs at least one policy")
         self.policies = policies
 
-    def keep(self, steps: Sequence[int]) -> set[int]:
+    @property
+    def uses_metadata(self) -> bool:
+        """True when one of the policies ranks steps by their save's metadata."""
+        return any(getattr(p, "uses_metadata", False) for p in self.policies)
+
+    def keep(self, steps: Sequence[int], metadata: MetadataOf | None = None) -> set[int]:
         kept: set[int] = set()
         for p in self.policies:
-            kept |= p.keep(steps)
+            kept |= kept_steps(p, steps, metadata)
         return kept
 
     def due(self, step: int, now_s: float, last_step: int | None, last_s: float | None) -> bool:

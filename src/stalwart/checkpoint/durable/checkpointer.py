@@ -11,6 +11,7 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from stalwart.checkpoint.durable.plan import LocalItem, local_items, merge_skele
 from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.checkpoint.durable.restore import load_first_that_verifies, load_step
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
+from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import (
     CheckpointNotFoundError,
@@ -263,6 +265,30 @@ class Checkpointer(AsyncSaves):
         g: Group,
         t0: float,
     ) -> SaveResult:
+        """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
+        on_event, meta = self.options.on_event, dict(metadata or {})
+        try:
+            r = self._write_step(step, capture, metadata, g, t0)
+        except BaseException as e:
+            seconds = time.perf_counter() - t0
+            failed = CheckpointEvent("save_failed", step, self.url, g.rank, seconds, metadata=meta)
+            emit(on_event, dataclasses.replace(failed, error=repr(e)))
+            raise
+        sizes = (r.bytes_total, r.bytes_written)
+        emit(
+            on_event,
+            CheckpointEvent("save", step, self.url, g.rank, r.seconds, *sizes, metadata=meta),
+        )
+        return r
+
+    def _write_step(
+        self,
+        step: int,
+        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
+        metadata: dict[str, str] | None,
+        g: Group,
+        t0: float,
+    ) -> SaveResult:
         """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
 
         Rank 0 leases the committed steps before any rank reads their manifests, so that
@@ -411,6 +437,12 @@ class Checkpointer(AsyncSaves):
             where=self.url,
         )
         self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
+        loaded = CheckpointEvent(
+            "load", s, self.url, g.rank, self.last_load.seconds, bytes_read=read
+        )
+        emit(
+            self.options.on_event, dataclasses.replace(loaded, skipped=tuple(k for k, _ in skipped))
+        )
         return tree
 
     def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:

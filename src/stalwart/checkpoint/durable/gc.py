@@ -46,7 +46,7 @@ from stalwart.checkpoint.durable.manifest import (
     manifest_key,
     step_from_key,
 )
-from stalwart.checkpoint.policy import RetentionPolicy
+from stalwart.checkpoint.policy import RetentionPolicy, kept_steps
 from stalwart.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -258,7 +258,14 @@ def apply_retention(
     dedup) or a leased step uses is kept. With a damaged manifest nothing is deleted.
     """
     report = GCReport()
-    keep = set(policy.keep(steps))
+
+    def metadata(s: int) -> dict[str, str]:  # for policies that rank steps (KeepBest)
+        try:
+            return dict(manifest(s).metadata)
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            return {}  # unrankable: such a policy keeps it (or another one decides)
+
+    keep = kept_steps(policy, steps, metadata)
     leases = read_leases(store)
     doomed = [s for s in steps if s not in keep and s not in leases.steps]
     if not doomed:
