@@ -39,10 +39,13 @@ def _env(schedule: KillSchedule | None = None) -> dict[str, str]:
     return {**env, **(schedule.to_env() if schedule else {})}
 
 
-def _launch(tmp: Path, nproc: int, schedule: KillSchedule | None = None, *extra: str) -> str:
+def _launch(
+    tmp: Path, nproc: int, schedule: KillSchedule | None = None, *extra: str, timeout_s: int = 20
+) -> str:
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), "--max-restarts", "2",
-           "--events", str(tmp / "events"), "--timeout", "20", str(WORKER), "--steps", str(STEPS),
-           "--verify-every", str(VERIFY_EVERY), "--out", str(tmp / "out"), *extra]  # fmt: skip
+           "--events", str(tmp / "events"), "--timeout", str(timeout_s), str(WORKER),
+           "--steps", str(STEPS), "--verify-every", str(VERIFY_EVERY),
+           "--out", str(tmp / "out"), *extra]  # fmt: skip
     done = subprocess.run(
         cmd, env=_env(schedule), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
@@ -107,12 +110,19 @@ def test_three_healthy_workers_keep_equal_digests(tmp_path: Path, reference: Any
     [
         Kill(worker=1, step=8, where="boundary"),
         Kill(worker=2, step=8, where="collective", delay_s=0.001),
+        Kill(worker=1, step=8, where="boundary", signal="STOP"),
     ],
-    ids=["at-step-boundary", "inside-allreduce"],
+    ids=["at-step-boundary", "inside-allreduce", "hung-sigstop"],
 )
 def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, kill: Kill) -> None:
     # Survivors go on alone from step 8, then wait at step 20 until the replacement joined.
-    stdout = _launch(tmp_path, 3, KillSchedule((kill,)), "--hold-at", "20", "--hold-size", "3")
+    # A hung worker is excluded after two epoch timeouts (its peers' collective, then the
+    # next epoch it never arrives at): a short timeout keeps that test fast.
+    timeout_s = 4 if kill.signal == "STOP" else 20
+    schedule = KillSchedule((kill,))
+    stdout = _launch(
+        tmp_path, 3, schedule, "--hold-at", "20", "--hold-size", "3", timeout_s=timeout_s
+    )
     events = read_events(tmp_path / "events")
     survivors = [w for w in (0, 1, 2) if w != kill.worker]
     assert sorted(events) == [0, 1, 2, 3], "one replacement, with a fresh worker id"

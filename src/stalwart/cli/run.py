@@ -72,17 +72,19 @@ def _seconds(value: float | None) -> str:
 def _recovery_table(recoveries: list[Any]) -> Table:
     """One row per worker that died: detection, resumption, lost steps, rejoin.
 
-    ``detected`` and ``resumed`` count from the launcher reaping the dead worker (the first
-    survivor's fault-detected, and its first commit without the dead worker); ``rejoined``
-    from the replacement's launch to its first commit.
+    ``detected``, ``resumed`` and ``reaped`` count from the dead worker's last event (its
+    last sign of life) to the first survivor's fault-detected, to the first commit without
+    it, and to the launcher seeing it exit; ``rejoined`` from the replacement's launch to its
+    first commit.
     """
     table = Table(title="recoveries")
-    for col in ("worker", "exit", "detected", "resumed", "lost steps", "replacement",
+    for col in ("worker", "exit", "detected", "resumed", "reaped", "lost steps", "replacement",
                 "rejoined"):  # fmt: skip
         table.add_column(col)
     for r in recoveries:
         table.add_row(
             str(r.worker), str(r.exit_code), _seconds(r.detect_s), _seconds(r.resume_s),
+            _seconds(r.reaped_s),
             str(r.lost_steps), "-" if r.replacement is None else str(r.replacement),
             _seconds(r.rejoin_s),
         )  # fmt: skip

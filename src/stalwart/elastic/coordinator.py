@@ -11,6 +11,10 @@ If the launcher's host dies, the store dies with it: members keep training in th
 epoch (their gloo groups do not use the store once built) until the next membership change,
 whose join then times out with a :class:`~stalwart.errors.DistributedError`. Failing over to
 a survivor is not implemented.
+
+A hung member (SIGSTOP, a stuck host) makes the others' collective time out (the epoch's gloo
+timeout); it then never arrives at the next epoch, which the others abandon after the same
+timeout, and the launcher kills and replaces whoever never arrived (:meth:`absent`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ class Coordinator:
     def faulted(self) -> bool:
         """True when a member reported a failed collective in the current epoch."""
         return self.epoch > 0 and self.store.add(keys.faults(self.epoch), 0) > 0
+
+    def absent(self) -> set[int]:
+        """Members of the current epoch that never came to build it, if it was abandoned."""
+        fate = keys.fate(self.epoch)
+        if self.epoch == 0 or not self._has(fate) or self.store.get(fate) != b"abandon":
+            return set()
+        return {w for w in self.members if not self._has(keys.arrival(self.epoch, w))}
 
     def members_of(self, epoch: int) -> tuple[int, ...]:
         """The members published for ``epoch``."""

@@ -106,6 +106,16 @@ class _Supervisor:
             for wid in self.live() - set(self.final_members):
                 self.procs[wid].terminate()  # a joiner the job no longer needs
 
+    def exclude_hung(self) -> None:
+        """Kill members that never came to an abandoned epoch; reaping then replaces them."""
+        if not self.coord.faulted():
+            return
+        for wid in self.coord.absent() & self.live():
+            log.warning("worker %d never joined epoch %d: taken for hung, killed", wid,
+                        self.coord.epoch)  # fmt: skip
+            self.procs[wid].kill()
+            self.procs[wid].wait()  # so that this loop's reap replaces it
+
     def publish_if_due(self) -> None:
         live = self.live()
         ready = self.coord.ready(live)
@@ -137,6 +147,7 @@ class _Supervisor:
             self.spawn()
         try:
             while self.live():
+                self.exclude_hung()
                 self.reap()
                 self.check_finish()
                 if self.failed():

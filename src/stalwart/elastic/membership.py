@@ -132,16 +132,27 @@ class Membership:
         )
 
     def _arrive(self, number: int, size: int, deadline: float) -> bool:
-        """Run the arrival protocol of the module docstring; True when the group is to be built."""
+        """Run the arrival protocol of the module docstring; True when the group is to be built.
+
+        A member that has not arrived within the epoch timeout is taken for hung: the epoch is
+        abandoned and reported as faulty, and the coordinator excludes whoever never arrived.
+        """
+        self.store.set(keys.arrival(number, self.wid), b"1")
         arrived = self.store.add(keys.arrived(number), 1)
         fate_key = keys.fate(number)
         if arrived >= size:
             return self._decide(fate_key, "go")
+        hung_after = time.monotonic() + self.env.timeout_s
         while True:
             if self.store.check([fate_key]):
                 return self.store.get(fate_key).decode() == "go"
-            if self.latest_epoch() > number or time.monotonic() > deadline:
+            if self.latest_epoch() > number:
                 return self._decide(fate_key, "abandon")
+            if time.monotonic() > min(deadline, hung_after):
+                go = self._decide(fate_key, "abandon")
+                if not go:
+                    self.report_fault(number)
+                return go
             time.sleep(_POLL_S)
 
     def _decide(self, fate_key: str, wish: str) -> bool:

@@ -7,6 +7,7 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
     coord/epoch                    latest published membership epoch (decimal string)
     coord/epoch{n}/members         JSON list of the worker ids in epoch n, ascending
     coord/epoch{n}/arrived         counter: members that came to build epoch n's group
+    coord/epoch{n}/arrived/{wid}   set by each member that came (who never came: hung)
     coord/epoch{n}/fate            "go" or "abandon", decided once with compare_set
     coord/epoch{n}/faults          counter: members that saw a collective of epoch n fail
     coord/ready/{wid}              JSON {"pid", "min_size"}: worker wid is ready to join
@@ -56,6 +57,11 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     def arrived(epoch: int) -> str:
         """Counter of members that came to build epoch ``epoch``'s group."""
         return f"coord/epoch{epoch}/arrived"
+
+    @staticmethod
+    def arrival(epoch: int, wid: int) -> str:
+        """Set by worker ``wid`` when it came to build epoch ``epoch``'s group."""
+        return f"coord/epoch{epoch}/arrived/{wid}"
 
     @staticmethod
     def fate(epoch: int) -> str:

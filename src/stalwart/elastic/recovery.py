@@ -2,8 +2,9 @@
 
 The launcher logs ``spawned`` (``wid``, ``replaces``) and ``exited`` (``wid``, ``rc``) lines in
 ``<events>/launcher.jsonl``; the workers' own event files (:mod:`stalwart.elastic.events`)
-give the rest. Times are wall-clock seconds from the launcher reaping the dead worker, which
-it polls every 20 ms, so a detection can precede the reaping by up to that much (shown as 0).
+give the rest. Times are wall-clock seconds from the dead worker's last event line, its last
+sign of life: at most one step before a crash, the moment a hung worker froze (the launcher
+kills a hung worker only once the others gave up on it, so its reaping comes late).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class Recovery:
     Attributes:
         worker: the dead worker's id.
         exit_code: its exit status (negative: killed by that signal).
-        detect_s: reaping → the first survivor's ``fault-detected`` (None: nobody noticed).
-        resume_s: reaping → the first step a survivor committed without the dead worker.
+        detect_s: last sign of life → the first survivor's ``fault-detected`` (None: none).
+        resume_s: last sign of life → the first step a survivor committed without it.
+        reaped_s: last sign of life → the launcher saw the process exit.
         lost_steps: step attempts the survivors discarded for it (most on one survivor).
         replacement: the replacement's worker id (None: not replaced).
         rejoin_s: the replacement's launch → its first committed step (None: never committed).
@@ -38,6 +40,7 @@ class Recovery:
     exit_code: int
     detect_s: float | None
     resume_s: float | None
+    reaped_s: float
     lost_steps: int
     replacement: int | None
     rejoin_s: float | None
@@ -63,8 +66,10 @@ def _first_after(lines: list[dict[str, Any]], t: float, pred: Any) -> float | No
 
 def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
               spawned: dict[int, dict[str, Any]]) -> Recovery:  # fmt: skip
-    wid, t0 = int(death["wid"]), float(death["t"])
-    slack = t0 - 0.05  # the launcher reaps up to one poll after the death
+    wid, reaped = int(death["wid"]), float(death["t"])
+    own = events.get(wid) or []
+    t0 = own[-1]["t"] if own else reaped
+    slack = t0
 
     def resumed(e: dict[str, Any]) -> bool:
         return e["kind"] == "step" and e["committed"] and wid not in e["members"]
@@ -90,6 +95,7 @@ def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
         exit_code=int(death["rc"]),
         detect_s=None if detect is None else max(0.0, detect - t0),
         resume_s=None if resume is None else max(0.0, resume - t0),
+        reaped_s=reaped - t0,
         lost_steps=int(lost),
         replacement=new,
         rejoin_s=None if first is None or new is None else first - spawned[new]["t"],

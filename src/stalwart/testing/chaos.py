@@ -1,11 +1,13 @@
-"""Seeded fault schedules for elastic jobs: SIGKILL a worker at an exact point of a step.
+"""Seeded fault schedules for elastic jobs: SIGKILL or SIGSTOP a worker at an exact point.
 
 A schedule travels to the workers in one environment variable (``STALWART_CHAOS``, JSON), and
 each worker script calls :func:`install` on its job. The job announces points of its step to
 listeners (``step-begin``: the step boundary; ``collective-enter``: about to enter the
 gradient all-reduce); a worker scheduled to die there kills itself with SIGKILL, which is what
-the other members see of a crashed host. ``delay_s`` > 0 on a ``collective`` kill fires from
-a timer thread that many seconds after entry, i.e. while the all-reduce is in flight.
+the other members see of a crashed host; with ``signal="STOP"`` it freezes instead (a hung
+host; the launcher kills it once it is taken for hung). ``delay_s`` > 0 on a ``collective``
+kill fires from a timer thread that many seconds after entry, i.e. while the all-reduce is in
+flight.
 
 Kills name the *original* worker id; a replacement gets a fresh id and is not killed again.
 
@@ -35,6 +37,7 @@ ENV_CHAOS = "STALWART_CHAOS"
 # spelled out here because testing sits below elastic in the layering).
 _ENV_WORKER = "STALWART_ELASTIC_WORKER"
 _WHERE = ("boundary", "collective")
+_SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 
 class _Announcer(Protocol):
@@ -43,23 +46,27 @@ class _Announcer(Protocol):
 
 @dataclass(frozen=True)
 class Kill:
-    """SIGKILL worker ``worker`` at ``step`` (committed steps so far).
+    """Send SIGKILL (or SIGSTOP) to worker ``worker`` at ``step`` (committed steps so far).
 
     Attributes:
         worker: the worker id to kill.
         step: the step at which it dies.
         where: ``boundary`` (start of the step) or ``collective`` (entering the all-reduce).
         delay_s: for ``collective``: seconds after entry, from a timer thread.
+        signal: ``KILL`` (a crash) or ``STOP`` (a hang).
     """
 
     worker: int
     step: int
     where: str = "boundary"
     delay_s: float = 0.0
+    signal: str = "KILL"
 
     def __post_init__(self) -> None:
         if self.where not in _WHERE or self.delay_s < 0 or self.step < 0:
             raise ConfigError(f"{self}: where must be one of {_WHERE}, step >= 0 and delay_s >= 0")
+        if self.signal not in _SIGNALS:
+            raise ConfigError(f"{self}: signal must be one of {sorted(_SIGNALS)}")
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,12 @@ class KillSchedule:
         return cls(tuple(Kill(**k) for k in json.loads(raw))) if raw else cls()
 
 
-def _die(delay_s: float = 0.0) -> None:
+def _die(sig: str, delay_s: float = 0.0) -> None:
+    signum = _SIGNALS[sig]
     if delay_s <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signum)
         return
-    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL))
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signum))
     timer.daemon = True
     timer.start()
 
@@ -123,8 +131,8 @@ def install(
             if k.step != step:
                 continue
             if k.where == "boundary" and event == "step-begin":
-                _die()
+                _die(k.signal)
             elif k.where == "collective" and event == "collective-enter":
-                _die(k.delay_s)
+                _die(k.signal, k.delay_s)
 
     job.add_listener(listener)
