@@ -58,3 +58,21 @@ def test_a_stateful_refusal_becomes_a_state_mismatch_from_memory_too() -> None:
     snap = Snapshot.capture({"obj": _Refuses(), "t": torch.ones(2)}, 3)
     with pytest.raises(StateMismatchError, match="load_state_dict refused the memory snapshot"):
         snap.restore_into({"obj": _Refuses(), "t": torch.zeros(2)})
+
+
+def test_plain_values_are_restored_in_place_from_disk_and_memory(tmp_path: Path) -> None:
+    saved = {"w": torch.ones(2), "step": 7, "cfg": {"lr": 0.5, "tags": ["a", "b"]}, "t": (1, 2)}
+    ckpt = Checkpointer(tmp_path / "ck")
+    ckpt.save(1, saved)
+    snap = Snapshot.capture(saved, 1)
+    loaders = [
+        lambda st: ckpt.load(st),
+        lambda st: snap.restore_into(st),
+    ]
+    for load in loaders:
+        cfg = {"lr": 0.0, "tags": ["x", "y"]}
+        state = {"w": torch.zeros(2), "step": 0, "cfg": cfg, "t": (0, 0)}
+        tree = load(state)
+        assert state["step"] == 7 and state["cfg"] is cfg and cfg == {"lr": 0.5, "tags": ["a", "b"]}
+        assert torch.equal(state["w"], torch.ones(2))
+        assert state["t"] == (1, 2) and tree["t"] == (1, 2)  # the tuple is replaced whole

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from stalwart.checkpoint.collective import Group
@@ -34,12 +35,14 @@ from stalwart.tree import (
     dtype_name,
     flatten,
     get_path,
+    is_stateful,
     iter_skeleton_tensors,
     unflatten,
 )
 
 __all__ = [
     "fill_tensor",
+    "fill_plain_values",
     "fill_tensors",
     "load_first_that_verifies",
     "load_step",
@@ -94,6 +97,7 @@ def load_step(
         flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
     tree = unflatten(m.skeleton, tensors.__getitem__)
     restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
+    fill_plain_values(state, tree)
     return tree, read, problems
 
 
@@ -144,6 +148,45 @@ def match_targets(
             + "\npass strict=False to load what matches and leave the rest untouched"
         )
     return targets, problems
+
+
+def fill_plain_values(state: Any, tree: Any) -> None:
+    """Write the loaded plain values (ints, strings, ...) into ``state``'s dicts and lists.
+
+    Tensors are loaded in place and stateful objects restore themselves; this makes the rest
+    of "in place" true: ``{"model": m, "step": 0}`` holds the saved step after a load. Values
+    A tuple of plain values is replaced whole; values in a tuple that also holds tensors, and
+    a plain value at the root, cannot be replaced: they are in the returned tree only.
+    """
+    if isinstance(state, MutableMapping) and isinstance(tree, Mapping):
+        pairs: Any = [(k, state[k], tree[k]) for k in list(state) if k in tree]
+    elif isinstance(state, list) and isinstance(tree, (list, tuple)) and len(state) == len(tree):
+        pairs = [(i, state[i], tree[i]) for i in range(len(state))]
+    else:
+        return
+    for key, mine, loaded in pairs:
+        if (_is_plain(mine) and _is_plain(loaded)) or (
+            isinstance(mine, tuple) and not _holds_live(mine)  # immutable: replaced whole
+        ):
+            if mine is not loaded:
+                state[key] = loaded
+        elif not is_stateful(mine):
+            fill_plain_values(mine, loaded)
+
+
+def _holds_live(v: Any) -> bool:
+    """True when ``v`` holds a tensor, an array or a stateful object anywhere."""
+    if isinstance(v, (torch.Tensor, np.ndarray)) or is_stateful(v):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_live(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_live(x) for x in v)
+
+
+def _is_plain(v: Any) -> bool:
+    return not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple)) and not (
+        is_stateful(v)
+    )
 
 
 def restore_statefuls(

@@ -148,7 +148,11 @@ class Snapshot:
             StateMismatchError: a tensor's dtype, shape or local box differs (``strict``).
             CorruptCheckpointError: the buffer was reused since capture.
         """
-        from stalwart.checkpoint.durable.restore import match_targets, restore_statefuls
+        from stalwart.checkpoint.durable.restore import (
+            fill_plain_values,
+            match_targets,
+            restore_statefuls,
+        )
 
         self._check_fresh()
         where = f"the memory snapshot of step {self.step}"
@@ -166,6 +170,7 @@ class Snapshot:
                 out[rec.fqn] = box_view(self.data, rec).clone()
         tree = unflatten(self.skeleton, out.__getitem__)
         restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
+        fill_plain_values(state, tree)
         return tree
 
     # -- index -----------------------------------------------------------------------------
