@@ -1,6 +1,6 @@
 """The one-file HTML report: findings with lift intervals, their subsumed neighbours, example
 rows, the cleaning applied, and a lift/support plot drawn by matplotlib as inline SVG (no
-network, no external files)."""
+network, no external files); and the compact fragment notebooks show for a ``Diagnosis``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from stalwart.errors import require
 if TYPE_CHECKING:
     from stalwart.diagnose.result import Diagnosis
 
-__all__ = ["render_html"]
+__all__ = ["NOTEBOOK_ROWS", "render_html", "render_notebook"]
+
+NOTEBOOK_ROWS = 20
+"""Findings a notebook shows; the rest are counted in an "N more" line."""
+_CELL_CHARS = 160
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
@@ -144,3 +148,45 @@ def render_html(d: Diagnosis, *, title: str) -> str:
         f"{_e(d.timings_s)}.</p></body></html>"
     )
     return "\n".join(parts)
+
+
+def _clip(text: str, limit: int = _CELL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (before escaping), so one hostile value cannot
+    blow up a notebook cell."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def render_notebook(d: Diagnosis, *, max_rows: int = NOTEBOOK_ROWS) -> str:
+    """A small self-contained HTML fragment: one summary line, the top ``max_rows`` findings
+    and an "N more" line. No script, no external resources; every value is escaped."""
+    what = "failures" if d.mode == "events" else "deviation"
+    head = f"<b>Diagnosis</b> ({_e(d.mode)}): {len(d.findings)} finding(s); "
+    ref = "rows" if d.mode == "events" else "reference"
+    head += f"{_n(d.total_failures)} {what} over {_n(d.total_rows)} {ref}"
+    if d.mode == "events":
+        head += f", base rate {d.base_rate:.3%}"
+    head += f"; the findings' rows hold {d.covered:.1%} of the {what}."
+    parts = [f"<div class='stalwart-diagnosis'><p>{head}</p>"]
+    if d.message:
+        parts.append(f"<p><i>{_e(_clip(d.message, 400))}</i></p>")
+    if d.findings:
+        rows = [
+            [
+                str(i),
+                _e(_clip(f.label())),
+                _n(f.failures),
+                _n(f.rows),
+                f"{f.support:.1%}",
+                f"{f.lift:.2f} [{f.lift_low:.2f}, {f.lift_high:.2f}]",
+                f"{f.explained:.1%}",
+            ]
+            for i, f in enumerate(d.findings[:max_rows], 1)
+        ]
+        head_row = ["#", "finding", what, ref, "support", "lift [interval]", "explains"]
+        parts.append(_table(head_row, rows, {0, 2, 3, 4, 5, 6}))
+        if len(d.findings) > max_rows:
+            parts.append(
+                f"<p>… {len(d.findings) - max_rows} more finding(s): d.to_pandas() has them all</p>"
+            )
+    parts.append("</div>")
+    return "".join(parts)

@@ -1,5 +1,6 @@
 """What an analysis returns: findings, their neighbours and examples, the cleaning applied, and
-renderings as a plain dict (JSON for bots) and a rich table for the terminal."""
+renderings as a plain dict (JSON for bots), an Arrow table (and pandas / polars frames of it),
+a rich table for the terminal and a compact HTML table for notebooks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from stalwart.errors import require
 
 __all__ = ["Diagnosis", "Finding", "Neighbour"]
 
@@ -130,6 +133,48 @@ class Diagnosis:
                 f"{f.explained:.1%}",
             )
         return table
+
+    def to_arrow(self) -> Any:
+        """The findings as a pyarrow Table, one row per finding, best first.
+
+        Columns: ``rank``, ``finding`` (the label), one text column per attribute that any
+        finding names (NULL where the finding does not constrain it; an attribute named like
+        a metric column gets an ``item_`` prefix), then ``failures``, ``rows``, ``support``,
+        ``lift``, ``lift_low``, ``lift_high``, ``explained``, ``subsumed`` (neighbours pruned
+        into the finding). The same numbers as ``to_dict()["findings"]``.
+        """
+        import pyarrow as pa  # the rca extra, which stalwart.diagnose needs, installs it
+
+        fixed = ("failures", "rows", "support", "lift", "lift_low", "lift_high", "explained")
+        named = {k for f in self.findings for k in f.items}
+        attrs = [c for c in self.columns if c in named] + sorted(named - set(self.columns))
+        cols: dict[str, Any] = {
+            "rank": pa.array(range(1, len(self.findings) + 1), pa.int64()),
+            "finding": pa.array([f.label() for f in self.findings], pa.string()),
+        }
+        for a in attrs:
+            key = f"item_{a}" if a in (*fixed, "rank", "finding", "subsumed") else a
+            cols[key] = pa.array([f.items.get(a) for f in self.findings], pa.string())
+        for name in fixed:
+            cols[name] = pa.array([float(getattr(f, name)) for f in self.findings], pa.float64())
+        cols["subsumed"] = pa.array([len(f.subsumed) for f in self.findings], pa.int64())
+        return pa.table(cols)
+
+    def to_pandas(self) -> Any:
+        """``to_arrow()`` as a pandas DataFrame (needs pandas: the ``frames`` extra)."""
+        require("pandas", "frames", "Diagnosis.to_pandas")
+        return self.to_arrow().to_pandas()
+
+    def to_polars(self) -> Any:
+        """``to_arrow()`` as a polars DataFrame (needs polars: the ``frames`` extra)."""
+        pl = require("polars", "frames", "Diagnosis.to_polars")
+        return pl.from_arrow(self.to_arrow())
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rendering: a summary and the top findings (see ``report.render_notebook``)."""
+        from stalwart.diagnose.report import render_notebook
+
+        return render_notebook(self)
 
     def write_html(self, path: str | Path, *, title: str = "stalwart root-cause report") -> Path:
         """Write the one-file HTML report (findings, neighbours, examples, a plot)."""

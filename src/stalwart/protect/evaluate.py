@@ -13,6 +13,7 @@ disjoint evaluation split from one batch of inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import time
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, require
 from stalwart.inject import Fault, apply_faults, draw_ber, layout_of, select_tensors
 from stalwart.inject.targets import Pattern
 from stalwart.protect.base import Protection
@@ -33,6 +34,7 @@ from stalwart.vulnerability import FaultList, check_eval, criterion, mcnemar, ru
 __all__ = [
     "InputSplit",
     "ProtectionResult",
+    "ProtectionResults",
     "ber_faults",
     "ber_sweep",
     "evaluate",
@@ -154,6 +156,47 @@ class ProtectionResult:
     """How the result was obtained (measured on the faulty model, and how)."""
 
 
+class ProtectionResults(list[ProtectionResult]):
+    """What :func:`evaluate` returns: a plain list of results, one per protection, that also
+    converts to a table and renders in notebooks."""
+
+    def to_arrow(self) -> Any:
+        """One row per protection: the result's fields, ``cost`` spread over ``cost_<key>``
+        columns (NULL where a protection does not report that cost)."""
+        pa = require("pyarrow", "sdc", "ProtectionResults.to_arrow")
+
+        names = [f.name for f in dataclasses.fields(ProtectionResult) if f.name != "cost"]
+        cols: dict[str, list[Any]] = {n: [getattr(r, n) for r in self] for n in names}
+        for key in dict.fromkeys(k for r in self for k in r.cost):
+            cols[f"cost_{key}"] = [r.cost.get(key) for r in self]
+        return pa.table(cols)
+
+    def to_pandas(self) -> Any:
+        """``to_arrow()`` as a pandas DataFrame (needs pandas: the ``frames`` extra)."""
+        require("pandas", "frames", "ProtectionResults.to_pandas")
+        return self.to_arrow().to_pandas()
+
+    def to_polars(self) -> Any:
+        """``to_arrow()`` as a polars DataFrame (needs polars: the ``frames`` extra)."""
+        pl = require("polars", "frames", "ProtectionResults.to_polars")
+        return pl.from_arrow(self.to_arrow())
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rendering: one row per protection."""
+        from stalwart.vulnerability.report import render_notebook
+
+        trials = self[0].trials if self else 0
+        base = self[0].baseline_failures if self else 0
+        summary = (
+            f"{len(self)} protection(s) on {trials} replayed faults ({base} unprotected failures)"
+        )
+        table = self.to_arrow()
+        keep = ["name", "failures", "fixed", "broken", "p_value", "recovered", "overhead", "method"]
+        return render_notebook(
+            "Protection results", summary, table.select(keep), more="protection(s)"
+        )
+
+
 def forward_time(
     model: nn.Module,
     inputs: Sequence[Any],
@@ -187,7 +230,7 @@ def evaluate(
     labels: torch.Tensor | None = None,
     repeats: int = 7,
     in_sample: bool = False,
-) -> list[ProtectionResult]:
+) -> ProtectionResults:
     """Replay ``faults`` with no protection and under each protection (paired).
 
     Args:
@@ -206,7 +249,7 @@ def evaluate(
     before = base.failed[crit.name]
     with torch.no_grad():
         golden = model(*inputs)
-    out: list[ProtectionResult] = []
+    out = ProtectionResults()
     for p in protections:
         replay = p.filter(model, faults)
         after = np.zeros(len(faults), bool)

@@ -194,6 +194,12 @@ class Manifest:
         """Keys of every pack file this checkpoint reads."""
         return {c.pack for c in self.chunks()}
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rendering; drawn by the tools room, this room stays presentation-free."""
+        from stalwart.checkpoint.tools.inspection import inspect_manifest
+
+        return inspect_manifest(self)._repr_html_()
+
     def to_bytes(self) -> bytes:
         """The manifest as written: compact JSON whose last member is its checksum."""
         doc = {

@@ -7,8 +7,9 @@ in float64 (complex128 for complex dtypes), in blocks so that a large tensor nev
 more than a few MiB of float64 scratch. Non-tensor values (step counters, learning rates,
 strings) are compared from the two skeletons without reading any tensor data.
 
-``DiffReport.to_json()`` is the machine-readable form; ``write_diff_html`` renders a
-self-contained HTML page of it.
+``DiffReport.to_json()`` is the machine-readable form, ``to_arrow()`` / ``to_pandas()`` /
+``to_polars()`` the tabular one; ``write_diff_html`` renders a self-contained HTML page of it
+and ``_repr_html_`` a compact fragment for notebooks (:mod:`.notebook`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.tools.verify import reader_lease
+from stalwart.errors import ConfigError, require
 
 __all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps"]
 
@@ -152,6 +154,44 @@ class DiffReport:
             "tensors": [r.to_json() for r in self.tensors],
             "values": [v.to_json() for v in self.values],
         }
+
+    def to_arrow(self, kind: str = "tensors") -> Any:
+        """The tensor rows (``kind="tensors"``: the fields of :class:`TensorDiff`, non-finite
+        floats kept as floats) or the value rows (``kind="values"``) as a pyarrow Table."""
+        pa = require("pyarrow", "frames", "DiffReport.to_arrow")
+
+        if kind == "values":
+            names = ("path", "status", "old", "new")
+            return pa.table(
+                {n: pa.array([getattr(v, n) for v in self.values], pa.string()) for n in names}
+            )
+        if kind != "tensors":
+            raise ConfigError(f"kind={kind!r}: expected 'tensors' or 'values'")
+        ints, floats = pa.int64(), pa.float64()
+        types = {
+            "name": pa.string(), "status": pa.string(), "dtype": pa.string(),
+            "shape": pa.list_(ints), "numel": ints, "old_dtype": pa.string(),
+            "old_shape": pa.list_(ints), "changed_elements": ints, "l2": floats,
+            "max_abs": floats, "relative": floats, "nonfinite": ints, "compared_by": pa.string(),
+        }  # fmt: skip
+        return pa.table(
+            {n: pa.array([getattr(r, n) for r in self.tensors], t) for n, t in types.items()}
+        )
+
+    def to_pandas(self, kind: str = "tensors") -> Any:
+        """``to_arrow(kind)`` as a pandas DataFrame (needs the ``frames`` extra)."""
+        require("pandas", "frames", "DiffReport.to_pandas")
+        return self.to_arrow(kind).to_pandas()
+
+    def to_polars(self, kind: str = "tensors") -> Any:
+        """``to_arrow(kind)`` as a polars DataFrame (needs the ``frames`` extra)."""
+        pl = require("polars", "frames", "DiffReport.to_polars")
+        return pl.from_arrow(self.to_arrow(kind))
+
+    def _repr_html_(self) -> str:
+        from stalwart.checkpoint.tools.notebook import render_diff
+
+        return render_diff(self)
 
 
 def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
