@@ -48,7 +48,7 @@ def analyze_spark(
     """``analyze`` with Spark for the scan and the pre-aggregation.
 
     Args:
-        data: a Spark DataFrame, or a CSV or Parquet path Spark can read.
+        data: a Spark DataFrame, or a CSV, Parquet or JSON lines path Spark can read.
         label: a column or a Spark SQL condition that is true for failures.
         spark: the SparkSession to use; the active (or a new local) one when omitted.
     """
@@ -124,4 +124,8 @@ def _read(spark: Any, data: Any) -> Any:
             return spark.read.parquet(data)
         if lower.endswith((".csv", ".csv.gz", ".tsv")):
             return spark.read.option("header", True).option("inferSchema", True).csv(data)
-    raise ConfigError("the spark engine reads a Spark DataFrame, or a CSV or Parquet path")
+        if lower.endswith((".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")):
+            return spark.read.json(data)  # Spark's JSON source is one object per line
+    raise ConfigError(
+        "the spark engine reads a Spark DataFrame, or a CSV, Parquet or JSON lines path"
+    )
