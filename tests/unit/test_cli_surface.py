@@ -122,14 +122,17 @@ def test_one_flag_per_meaning_and_json_everywhere() -> None:
 
 
 def test_library_choices_match_the_cli_copies() -> None:
-    from stalwart.cli import pvf
+    from stalwart.checkpoint.tools.export import FORMATS
+    from stalwart.cli import ckpt, pvf
     from stalwart.inject.error_models import _MODELS
     from stalwart.vulnerability.pvf import GROUPINGS
     from stalwart.vulnerability.stats import INTERVALS
 
-    assert pvf.GROUPINGS == GROUPINGS
-    assert set(pvf.ERRORS) == set(_MODELS)
+    assert tuple(c.value for c in pvf.By) == GROUPINGS
+    assert {c.value for c in pvf.Error} == set(_MODELS)
     assert {c.value for c in pvf.Interval} == set(INTERVALS)
+    assert {c.value for c in pvf.Dtype} == set(pvf._DTYPES)
+    assert {c.value for c in ckpt.Format} == {*FORMATS, "dcp"}
 
 
 def _invoke(*args: str) -> Any:

@@ -9,6 +9,7 @@ do next, never a traceback. ``--json`` (on every command) prints JSON on stdout 
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from datetime import datetime
@@ -25,9 +26,9 @@ from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import KeepLast
 from stalwart.checkpoint.tools.diff import diff_steps
-from stalwart.checkpoint.tools.export import FORMATS, export_step, import_file
+from stalwart.checkpoint.tools.export import export_step, import_file
 from stalwart.checkpoint.tools.verify import verify_all, verify_step
-from stalwart.cli.conventions import JSON_HELP, choices, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, handled
 from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import ConfigError, CorruptCheckpointError
 
@@ -40,7 +41,16 @@ ckpt_app = typer.Typer(
 _ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
 _STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
 _JSON = typer.Option(False, "--json", help=JSON_HELP)
-Format = choices("Format", (*FORMATS, "dcp"))
+
+
+class Format(str, enum.Enum):
+    """``export --format``: ``tools.export.FORMATS`` and DCP (a test keeps them equal)."""
+
+    safetensors = "safetensors"
+    torch = "torch"
+    dcp = "dcp"
+
+
 _FORMAT = typer.Option(
     Format["safetensors"], "--format", "-f", help="File format, or dcp (a DCP folder)."
 )
@@ -349,7 +359,7 @@ def export(
     root: str = _ROOT,
     out: Path = _OUT_FILE,
     step: int | None = _STEP,
-    fmt: Format = _FORMAT,  # type: ignore[valid-type]
+    fmt: Format = _FORMAT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     subtree: str | None = typer.Option(
         None,

@@ -18,11 +18,10 @@ by path options (``--out DIR``, ``--json-out FILE``, ``--html FILE``).
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -39,7 +38,6 @@ __all__ = [
     "EXIT_USAGE",
     "JSON_HELP",
     "GuardedGroup",
-    "choices",
     "emit_json",
     "handled",
 ]
@@ -50,12 +48,6 @@ EXIT_USAGE = 2
 EXIT_UNEXPECTED = 3
 
 JSON_HELP = "Print the result as JSON on stdout instead of tables."
-
-
-def choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
-    """A string enum for an option, so that click rejects a bad value before any work starts
-    (and ``--help`` lists the accepted ones); read the choice back with ``.value``."""
-    return enum.Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
 
 
 def emit_json(obj: Any) -> None:

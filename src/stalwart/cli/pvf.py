@@ -9,6 +9,7 @@ input (one red line on stderr, never a traceback); choices are checked before an
 
 from __future__ import annotations
 
+import enum
 import importlib
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, choices, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, handled
 from stalwart.errors import ConfigError
 
 __all__ = ["handled", "load_spec", "pvf_command", "register"]
@@ -29,16 +30,57 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "fp64": torch.float64,
 }
-# The library's names, copied so that ``--help`` needs no SciPy; a unit test keeps them equal.
-GROUPINGS = (
-    "tensor", "layer", "module", "param", "part", "bit", "field", "dtype", "component", "all",
-)  # fmt: skip
-ERRORS = ("bitflip", "multibit", "burst", "stuck_at", "random_value")
-By = choices("By", GROUPINGS)
-Error = choices("Error", ERRORS)
-Dtype = choices("Dtype", tuple(_DTYPES))
-Interval = choices("Interval", ("wilson", "clopper-pearson"))
-Engine = choices("Engine", ("fast", "naive", "copy"))
+
+
+# The library's names as option choices (click rejects others before any work starts), copied
+# so that ``--help`` needs no SciPy; tests/unit/test_cli_surface.py keeps them equal.
+class By(str, enum.Enum):
+    """``--by``: how trials are grouped."""
+
+    tensor = "tensor"
+    layer = "layer"
+    module = "module"
+    param = "param"
+    part = "part"
+    bit = "bit"
+    field = "field"
+    dtype = "dtype"
+    component = "component"
+    all = "all"
+
+
+class Error(str, enum.Enum):
+    """``--error``: the error model of each fault."""
+
+    bitflip = "bitflip"
+    multibit = "multibit"
+    burst = "burst"
+    stuck_at = "stuck_at"
+    random_value = "random_value"
+
+
+class Dtype(str, enum.Enum):
+    """``--dtype``: the dtype the model runs in."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp64 = "fp64"
+
+
+class Interval(str, enum.Enum):
+    """``--interval``: the confidence interval."""
+
+    wilson = "wilson"
+    clopper_pearson = "clopper-pearson"
+
+
+class Engine(str, enum.Enum):
+    """``--engine``: the campaign engine."""
+
+    fast = "fast"
+    naive = "naive"
+    copy = "copy"
 
 
 def check_criteria(names: list[str]) -> None:

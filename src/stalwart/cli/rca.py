@@ -9,6 +9,7 @@ stdout so it can be piped; ``--json-out FILE`` writes it to a file.
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,11 +17,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stalwart.cli.conventions import JSON_HELP, choices, handled
+from stalwart.cli.conventions import JSON_HELP, handled
 
 __all__ = ["rca", "register"]
 
-Engine = choices("Engine", ("duckdb", "spark"))
+
+class Engine(str, enum.Enum):
+    """``--engine``: where the analysis runs."""
+
+    duckdb = "duckdb"
+    spark = "spark"
 
 
 def _pair(value: str | None, what: str) -> str | tuple[str, str] | None:
