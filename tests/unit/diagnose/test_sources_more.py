@@ -131,6 +131,24 @@ def test_s3_url_gives_the_same_findings(
     assert _found(d) == expected
 
 
+def test_s3_glob_over_parts(
+    plain: pa.Table,
+    expected: list[dict[str, str]],
+    s3_server: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    half = plain.num_rows // 2
+    for i, part in enumerate((plain.slice(0, half), plain.slice(half))):
+        pq.write_table(part, tmp_path / f"part{i}.parquet")
+        fs.put(str(tmp_path / f"part{i}.parquet"), f"{s3_bucket}/logs/part{i}.parquet")
+    url = f"s3://{s3_bucket}/logs/*.parquet"
+    assert _found(analyze(url, "failed", storage_options=s3_server.storage_options)) == expected
+
+
 def test_s3_missing_object_says_what_to_check(s3_server: Any, s3_bucket: str) -> None:
     with pytest.raises(ConfigError, match=r"no such object.*storage_options"):
         analyze(
