@@ -200,3 +200,22 @@ def test_typer_app_is_the_one_entry_point() -> None:
     import stalwart.__main__ as entry
 
     assert entry.app is app and isinstance(app, typer.Typer)
+
+
+def test_every_command_has_help() -> None:
+    for cmd in surface():
+        r = _invoke(*cmd.split()[1:], "--help")
+        assert r.exit_code == 0 and "Usage" in r.output, (cmd, r.output)
+
+
+def test_json_of_demo_and_protect(tmp_path: Path) -> None:
+    r = _invoke(
+        "demo", "--root", str(tmp_path / "demo"), "--steps", "12", "--every", "4",
+        "--no-recovery", "--no-pvf", "--no-rca", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["resume_ok"] is True and doc["resume"]["saves"] > 0
+    r = _invoke("protect", "mlp", "--trials", "10", "-p", "sbp", "--json")
+    assert r.exit_code == 0, r.output
+    assert [x["name"] for x in json.loads(r.stdout)["results"]]
