@@ -149,6 +149,8 @@ def open_source(
     try:
         _register(con, name, data, where)
         desc = con.sql(f"DESCRIBE SELECT * FROM {name}").fetchall()
+        if not desc:
+            raise ConfigError("the input has no columns")
     except BaseException as e:
         if owns:
             con.close()
@@ -160,8 +162,6 @@ def open_source(
         raise
     columns = [str(r[0]) for r in desc]
     types = {str(r[0]): str(r[1]) for r in desc}
-    if not columns:
-        raise ConfigError("the input has no columns")
     return Source(con, name, columns, types, notes, owns, tmp, where.sink)
 
 

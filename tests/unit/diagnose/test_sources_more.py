@@ -149,6 +149,24 @@ def test_s3_glob_over_parts(
     assert _found(analyze(url, "failed", storage_options=s3_server.storage_options)) == expected
 
 
+def test_s3_twice_on_the_callers_connection(s3_server: Any, s3_bucket: str) -> None:
+    import fsspec
+
+    from stalwart.diagnose.source import open_source
+
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    with fs.open(f"{s3_bucket}/x.parquet", "wb") as f:
+        pq.write_table(pa.table({"a": ["x", "y"], "failed": [True, False]}), f)
+    con = duckdb.connect()
+    for _ in range(2):  # the second registers its filesystem over the first one's
+        src = open_source(
+            f"s3://{s3_bucket}/x.parquet", connection=con, storage_options=s3_server.storage_options
+        )
+        assert src.sql("SELECT count(*) FROM {src}").fetchall() == [(2,)]
+        src.close()
+    con.close()
+
+
 def test_s3_missing_object_says_what_to_check(s3_server: Any, s3_bucket: str) -> None:
     with pytest.raises(ConfigError, match=r"no such object.*storage_options"):
         analyze(
