@@ -6,7 +6,7 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 (n in 1, 2, 3, 4), and the final parameters can be compared with a one-process run.
 
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
-                         [--min-size M] [--hold-at STEP --hold-size N]
+                         [--min-size M] [--hold-at STEP --hold-size N] [--stats-window W]
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ def main() -> None:
     parser.add_argument("--min-size", type=int, default=1)
     parser.add_argument("--hold-at", type=int, default=-1, help="wait here for --hold-size")
     parser.add_argument("--hold-size", type=int, default=0)
+    parser.add_argument("--stats-window", type=int, default=20)
     a = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = stalwart.TrainingState(model=model, optimizer=opt)
-    job = Job(state, min_size=a.min_size, verify_every=a.verify_every)
+    job = Job(state, min_size=a.min_size, verify_every=a.verify_every, stats_window=a.stats_window)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)

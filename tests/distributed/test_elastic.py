@@ -9,17 +9,22 @@ bit). Timing only bounds liveness (generous timeouts); nothing asserts a duratio
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from stalwart.elastic import launch, protocol, read_events, recoveries, summarize
 from stalwart.elastic.events import EventLog
+from stalwart.elastic.heartbeat import Heartbeat, HeartbeatWatch
+from stalwart.elastic.stats import StepStats, StragglerWatch, percentile
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule, run_ranks
 
@@ -40,10 +45,12 @@ def _env(schedule: KillSchedule | None = None) -> dict[str, str]:
 
 
 def _launch(
-    tmp: Path, nproc: int, schedule: KillSchedule | None = None, *extra: str, timeout_s: int = 20
-) -> str:
+    tmp: Path, nproc: int, schedule: KillSchedule | None = None, *extra: str,
+    timeout_s: int = 20, hang_s: float = 5.0, launcher: tuple[str, ...] = (),
+) -> str:  # fmt: skip
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), "--max-restarts", "2",
-           "--events", str(tmp / "events"), "--timeout", str(timeout_s), str(WORKER),
+           "--events", str(tmp / "events"), "--timeout", str(timeout_s),
+           "--hang-timeout", str(hang_s), *launcher, str(WORKER),
            "--steps", str(STEPS), "--verify-every", str(VERIFY_EVERY),
            "--out", str(tmp / "out"), *extra]  # fmt: skip
     done = subprocess.run(
@@ -51,6 +58,10 @@ def _launch(
     )
     assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     return done.stdout
+
+
+def _launcher_log(events: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (events / "launcher.jsonl").read_text().splitlines()]
 
 
 def _finals(out: Path) -> dict[str, dict[str, Any]]:
@@ -116,13 +127,15 @@ def test_three_healthy_workers_keep_equal_digests(tmp_path: Path, reference: Any
 )
 def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, kill: Kill) -> None:
     # Survivors go on alone from step 8, then wait at step 20 until the replacement joined.
-    # A hung worker is excluded after two epoch timeouts (its peers' collective, then the
-    # next epoch it never arrives at): a short timeout keeps that test fast.
-    timeout_s = 4 if kill.signal == "STOP" else 20
+    # A hung worker stops beating: the launcher kills it after the hang timeout (3 s), far
+    # below the gloo timeout (60 s), which closes its sockets under the survivors' all-reduce.
+    hang = kill.signal == "STOP"
+    timeout_s = 60 if hang else 20
     schedule = KillSchedule((kill,))
     stdout = _launch(
-        tmp_path, 3, schedule, "--hold-at", "20", "--hold-size", "3", timeout_s=timeout_s
-    )
+        tmp_path, 3, schedule, "--hold-at", "20", "--hold-size", "3", timeout_s=timeout_s,
+        hang_s=3.0,
+    )  # fmt: skip
     events = read_events(tmp_path / "events")
     survivors = [w for w in (0, 1, 2) if w != kill.worker]
     assert sorted(events) == [0, 1, 2, 3], "one replacement, with a fresh worker id"
@@ -149,6 +162,10 @@ def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, ki
     assert (rec.worker, rec.exit_code, rec.replacement) == (kill.worker, -9, 3)
     assert rec.lost_steps <= 1 and rec.detect_s is not None and rec.resume_s is not None
     assert rec.rejoin_s is not None and rec.rejoin_s > 0
+    if hang:  # excluded by heartbeats, not by gloo's timeout (liveness bound, not a benchmark)
+        launcher = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == "hung"]
+        assert [e["wid"] for e in launcher] == [kill.worker]
+        assert rec.resume_s < timeout_s / 2
 
 
 def test_parity_policy_ahead_wins_then_majority() -> None:
@@ -206,3 +223,57 @@ def test_summary_counts_faults_discards_heals_and_goodput(tmp_path: Path) -> Non
 def test_launch_refuses_impossible_sizes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="min_size"):
         launch(WORKER, nproc=2, min_size=3, events_dir=tmp_path)
+
+
+def test_step_stats_close_a_window_every_n_steps() -> None:
+    stats = StepStats(4)
+    assert [stats.add(own, 2 * own, step) for own, step in ((0.1, 1), (0.3, 2), (0.2, 3))] == [
+        None,
+        None,
+        None,
+    ]
+    window = stats.add(0.4, 0.8, 4)
+    assert window is not None and window["step"] == 4 and window["window"] == 4
+    assert window["own_median"] == pytest.approx(0.25) and window["own_p90"] == 0.4
+    assert window["step_median"] == pytest.approx(0.5)
+    assert stats.add(0.1, 0.1, 5) is None, "a new window starts empty"
+    assert StepStats(0).add(1.0, 1.0, 1) is None
+    assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0
+
+
+def test_straggler_is_reported_once_after_persistent_windows() -> None:
+    watch = StragglerWatch(factor=2.0, persist=3, min_excess_s=0.005)
+
+    def windows(step: int, slow: float) -> dict[int, dict[str, Any]]:
+        own = {0: 0.010, 1: slow, 2: 0.012}
+        return {w: {"step": step, "own_median": t} for w, t in own.items()}
+
+    assert watch.update(windows(5, 0.050)) == []
+    assert watch.update(windows(5, 0.050)) == [], "the same window again is no new evidence"
+    assert watch.update(windows(10, 0.015)) == [], "a normal window resets the count"
+    assert watch.update(windows(15, 0.050)) == [] and watch.update(windows(20, 0.050)) == []
+    (report,) = watch.update(windows(25, 0.050))
+    assert report["wid"] == 1 and report["ratio"] == pytest.approx(0.050 / 0.011)
+    assert watch.update(windows(30, 0.050)) == [] and list(watch.reported) == [1]
+    quiet = StragglerWatch(factor=2.0, persist=1)  # 3x slower but only 2 ms: noise
+    assert (
+        quiet.update({0: {"step": 1, "own_median": 0.001}, 1: {"step": 1, "own_median": 0.003}})
+        == []
+    )
+
+
+def test_heartbeat_watch_names_the_silent_worker(tmp_path: Path) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = protocol.WorkerEnv("127.0.0.1", store.port, 0, None, timeout_s=5, hang_s=0.25)
+    beating = Heartbeat(env)
+    store.add(protocol.keys.beat(1), 1)  # worker 1 beat once, then went silent
+    watch = HeartbeatWatch(store, hang_s=0.25)
+    assert watch.hung([2]) == {}, "a worker that never beat is still starting"
+    hung: dict[int, float] = {}
+    deadline = time.monotonic() + 30  # liveness bound only
+    while not hung and time.monotonic() < deadline:
+        hung = watch.hung([0, 1, 2])
+        time.sleep(0.02)
+    beating.stop()
+    assert list(hung) == [1] and hung[1] > 0.25
+    assert HeartbeatWatch(store, hang_s=0).hung([1]) == {}

@@ -31,6 +31,16 @@ def run(
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Timeout of each membership epoch's gloo group, seconds.")
     ] = 10.0,
+    hang_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="Kill and replace a worker silent (no heartbeat) this long, s; 0: off."
+        ),
+    ] = 5.0,
+    straggler_factor: Annotated[
+        float,
+        typer.Option(min=0.0, help="Report a member this many times slower than the others."),
+    ] = 2.0,
 ) -> None:
     """Start N workers around a coordinator; replace dead ones; survivors never restart."""
     from stalwart.elastic import launch  # torch is imported only when a job runs
@@ -38,6 +48,7 @@ def run(
     result = launch(
         script, args or [], nproc=nproc, min_size=min(min_size, nproc),
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
+        hang_s=hang_timeout, straggler_factor=straggler_factor,
     )  # fmt: skip
     s = result.summary
     table = Table(title="stalwart run", show_header=False)
@@ -51,6 +62,8 @@ def run(
         ("steps discarded (most on one worker)", s.discarded_steps),
         ("heals (state received)", s.heals),
         ("parity mismatches", s.parity_mismatches),
+        ("hung (killed, silence)", _hung(result.hung)),
+        ("stragglers (own time vs others)", _stragglers(result.stragglers)),
         ("final digests equal", f"{len(digests) <= 1} ({len(s.final_digests)} workers)"),
         ("goodput", f"{s.goodput:.1%}"),
         ("wall time", f"{result.wall_s:.1f} s"),
@@ -63,6 +76,18 @@ def run(
         console.print(_recovery_table(result.recoveries))
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+def _hung(hung: dict[int, float]) -> str:
+    return ", ".join(f"worker {w} ({s:.1f} s)" for w, s in sorted(hung.items())) or "none"
+
+
+def _stragglers(reports: list[dict[str, Any]]) -> str:
+    parts = [
+        f"worker {r['wid']} ({r['own_median'] * 1e3:.1f} vs {r['others_median'] * 1e3:.1f} ms)"
+        for r in reports
+    ]
+    return ", ".join(parts) or "none"
 
 
 def _seconds(value: float | None) -> str:

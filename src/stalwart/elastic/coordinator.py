@@ -12,9 +12,12 @@ epoch (their gloo groups do not use the store once built) until the next members
 whose join then times out with a :class:`~stalwart.errors.DistributedError`. Failing over to
 a survivor is not implemented.
 
-A hung member (SIGSTOP, a stuck host) makes the others' collective time out (the epoch's gloo
-timeout); it then never arrives at the next epoch, which the others abandon after the same
-timeout, and the launcher kills and replaces whoever never arrived (:meth:`absent`).
+A hung member (SIGSTOP, a stuck host) stops its heartbeats; the launcher kills it after the
+hang timeout (:mod:`stalwart.elastic.heartbeat`), which also fails the survivors' pending
+collective with it. As a backstop (heartbeats off, or a member alive but never entering the
+collective), the others' collective times out after the epoch's gloo timeout; the hung member
+then never arrives at the next epoch, which the others abandon after the same timeout, and the
+launcher kills and replaces whoever never arrived (:meth:`absent`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class Coordinator:
     def done(self, wids: Iterable[int]) -> dict[int, dict[str, Any]]:
         """The completion records of the workers among ``wids`` that finished."""
         return {w: decode(self.store.get(keys.done(w))) for w in wids if self._has(keys.done(w))}
+
+    def stats(self, wids: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """The latest step-time windows published by the workers among ``wids``."""
+        return {w: decode(self.store.get(keys.stats(w))) for w in wids if self._has(keys.stats(w))}
 
     def faulted(self) -> bool:
         """True when a member reported a failed collective in the current epoch."""

@@ -44,6 +44,7 @@ from stalwart.elastic.parity import ParityResult, gather_digests, reconcile
 from stalwart.elastic.protocol import from_env
 from stalwart.elastic.reduce import REDUCTIONS, reduce_
 from stalwart.elastic.state import RngSnapshot, digest
+from stalwart.elastic.stats import StepStats
 from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["Job"]
@@ -72,6 +73,8 @@ class Job:
         min_size: the fewest members to train with; below it, members wait for replacements.
         verify_every: compare digests every this many committed steps (0: only after heals).
         join_timeout_s: how long to wait for a membership epoch before giving up.
+        stats_window: summarise step times every this many committed steps (``step-stats``
+            events, and the launcher's straggler check; 0: off).
 
     Example:
         >>> job = Job(TrainingState(model=model, optimizer=opt))  # doctest: +SKIP
@@ -89,6 +92,7 @@ class Job:
         min_size: int = 1,
         verify_every: int = 50,
         join_timeout_s: float = 300.0,
+        stats_window: int = 20,
     ) -> None:
         if min_size < 1 or verify_every < 0:
             raise ConfigError(
@@ -103,6 +107,7 @@ class Job:
         self._buffers: list[torch.Tensor] = []
         self._reduce = "mean"
         self._listeners: list[Listener] = []
+        self._stats, self._own_s = StepStats(stats_window), 0.0
         self._needs_reconfigure = False
         self._changed = False
         self._closed = False
@@ -239,6 +244,7 @@ class Job:
         if self._needs_reconfigure:  # a step() without zero_grad() after a fault
             self._reconfigure()
         self._notify("collective-enter")
+        self._own_s = time.time() - self._t0  # this member's own time (see stats.py)
         control = torch.tensor([1.0, self._change_flag()])
         try:
             control = reduce_(self._params, self._buffers, control, self._epoch.group, self._reduce)
@@ -264,10 +270,16 @@ class Job:
                 if isinstance(e, DistributedError):
                     raise
                 self._fault(e)
+        dt = time.time() - self._t0
         self._events.write(
             "step", step=self._step, committed=True, epoch=self.epoch,
-            members=list(self.members), dt=time.time() - self._t0, digest=digest_hex,
+            members=list(self.members), dt=dt, digest=digest_hex,
         )  # fmt: skip
+        window = self._stats.add(self._own_s, dt, self._step)
+        if window is not None:
+            self._events.write("step-stats", **window)
+            if self._membership is not None:
+                self._membership.publish_stats(window)
         if self._changed:
             self._events.write("first-commit-after-change", step=self._step, epoch=self.epoch)
             self._changed = False

@@ -2,7 +2,10 @@
 
 Survivors are never restarted: a dead worker (non-zero exit, signal) is replaced by a fresh
 process with a new worker id, which joins the running job at the next epoch and heals from a
-live member. The job ends when the members of one epoch have agreed on their final step
+live member. A worker whose heartbeats stopped for the hang timeout is SIGKILLed (see
+:mod:`stalwart.elastic.heartbeat`) and replaced the same way; a member persistently slower
+than the others is reported as a straggler (:mod:`stalwart.elastic.stats`), not removed.
+The job ends when the members of one epoch have agreed on their final step
 (:meth:`stalwart.elastic.Job.close`); workers that were still joining then are stopped.
 
 Exit code: 0 when every member of the final epoch exited cleanly; 1 otherwise (all workers
@@ -21,11 +24,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stalwart.elastic.coordinator import Coordinator
 from stalwart.elastic.events import EventLog, JobSummary, summarize
-from stalwart.elastic.protocol import ENV_EVENTS, ENV_STORE, ENV_TIMEOUT, ENV_WORKER
+from stalwart.elastic.heartbeat import HeartbeatWatch
+from stalwart.elastic.protocol import ENV_EVENTS, ENV_HANG, ENV_STORE, ENV_TIMEOUT, ENV_WORKER
 from stalwart.elastic.recovery import LAUNCHER_LOG, Recovery, recoveries
+from stalwart.elastic.stats import StragglerWatch
 from stalwart.errors import ConfigError
 
 __all__ = ["LaunchResult", "launch"]
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 _TERM_GRACE_S = 5.0
+_STATS_POLL_S = 0.25
 
 
 @dataclass
@@ -47,6 +54,8 @@ class LaunchResult:
         events_dir: the folder of the workers' event files.
         summary: what the event files say.
         recoveries: each abnormal worker exit and how the job recovered from it.
+        hung: the workers killed for silent heartbeats, with the silence in seconds.
+        stragglers: the members reported as persistent stragglers (wid, medians, ratio).
     """
 
     exit_code: int
@@ -55,16 +64,23 @@ class LaunchResult:
     events_dir: Path
     summary: JobSummary
     recoveries: list[Recovery]
+    hung: dict[int, float]
+    stragglers: list[dict[str, Any]]
 
 
 class _Supervisor:
     """The launcher's loop: spawn, reap, replace, publish epochs."""
 
     def __init__(self, cmd: list[str], nproc: int, min_size: int, max_restarts: int,
-                 env: dict[str, str], start_grace_s: float) -> None:  # fmt: skip
+                 env: dict[str, str], start_grace_s: float,
+                 straggler_factor: float) -> None:  # fmt: skip
         self.cmd, self.nproc, self.min_size = cmd, nproc, min_size
         self.max_restarts, self.env, self.start_grace_s = max_restarts, env, start_grace_s
         self.coord = Coordinator()
+        self.beats = HeartbeatWatch(self.coord.store, float(env[ENV_HANG]))
+        self.hung: dict[int, float] = {}
+        self.stragglers = StragglerWatch(straggler_factor)
+        self._stats_at = 0.0
         self.env[ENV_STORE] = self.coord.address
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.codes: dict[int, int] = {}
@@ -116,6 +132,35 @@ class _Supervisor:
             self.procs[wid].kill()
             self.procs[wid].wait()  # so that this loop's reap replaces it
 
+    def kill_silent(self) -> None:
+        """SIGKILL workers whose heartbeats stopped; reaping then replaces them.
+
+        The kill closes their sockets, which fails the survivors' pending collective at once.
+        A worker that finished (it only has to exit) is not judged any more.
+        """
+        live = self.live()
+        for wid, silent in self.beats.hung(live - set(self.coord.done(live))).items():
+            log.warning("worker %d sent no heartbeat for %.1f s: taken for hung, killed", wid,
+                        silent)  # fmt: skip
+            self.log.write("hung", wid=wid, silent_s=silent)
+            self.hung[wid] = silent
+            self.procs[wid].kill()
+            self.procs[wid].wait()
+            self.beats.forget(wid)
+
+    def watch_stragglers(self) -> None:
+        """Compare the members' latest step-time windows; log each new persistent straggler."""
+        now = time.monotonic()
+        if now - self._stats_at < _STATS_POLL_S or self.coord.epoch == 0:
+            return
+        self._stats_at = now
+        members = set(self.coord.members) & self.live()
+        for report in self.stragglers.update(self.coord.stats(members)):
+            log.warning("worker %d is a straggler: own step time %.1f ms, others %.1f ms",
+                        report["wid"], report["own_median"] * 1e3,
+                        report["others_median"] * 1e3)  # fmt: skip
+            self.log.write("straggler", **report)
+
     def publish_if_due(self) -> None:
         live = self.live()
         ready = self.coord.ready(live)
@@ -147,12 +192,14 @@ class _Supervisor:
             self.spawn()
         try:
             while self.live():
+                self.kill_silent()
                 self.exclude_hung()
                 self.reap()
                 self.check_finish()
                 if self.failed():
                     return 1
                 self.publish_if_due()
+                self.watch_stragglers()
                 time.sleep(_POLL_S)
         finally:
             self.stop_all()
@@ -184,6 +231,8 @@ def launch(
     max_restarts: int = 3,
     events_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 10.0,
+    hang_s: float = 5.0,
+    straggler_factor: float = 2.0,
     start_grace_s: float = 60.0,
     env: Mapping[str, str] | None = None,
 ) -> LaunchResult:
@@ -197,6 +246,8 @@ def launch(
         max_restarts: replacement workers to start at most, over the whole job.
         events_dir: folder for the event files (default: a new temporary folder).
         timeout_s: timeout of each epoch's gloo group, seconds.
+        hang_s: kill a worker whose heartbeats stopped this long, seconds (0: never).
+        straggler_factor: report a member this many times slower than the others (<= 1: off).
         start_grace_s: how long the first epoch waits for all ``nproc`` workers.
         env: environment of the workers (default: this process's).
 
@@ -211,9 +262,16 @@ def launch(
     folder = Path(events_dir) if events_dir else Path(tempfile.mkdtemp(prefix="stalwart-run-"))
     folder.mkdir(parents=True, exist_ok=True)
     worker_env = dict(os.environ if env is None else env)
-    worker_env.update({ENV_EVENTS: str(folder), ENV_TIMEOUT: str(timeout_s)})
+    worker_env.update(
+        {ENV_EVENTS: str(folder), ENV_TIMEOUT: str(timeout_s), ENV_HANG: str(max(hang_s, 0.0))}
+    )
     cmd = [sys.executable, str(script), *args]
-    sup = _Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s)
+    sup = _Supervisor(
+        cmd, nproc, min_size, max_restarts, worker_env, start_grace_s, straggler_factor
+    )
     code = sup.run()
     wall = time.monotonic() - sup.t0
-    return LaunchResult(code, sup.restarts, wall, folder, summarize(folder), recoveries(folder))
+    return LaunchResult(
+        code, sup.restarts, wall, folder, summarize(folder), recoveries(folder),
+        hung=sup.hung, stragglers=list(sup.stragglers.reported.values()),
+    )  # fmt: skip

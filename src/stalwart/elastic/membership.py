@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from stalwart.elastic.heartbeat import Heartbeat
 from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys
 from stalwart.errors import DistributedError
 
@@ -71,7 +72,12 @@ class Membership:
         self.store: Store = TCPStore(
             env.host, env.port, is_master=False, timeout=env.timeout, wait_for_workers=False
         )
+        self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
         self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))
+
+    def publish_stats(self, window: dict[str, object]) -> None:
+        """Hand a step-time window to the heartbeat thread, which publishes it with its beat."""
+        self.heartbeat.stats = encode(window)
 
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""

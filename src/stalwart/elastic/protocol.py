@@ -12,6 +12,8 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
     coord/epoch{n}/faults          counter: members that saw a collective of epoch n fail
     coord/ready/{wid}              JSON {"pid", "min_size"}: worker wid is ready to join
     coord/done/{wid}               JSON {"step", "epoch"}: worker wid finished and agreed
+    coord/beat/{wid}               counter: worker wid's heartbeats (a daemon thread adds 1)
+    coord/stats/{wid}              JSON: worker wid's latest step-time window (see stats.py)
 
 Environment of a worker started by ``stalwart run`` (read in one place, :func:`from_env`):
 
@@ -19,6 +21,7 @@ Environment of a worker started by ``stalwart run`` (read in one place, :func:`f
     STALWART_ELASTIC_WORKER    this worker's id (a replacement gets a fresh id)
     STALWART_ELASTIC_EVENTS    folder for the per-worker JSON-lines event files
     STALWART_ELASTIC_TIMEOUT_S timeout of each epoch's gloo group (seconds, default 10)
+    STALWART_ELASTIC_HANG_S    hang timeout: heartbeats are sent 5 times per it (default 5)
 """
 
 from __future__ import annotations
@@ -33,14 +36,25 @@ from typing import Any
 
 from stalwart.errors import ConfigError
 
-__all__ = ["ENV_EVENTS", "ENV_STORE", "ENV_TIMEOUT", "ENV_WORKER", "WorkerEnv", "from_env", "keys"]
+__all__ = [
+    "ENV_EVENTS",
+    "ENV_HANG",
+    "ENV_STORE",
+    "ENV_TIMEOUT",
+    "ENV_WORKER",
+    "WorkerEnv",
+    "from_env",
+    "keys",
+]
 
 ENV_STORE = "STALWART_ELASTIC_STORE"
 ENV_WORKER = "STALWART_ELASTIC_WORKER"
 ENV_EVENTS = "STALWART_ELASTIC_EVENTS"
 ENV_TIMEOUT = "STALWART_ELASTIC_TIMEOUT_S"
+ENV_HANG = "STALWART_ELASTIC_HANG_S"
 
 DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_HANG_S = 5.0
 
 
 class keys:  # a namespace of key builders, read like ``keys.members(n)``
@@ -83,6 +97,16 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
         """Worker ``wid``'s completion record."""
         return f"coord/done/{wid}"
 
+    @staticmethod
+    def beat(wid: int) -> str:
+        """Counter of worker ``wid``'s heartbeats."""
+        return f"coord/beat/{wid}"
+
+    @staticmethod
+    def stats(wid: int) -> str:
+        """Worker ``wid``'s latest step-time window."""
+        return f"coord/stats/{wid}"
+
 
 def encode(value: Any) -> bytes:
     """JSON bytes for a store value."""
@@ -104,6 +128,7 @@ class WorkerEnv:
         worker_id: this worker's id, unique in the job.
         events_dir: folder for event files, or None to keep no events.
         timeout_s: timeout of each epoch's gloo group, in seconds.
+        hang_s: the launcher's hang timeout (heartbeats go 5 times per it; 0: none sent).
     """
 
     host: str
@@ -111,6 +136,7 @@ class WorkerEnv:
     worker_id: int
     events_dir: Path | None
     timeout_s: float
+    hang_s: float = DEFAULT_HANG_S
 
     @property
     def timeout(self) -> timedelta:
@@ -132,11 +158,12 @@ def from_env(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
     try:
         worker_id = int(env[ENV_WORKER])
         timeout_s = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+        hang_s = float(env.get(ENV_HANG, DEFAULT_HANG_S))
         port_number = int(port)
     except (KeyError, ValueError) as e:
         raise ConfigError(
-            f"{ENV_STORE}={address!r} is set but {ENV_WORKER}, {ENV_TIMEOUT} or the port is "
-            f"missing or not a number ({e}); start workers with `stalwart run`, or unset "
+            f"{ENV_STORE}={address!r} is set but {ENV_WORKER}, {ENV_TIMEOUT}, {ENV_HANG} or the "
+            f"port is missing or not a number ({e}); start workers with `stalwart run`, or unset "
             f"{ENV_STORE} to run under torchrun or as a single process"
         ) from e
     events = env.get(ENV_EVENTS)
@@ -146,4 +173,5 @@ def from_env(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
         worker_id=worker_id,
         events_dir=Path(events) if events else None,
         timeout_s=timeout_s,
+        hang_s=hang_s,
     )
