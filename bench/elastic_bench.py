@@ -125,7 +125,10 @@ def campaign(n: int) -> None:
     from stalwart.testing import KillSchedule
 
     worker = Path(__file__).resolve().parents[1] / "tests" / "distributed" / "elastic_worker.py"
-    divergent = partial = 0
+    divergent = partial = failed = 0
+    detect: list[float] = []
+    resume: list[float] = []
+    lost: list[int] = []
     for seed in range(n):
         sched = KillSchedule.seeded(seed, workers=3, steps=range(3, 18), max_delay_s=0.004)
         with tempfile.TemporaryDirectory() as tmp:
@@ -148,14 +151,24 @@ def campaign(n: int) -> None:
             rec = recoveries(ev)
         divergent += bad > 0
         partial += healed > 0
+        failed += rc != 0 or len(rec) != 1
+        detect += [r.detect_s for r in rec if r.detect_s is not None]
+        resume += [r.resume_s for r in rec if r.resume_s is not None]
+        lost += [r.lost_steps for r in rec]
         print(json.dumps({"seed": seed, "kill": str(sched.kills[0]), "rc": rc,
                           "divergent_steps": bad, "survivor_rolled_forward": healed,
                           "lost_steps": [r.lost_steps for r in rec],
+                          "detect_s": [r.detect_s for r in rec],
                           "resume_s": [r.resume_s for r in rec]}), flush=True)  # fmt: skip
     print(
-        f"\n{n} kill/rejoin cycles: {divergent} with a bitwise divergence; "
+        f"\n{n} kill/rejoin cycles: {divergent} with a bitwise divergence; {failed} runs failed "
+        f"(launcher exit != 0 or not exactly one death); "
         f"{partial} where a survivor was behind after a partial all-reduce and rolled forward"
     )
+    for name, xs in (("detect (s)", detect), ("resume (s)", resume), ("lost steps", lost)):
+        if xs:
+            print(f"{name}: median {statistics.median(xs):.3f}, range {min(xs):.3f} to "
+                  f"{max(xs):.3f}, n={len(xs)}")  # fmt: skip
 
 
 def main() -> None:
