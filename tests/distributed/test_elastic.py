@@ -27,6 +27,7 @@ from stalwart.elastic.heartbeat import Heartbeat, HeartbeatWatch
 from stalwart.elastic.stats import StepStats, StragglerWatch, percentile
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule, run_ranks
+from stalwart.testing.chaos import Delay, Raise
 
 from . import elastic_worker
 
@@ -168,6 +169,35 @@ def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, ki
         assert rec.resume_s < timeout_s / 2
 
 
+def test_raising_worker_is_replaced_and_a_delayed_one_is_a_straggler(
+    tmp_path: Path, reference: Any
+) -> None:
+    # Worker 1 raises inside step 8 (an uncaught exception: it dies, exit code 1); worker 2
+    # sleeps 50 ms before every all-reduce: the launcher reports it, and only it, a straggler.
+    schedule = KillSchedule(
+        raises=(Raise(worker=1, step=8),), delays=(Delay(worker=2, delay_s=0.05),)
+    )
+    stdout = _launch(
+        tmp_path, 3, schedule, "--hold-at", "20", "--hold-size", "3", "--stats-window", "5"
+    )
+    events = read_events(tmp_path / "events")
+    assert sorted(events) == [0, 1, 2, 3]
+    for w in (0, 2):
+        kinds = [e["kind"] for e in events[w]]
+        assert kinds.count("start") == 1 and "fault-detected" in kinds
+        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
+        stats = [e for e in events[w] if e["kind"] == "step-stats"]
+        assert [e["step"] for e in stats] == list(range(5, STEPS + 1, 5))
+    (rec,) = recoveries(tmp_path / "events")
+    assert (rec.worker, rec.exit_code, rec.replacement) == (1, 1, 3) and rec.lost_steps <= 1
+    finals = _finals(tmp_path / "out")
+    assert sorted(finals) == ["0", "2", "3"] and len({f["digest"] for f in finals.values()}) == 1
+    _assert_close_to(reference, finals["3"]["params"])
+    stragglers = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == "straggler"]
+    assert [e["wid"] for e in stragglers] == [2] and stragglers[0]["ratio"] > 2
+    assert "worker 2 (" in stdout
+
+
 def test_parity_policy_ahead_wins_then_majority() -> None:
     results = run_ranks(elastic_worker.reconcile_policies, 3, timeout_s=60)
     steps, digests, received, sources = zip(*(r["ahead"] for r in results), strict=True)
@@ -192,6 +222,25 @@ def test_kill_schedules_are_seeded_and_travel_in_the_environment() -> None:
     assert KillSchedule.from_env({}) == KillSchedule()
     with pytest.raises(ConfigError, match="where must be"):
         Kill(worker=0, step=1, where="sometime")
+    mixed = KillSchedule.mixed(3, workers=3, steps=range(5, 20), count=3)
+    assert mixed == KillSchedule.mixed(3, workers=3, steps=range(5, 20), count=3)
+    assert KillSchedule.from_env(mixed.to_env()) == mixed
+    faults = [*mixed.kills, *mixed.raises, *mixed.delays]
+    assert len({f.worker for f in faults}) == 3
+    kinds = {
+        type(f).__name__ + getattr(f, "signal", "")
+        for seed in range(40)
+        for f in (lambda m: [*m.kills, *m.raises, *m.delays])(
+            KillSchedule.mixed(seed, workers=3, steps=range(5, 20), count=2)
+        )
+    }
+    assert kinds == {"KillKILL", "KillSTOP", "Raise", "Delay"}
+    legacy = {"STALWART_CHAOS": '[{"worker": 1, "step": 3}]'}  # a plain list is a list of kills
+    assert KillSchedule.from_env(legacy) == KillSchedule((Kill(worker=1, step=3),))
+    with pytest.raises(ConfigError, match="count"):
+        KillSchedule.mixed(0, workers=2, steps=range(5), count=3)
+    assert Delay(worker=0, delay_s=0.1, start=2, stop=4).covers(3)
+    assert not Delay(worker=0, delay_s=0.1, start=2, stop=4).covers(4)
 
 
 def test_worker_environment_is_read_in_one_place() -> None:

@@ -1,4 +1,4 @@
-"""Seeded fault schedules for elastic jobs: SIGKILL or SIGSTOP a worker at an exact point.
+"""Seeded fault schedules for elastic jobs: kill, freeze, raise in or slow down a worker.
 
 A schedule travels to the workers in one environment variable (``STALWART_CHAOS``, JSON), and
 each worker script calls :func:`install` on its job. The job announces points of its step to
@@ -9,7 +9,20 @@ host; the launcher kills it once it is taken for hung). ``delay_s`` > 0 on a ``c
 kill fires from a timer thread that many seconds after entry, i.e. while the all-reduce is in
 flight.
 
-Kills name the *original* worker id; a replacement gets a fresh id and is not killed again.
+Two more kinds of fault, in user space (``tc netem`` is not available on these machines):
+
+* :class:`Raise`: the worker raises :class:`InjectedFault` at a step point, as a bug in the
+  training step would. The exception is not caught: the process dies (exit code 1), its
+  peers' all-reduce fails on the closed sockets and they discard the step, and the launcher
+  replaces it. Continuing in the raising process is not offered: after an exception in the
+  middle of a step its state is unknown, and a fresh process healed from a live member is
+  the path whose result is verified by digest.
+* :class:`Delay`: the worker sleeps ``delay_s`` before entering the all-reduce at every step
+  of a range: a slow link or a slow host, which the launcher reports as a straggler.
+
+:meth:`KillSchedule.mixed` draws a seeded mix of all four (kill, stop, raise, delay).
+
+Faults name the *original* worker id; a replacement gets a fresh id and is not hit again.
 
     schedule = KillSchedule((Kill(worker=1, step=7, where="collective", delay_s=0.002),))
     subprocess.run([...], env={**os.environ, **schedule.to_env()})
@@ -24,13 +37,14 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, StalwartError
 
-__all__ = ["ENV_CHAOS", "Kill", "KillSchedule", "install"]
+__all__ = ["ENV_CHAOS", "Delay", "InjectedFault", "Kill", "KillSchedule", "Raise", "install"]
 
 ENV_CHAOS = "STALWART_CHAOS"
 # The worker id ``stalwart run`` gives each process (stalwart.elastic.protocol.ENV_WORKER;
@@ -38,6 +52,10 @@ ENV_CHAOS = "STALWART_CHAOS"
 _ENV_WORKER = "STALWART_ELASTIC_WORKER"
 _WHERE = ("boundary", "collective")
 _SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+
+
+class InjectedFault(StalwartError, RuntimeError):
+    """The exception a :class:`Raise` fault raises inside a worker's step."""
 
 
 class _Announcer(Protocol):
@@ -70,10 +88,60 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Raise:
+    """Raise :class:`InjectedFault` in worker ``worker`` at ``step``.
+
+    Attributes:
+        worker: the worker id.
+        step: the step (committed steps so far).
+        where: ``boundary`` (in ``zero_grad()``) or ``collective`` (in ``step()``, before the
+            all-reduce).
+    """
+
+    worker: int
+    step: int
+    where: str = "collective"
+
+    def __post_init__(self) -> None:
+        if self.where not in _WHERE or self.step < 0:
+            raise ConfigError(f"{self}: where must be one of {_WHERE} and step >= 0")
+
+
+@dataclass(frozen=True)
+class Delay:
+    """Make worker ``worker`` sleep ``delay_s`` before each all-reduce of steps [start, stop).
+
+    Attributes:
+        worker: the worker id.
+        delay_s: seconds slept before entering the all-reduce.
+        start: the first delayed step.
+        stop: the first step no longer delayed (None: to the end).
+    """
+
+    worker: int
+    delay_s: float
+    start: int = 0
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0 or self.start < 0 or (self.stop is not None and self.stop < self.start):
+            raise ConfigError(f"{self}: need delay_s >= 0 and 0 <= start <= stop")
+
+    def covers(self, step: int) -> bool:
+        """True when ``step`` is delayed."""
+        return self.start <= step and (self.stop is None or step < self.stop)
+
+
+_KINDS = ("kill", "stop", "raise", "delay")
+
+
+@dataclass(frozen=True)
 class KillSchedule:
-    """A list of kills, reproducible from a seed."""
+    """Kills, hangs, raised exceptions and delays, reproducible from a seed."""
 
     kills: tuple[Kill, ...] = ()
+    raises: tuple[Raise, ...] = ()
+    delays: tuple[Delay, ...] = ()
 
     @classmethod
     def seeded(cls, seed: int, *, workers: int, steps: range, count: int = 1,
@@ -87,15 +155,62 @@ class KillSchedule:
             kills.append(Kill(w, rng.choice(steps), where, delay))
         return cls(tuple(kills))
 
+    @classmethod
+    def mixed(
+        cls,
+        seed: int,
+        *,
+        workers: int,
+        steps: range,
+        count: int = 2,
+        kinds: tuple[str, ...] = _KINDS,
+        max_delay_s: float = 0.05,
+    ) -> KillSchedule:
+        """``count`` faults of kinds drawn from ``kinds``, on distinct workers and steps.
+
+        Kills and raises land inside the all-reduce or at the boundary (drawn); a delay
+        slows its worker from its step to the end.
+        """
+        if not set(kinds) <= set(_KINDS) or not kinds or count > min(workers, len(steps)):
+            raise ConfigError(f"mixed(kinds={kinds}, count={count}): kinds from {_KINDS}, "
+                              "count <= workers and <= len(steps)")  # fmt: skip
+        rng = random.Random(seed)
+        kills: list[Kill] = []
+        raises: list[Raise] = []
+        delays: list[Delay] = []
+        for w, step in zip(
+            rng.sample(range(workers), count), rng.sample(steps, count), strict=True
+        ):
+            kind, where = rng.choice(kinds), rng.choice(_WHERE)
+            if kind in ("kill", "stop"):
+                delay = rng.uniform(0, 0.003) if where == "collective" else 0.0
+                kills.append(Kill(w, step, where, delay, "KILL" if kind == "kill" else "STOP"))
+            elif kind == "raise":
+                raises.append(Raise(w, step, where))
+            else:
+                delays.append(Delay(w, rng.uniform(max_delay_s / 2, max_delay_s), start=step))
+        return cls(tuple(kills), tuple(raises), tuple(delays))
+
     def to_env(self) -> dict[str, str]:
         """The environment variable that carries this schedule to the workers."""
-        return {ENV_CHAOS: json.dumps([asdict(k) for k in self.kills])}
+        faults = {"kills": self.kills, "raises": self.raises, "delays": self.delays}
+        return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KillSchedule:
-        """The schedule in ``environ`` (default ``os.environ``); empty when there is none."""
+        """The schedule in ``environ`` (default ``os.environ``); empty when there is none.
+
+        A plain JSON list is read as a list of kills.
+        """
         raw = (os.environ if environ is None else environ).get(ENV_CHAOS)
-        return cls(tuple(Kill(**k) for k in json.loads(raw))) if raw else cls()
+        data = json.loads(raw) if raw else {}
+        if isinstance(data, list):
+            data = {"kills": data}
+        return cls(
+            tuple(Kill(**k) for k in data.get("kills", ())),
+            tuple(Raise(**r) for r in data.get("raises", ())),
+            tuple(Delay(**d) for d in data.get("delays", ())),
+        )
 
 
 def _die(sig: str, delay_s: float = 0.0) -> None:
@@ -111,28 +226,34 @@ def _die(sig: str, delay_s: float = 0.0) -> None:
 def install(
     job: _Announcer, schedule: KillSchedule | None = None, worker: int | None = None
 ) -> None:
-    """Make ``job`` (a :class:`stalwart.elastic.Job`) die as ``schedule`` says for ``worker``.
+    """Make ``job`` (a :class:`stalwart.elastic.Job`) fail as ``schedule`` says for ``worker``.
 
     Args:
         job: anything with ``add_listener(fn(event, step))``.
         schedule: default: :meth:`KillSchedule.from_env`.
-        worker: this process's worker id; default: from the environment (no kills without one).
+        worker: this process's worker id; default: from the environment (no faults without one).
     """
     schedule = schedule if schedule is not None else KillSchedule.from_env()
     if worker is None:
         raw = os.environ.get(_ENV_WORKER)
         worker = int(raw) if raw else None
-    mine = [k for k in schedule.kills if k.worker == worker]
-    if not mine:
+    kills = [k for k in schedule.kills if k.worker == worker]
+    raises = [r for r in schedule.raises if r.worker == worker]
+    delays = [d for d in schedule.delays if d.worker == worker]
+    if not (kills or raises or delays):
         return
 
     def listener(event: str, step: int) -> None:
-        for k in mine:
-            if k.step != step:
-                continue
-            if k.where == "boundary" and event == "step-begin":
-                _die(k.signal)
-            elif k.where == "collective" and event == "collective-enter":
-                _die(k.signal, k.delay_s)
+        where = {"step-begin": "boundary", "collective-enter": "collective"}.get(event)
+        if where == "collective":
+            for d in delays:
+                if d.covers(step):
+                    time.sleep(d.delay_s)
+        for k in kills:
+            if k.step == step and k.where == where:
+                _die(k.signal, k.delay_s if where == "collective" else 0.0)
+        for r in raises:
+            if r.step == step and r.where == where:
+                raise InjectedFault(f"chaos: worker {worker} raises at step {step} ({where})")
 
     job.add_listener(listener)
