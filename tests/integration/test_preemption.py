@@ -35,8 +35,8 @@ def test_sigterm_saves_the_current_step_and_exits(tmp_path: Path) -> None:
             break
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    last = int([ln for ln in out.splitlines() if ln.startswith("step ")][-1].split()[1])
-    assert last >= 7
+    # the signal may be seen right after "step 7" (then nothing more is printed) or later
+    last = max([7] + [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("step ")])
     ckpt = stalwart.Checkpointer(root)
     steps = ckpt.steps()
     assert steps[-1] == last and {3, 6} <= set(steps), steps  # async saves flushed too
