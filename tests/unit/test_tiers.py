@@ -161,3 +161,21 @@ def test_kept_snapshots_outlive_a_killed_trainer(tmp_path: Path) -> None:
         assert len(again.snapshots) == 1
     finally:
         shutil.rmtree(keep_in, ignore_errors=True)
+
+
+def test_recover_reports_its_source_to_the_event_listener(tmp_path: Path) -> None:
+    from stalwart import CheckpointOptions
+    from stalwart.checkpoint.events import CheckpointEvent
+
+    seen: list[CheckpointEvent] = []
+    tiers = [Tier(name="memory", keep=KeepLast(1)), Tier(name="disk", root=tmp_path / "d")]
+    state = {"w": torch.arange(4.0)}
+    with TieredCheckpointer(tiers, options=CheckpointOptions(on_event=seen.append)) as tc:
+        tc.save(3, state)
+        report = tc.recover({"w": torch.zeros(4)})
+        tc.drop_memory()
+        from_disk = tc.recover({"w": torch.zeros(4)})
+    recovers = [e for e in seen if e.kind == "recover"]
+    assert [e.metadata["source"] for e in recovers] == [report.source, from_disk.source]
+    assert report.source == "memory" and from_disk.source == "disk"
+    assert all(e.step == 3 for e in recovers)

@@ -24,7 +24,8 @@ class CheckpointEvent:
     """One thing that happened to a checkpoint.
 
     Attributes:
-        kind: ``"save"`` (committed), ``"save_failed"`` (nothing committed) or ``"load"``.
+        kind: ``"save"`` (committed), ``"save_failed"`` (nothing committed), ``"load"``, or
+            ``"recover"`` (``TieredCheckpointer.recover``; ``metadata["source"]`` is the tier).
         step: the step saved or loaded.
         url: the checkpoint root.
         rank: this process's rank in the checkpointer's group (0 alone).

@@ -33,6 +33,7 @@ from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
 from stalwart.checkpoint.durable.async_save import PendingSave
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.plan import local_items
+from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.options import CheckpointOptions
@@ -137,6 +138,7 @@ class TieredCheckpointer:
         self.tiers = list(tiers)
         self.memory_tier = memory[0] if memory else None
         options = options or CheckpointOptions()
+        self._on_event = options.on_event
         self.durable: dict[str, Checkpointer] = {
             t.name: Checkpointer(
                 t.root,
@@ -325,7 +327,7 @@ class TieredCheckpointer:
                 step, lost = chosen
                 source, tree = self._restore_memory(step, lost, state)
                 seconds = time.perf_counter() - t0
-                return RecoveryReport(step, source, seconds, lost, attempts, tree)
+                return self._recovered(RecoveryReport(step, source, seconds, lost, attempts, tree))
             attempts.append(("memory", "no step held (or rebuildable) on every rank"))
         for name, ckpt in self.durable.items():
             if durable_latest[name] is None:
@@ -338,10 +340,30 @@ class TieredCheckpointer:
                 continue
             assert ckpt.last_load is not None
             seconds = time.perf_counter() - t0
-            return RecoveryReport(ckpt.last_load.step, name, seconds, [], attempts, tree)
+            report = RecoveryReport(ckpt.last_load.step, name, seconds, [], attempts, tree)
+            return self._recovered(report)
         raise CheckpointNotFoundError(
             "no tier holds a recoverable step: " + "; ".join(f"{n}: {why}" for n, why in attempts)
         )
+
+    def _recovered(self, report: RecoveryReport) -> RecoveryReport:
+        """Tell ``options.on_event`` where the state came from (kind ``recover``)."""
+        g = resolve_group(self._process_group)
+        where = (
+            report.source
+            if report.source.startswith("memory")
+            else str(self.durable[report.source].url)
+        )
+        event = CheckpointEvent(
+            "recover",
+            report.step,
+            where,
+            rank=g.rank,
+            seconds=report.seconds,
+            metadata={"source": report.source},
+        )
+        emit(self._on_event, event)
+        return report
 
     def _memory_step(self, everyone: list[list[int]]) -> tuple[int, list[int]] | None:
         """Newest step every rank has, or can rebuild; with the ranks that must rebuild."""
