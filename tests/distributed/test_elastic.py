@@ -9,6 +9,7 @@ bit). Timing only bounds liveness (generous timeouts); nothing asserts a duratio
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 from torch.distributed import TCPStore
 
 from stalwart.elastic import launch, protocol, read_events, recoveries, summarize
@@ -326,3 +328,14 @@ def test_heartbeat_watch_names_the_silent_worker(tmp_path: Path) -> None:
     beating.stop()
     assert list(hung) == [1] and hung[1] > 0.25
     assert HeartbeatWatch(store, hang_s=0).hung([1]) == {}
+
+
+def test_demo_section_heals_a_killed_and_a_paused_worker(tmp_path: Path) -> None:
+    from stalwart.demos.elastic import run_elastic_demo
+
+    out = io.StringIO()
+    assert run_elastic_demo(Console(file=out, width=200), events_dir=tmp_path)
+    text = out.getvalue()
+    assert "digests equal on every member after 2 heals" in text
+    assert "SIGSTOP" in text and "healed from" in text
+    assert [e["wid"] for e in _launcher_log(tmp_path) if e["kind"] == "hung"] == [2]

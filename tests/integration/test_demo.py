@@ -74,7 +74,7 @@ def test_cli_demo(tmp_path: Path) -> None:
     }
     cmd = [sys.executable, "-m", "stalwart.cli.main", "demo", "--root", str(root)]
     # First the whole demo, every section; then again over the first one's folder (fresh).
-    for extra in ([], ["--no-recovery", "--no-pvf", "--no-rca"]):
+    for extra in ([], ["--no-recovery", "--no-pvf", "--no-rca", "--no-elastic"]):
         proc = subprocess.run(
             [*cmd, "--steps", "80", "--every", "20", *extra],
             env=env, capture_output=True, text=True, timeout=300,
@@ -85,4 +85,5 @@ def test_cli_demo(tmp_path: Path) -> None:
         if not extra:
             assert "memory+erasure" in proc.stdout and "rank 2 rebuilt" in proc.stdout
             assert "PVF" in proc.stdout and "Findings" in proc.stdout
+            assert "digests equal on every member after 2 heals" in proc.stdout
     assert (root / "run").is_dir()

@@ -54,6 +54,9 @@ def demo(
     ] = True,
     pvf: Annotated[bool, typer.Option(help="Also run a short PVF campaign.")] = True,
     rca: Annotated[bool, typer.Option(help="Also analyse a generated failure log.")] = True,
+    elastic: Annotated[
+        bool, typer.Option(help="Also train 3 elastic workers; kill one, pause one, heal both.")
+    ] = True,
     as_json: Annotated[
         bool, typer.Option("--json", help=JSON_HELP + " (progress goes to stderr)")
     ] = False,
@@ -63,10 +66,11 @@ def demo(
     Trains a small model on CPU straight through, then in a child process that checkpoints
     every EVERY steps and is SIGKILLed mid-run, then resumed from the newest checkpoint;
     then loses a rank of 5 and rebuilds it from its peers' memory, runs a short PVF campaign
-    and analyses a generated failure log.
+    and analyses a generated failure log; then trains 3 elastic workers, kills one and
+    pauses one, and heals both replacements from the survivor.
 
     Exits with status 1 (a finding) unless the resumed run equals the uninterrupted one (and
-    the rebuilt rank equals its lost state).
+    the rebuilt rank equals its lost state, and the elastic members' digests are equal).
     """
     started = time.perf_counter()
     console = Console(stderr=as_json)  # with --json, stdout carries the summary alone
@@ -108,6 +112,11 @@ def demo(
         from stalwart.demos.rca import run_rca_demo
 
         summary["rca"] = run_rca_demo(console).to_dict()
+    if elastic:
+        from stalwart.demos.elastic import run_elastic_demo
+
+        summary["elastic_ok"] = run_elastic_demo(console)
+        ok = bool(summary["elastic_ok"]) and ok
     seconds = time.perf_counter() - started
     console.print(f"demo finished in {seconds:.1f} s; folder: {root}")
     if as_json:
