@@ -33,6 +33,10 @@ How it holds together:
   event and the minority is repaired from the majority before the next commit.
 * **Events** (:mod:`~stalwart.elastic.events`): JSON lines per worker; the launcher's
   summary (restarts, discarded steps, heals, goodput) is computed from them.
+* **Hangs and stragglers** (:mod:`~stalwart.elastic.heartbeat`, :mod:`~stalwart.elastic.stats`):
+  a heartbeat thread per worker; the launcher kills a worker silent for the hang timeout
+  (which also fails the survivors' pending collective) and reports a member persistently
+  slower than the others.
 
 Replicated state means replicated RNG: every member must draw the same random numbers
 (seed them alike); per-member randomness belongs in the data function of (step, rank, size).
