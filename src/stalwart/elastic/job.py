@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stalwart.elastic.backup import BackupRound, Dynamic, commit_with_backup
 from stalwart.elastic.events import EventLog
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
@@ -106,6 +107,7 @@ class Job:
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
         self._reduce = "mean"
+        self._backups: BackupRound | None = None
         self._listeners: list[Listener] = []
         self._stats, self._own_s = StepStats(stats_window), 0.0
         self._needs_reconfigure = False
@@ -186,8 +188,19 @@ class Job:
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         return model
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> ElasticOptimizer:
-        """Wrap ``optimizer``: ``zero_grad()`` is the step boundary; ``step()`` commits."""
+    def optimizer(
+        self, optimizer: torch.optim.Optimizer, *, backup: int | Dynamic = 0
+    ) -> ElasticOptimizer:
+        """Wrap ``optimizer``: ``zero_grad()`` is the step boundary; ``step()`` commits.
+
+        ``backup=b`` (or :class:`~stalwart.elastic.backup.Dynamic` to choose b online) commits
+        each step with the first ``n - b`` members' gradients, late ones dropped
+        (:mod:`stalwart.elastic.backup`); elastic jobs only (it needs the coordinator).
+        """
+        if backup != 0 and self._membership is not None:
+            self._backups = BackupRound(self._membership.store, backup)
+        elif backup != 0 and self.size > 1:
+            raise ConfigError("backup workers need the coordinator: run under `stalwart run`")
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         return ElasticOptimizer(optimizer, self)
 
@@ -245,6 +258,8 @@ class Job:
             self._reconfigure()
         self._notify("collective-enter")
         self._own_s = time.time() - self._t0  # this member's own time (see stats.py)
+        if self._backups is not None and self.size > 1:
+            return commit_with_backup(self, self._backups, apply)
         control = torch.tensor([1.0, self._change_flag()])
         try:
             control = reduce_(self._params, self._buffers, control, self._epoch.group, self._reduce)

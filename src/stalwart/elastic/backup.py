@@ -1,0 +1,307 @@
+"""Backup workers: a step commits with the first ``n - b`` gradient contributions (DBW).
+
+gloo has no partial all-reduce (a collective waits for every member), so steps with backup
+workers go through the coordinator's store instead, keyed by (epoch, step):
+
+1. every member packs its gradients and floating-point buffers and takes a ticket,
+   ``i = store.add(".../n", 1)``: its arrival order, 1-based, decided atomically by the store;
+2. the first ``k = n - b`` arrivals post their contribution under ``.../g{i}``; later arrivals
+   post nothing: **their contribution is dropped, never applied later (staleness 0)**;
+3. the ``k``-th arrival reduces: the mean of the ``k`` contributions, in ticket order, plus the
+   next step's ``k`` and its RNG state, posted once under ``.../r``;
+4. every member, late ones included, applies that one result: parity holds because every
+   member applies the same bytes through the same optimizer.
+
+A member that arrives after later steps' results were posted applies them in order without
+computing their gradients (it catches up; its RNG follows the reducer's).
+
+**Unbiased scaling.** The result divides by ``k`` (the contributions used), not ``n``: each
+member's gradient is the mean over its share, so the mean of ``k`` shares estimates the full
+batch's mean gradient without bias *when which members are late does not depend on their data*
+(fresh samples per step, as in ``batch(step, rank, size)``). With fixed per-rank shards a
+persistently slow member's shard is under-represented; use ``backup=0`` there.
+
+**Dynamic b** (:class:`Dynamic`, after Xu et al., arXiv 2004.14696): every member also posts its
+compute time (step start to ticket); the reducer keeps each rank's median over a window and
+picks the ``k`` that maximises contributions per second, ``k / T(k)`` with ``T(k)`` the
+``k``-th smallest median, preferring the larger ``k`` unless the gain is over ``margin``.
+
+Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out),
+so this suits small and medium models; the gloo all-reduce remains the default path.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stalwart.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stalwart.elastic.job import Job
+
+__all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_backup"]
+
+_KEEP_STEPS = 64  # results kept in the store for members that fall behind
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dynamic:
+    """Choose the number of backup workers online from the members' compute times.
+
+    Attributes:
+        window: steps of compute-time history per member (medians over it).
+        margin: a smaller ``k`` is chosen only if it gives this much more contributions/s.
+        min_k: never commit with fewer contributions than this.
+    """
+
+    window: int = 10
+    margin: float = 0.1
+    min_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.margin < 0 or self.min_k < 1:
+            raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
+
+    def choose(self, times_s: Mapping[int, Sequence[float]], size: int) -> int:
+        """The ``k`` for the next step, given each rank's recent compute times."""
+        # a member not measured yet counts as the slowest; nobody measured: wait for all
+        medians = sorted(
+            statistics.median(times_s[r]) if times_s.get(r) else math.inf for r in range(size)
+        )
+        if math.isinf(medians[0]):
+            return size
+        best = size
+        rate_best = size / max(medians[size - 1], 1e-9)
+        for k in range(size - 1, self.min_k - 1, -1):
+            rate = k / max(medians[k - 1], 1e-9)
+            if rate > rate_best * (1.0 + self.margin):
+                best, rate_best = k, rate
+        return best
+
+
+def backup_count(backup: int | Dynamic | None, size: int) -> int:
+    """The first step's ``k`` for a world of ``size`` (a static ``b`` gives ``size - b``)."""
+    if backup is None or isinstance(backup, Dynamic):
+        return size
+    return max(1, size - backup)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One committed step's reduction, the same bytes for every member."""
+
+    grads: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    used: tuple[int, ...]  # ranks whose contributions were averaged, in ticket order
+    next_k: int
+    change: float  # 1.0: a newer epoch was published, reconfigure after this step
+    rng: tuple[Any, ...]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rng_state(generators: Sequence[torch.Generator]) -> tuple[Any, ...]:
+    return (torch.get_rng_state(), np.random.get_state(), random.getstate(),
+            [g.get_state() for g in generators])  # fmt: skip
+
+
+def set_rng_state(rng: tuple[Any, ...], generators: Sequence[torch.Generator]) -> None:
+    """Adopt the reducer's RNG state (global torch, numpy, Python and named generators)."""
+    torch.set_rng_state(rng[0])
+    np.random.set_state(rng[1])
+    random.setstate(rng[2])
+    for g, st in zip(generators, rng[3], strict=True):
+        g.set_state(st)
+
+
+class BackupRound:
+    """The store side of backup-worker steps for one member (see the module docstring).
+
+    Args:
+        store: the coordinator's store (shared by the members).
+        backup: a static count of backup workers, or :class:`Dynamic`.
+    """
+
+    def __init__(self, store: dist.Store, backup: int | Dynamic) -> None:
+        if isinstance(backup, int) and backup < 0:
+            raise ConfigError(f"backup={backup}: the number of backup workers must be >= 0")
+        self.store = store
+        self.backup = backup
+        self._k: dict[int, int] = {}  # epoch -> the next step's k (agreed through results)
+        self._times: dict[int, deque[float]] = {}  # rank -> compute times, this epoch
+        self._times_epoch = -1
+
+    def _prefix(self, epoch: int, step: int) -> str:
+        return f"backup/{epoch}/{step}"
+
+    def published(self, epoch: int, step: int) -> Result | None:
+        """The result of ``step`` if it is already posted (a late member catching up)."""
+        key = f"{self._prefix(epoch, step)}/r"
+        if not self.store.check([key]):
+            return None
+        result: Result = _loads(self.store.get(key))
+        self._k = {epoch: result.next_k}
+        return result
+
+    def exchange(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        rank: int,
+        size: int,
+        grads: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        own_s: float,
+        change: float,
+        generators: Sequence[torch.Generator] = (),
+    ) -> tuple[Result, int]:
+        """Post this member's contribution (if in time) and return the step's result.
+
+        Returns:
+            The result, and this member's ticket (arrival order, 1-based; > k: dropped).
+
+        Raises:
+            RuntimeError: the store timed out or is gone (a member died mid-step).
+        """
+        p = self._prefix(epoch, step)
+        k = self._k.get(epoch, backup_count(self.backup, size))
+        ticket = self.store.add(f"{p}/n", 1)
+        self.store.set(f"{p}/t{rank}", _dumps(own_s))
+        if ticket <= k:
+            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers)))
+        if ticket == k:
+            self._reduce(p, k, epoch, step, size, change, generators)
+        self.store.wait([f"{p}/r"])
+        result: Result = _loads(self.store.get(f"{p}/r"))
+        self._k = {epoch: result.next_k}
+        return result, ticket
+
+    def _reduce(
+        self, p: str, k: int, epoch: int, step: int, size: int, change: float,
+        generators: Sequence[torch.Generator],
+    ) -> None:  # fmt: skip
+        self.store.wait([f"{p}/g{i}" for i in range(1, k + 1)])
+        parts = [_loads(self.store.get(f"{p}/g{i}")) for i in range(1, k + 1)]
+        used = tuple(rank for rank, _, _ in parts)
+        grads = [_mean([g[j] for _, g, _ in parts]) for j in range(len(parts[0][1]))]
+        buffers = [_mean([b[j] for _, _, b in parts]) for j in range(len(parts[0][2]))]
+        result = Result(grads, buffers, used, self._next_k(epoch, step, size), change,
+                        _rng_state(generators))  # fmt: skip
+        self.store.set(f"{p}/r", _dumps(result))
+        if step >= _KEEP_STEPS:
+            self._forget(self._prefix(epoch, step - _KEEP_STEPS), size)
+
+    def _next_k(self, epoch: int, step: int, size: int) -> int:
+        if not isinstance(self.backup, Dynamic):
+            return backup_count(self.backup, size)
+        # compute times of the previous step (a member late for it keeps its older ones)
+        if self._times_epoch != epoch:  # ranks are renumbered in every epoch
+            self._times, self._times_epoch = {}, epoch
+        p = self._prefix(epoch, step - 1)
+        for r in range(size):
+            if step > 0 and self.store.check([f"{p}/t{r}"]):
+                t = self._times.setdefault(r, deque(maxlen=self.backup.window))
+                t.append(float(_loads(self.store.get(f"{p}/t{r}"))))
+        return self.backup.choose(self._times, size)
+
+    def _forget(self, p: str, size: int) -> None:
+        for key in (
+            [f"{p}/n", f"{p}/r"]
+            + [f"{p}/g{i}" for i in range(1, size + 1)]
+            + [f"{p}/t{r}" for r in range(size)]
+        ):
+            self.store.delete_key(key)
+
+
+def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Mean in ticket order, accumulated in float64, returned in the inputs' dtype."""
+    acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+    for t in tensors:
+        acc += t.to(torch.float64)
+    return (acc / len(tensors)).to(tensors[0].dtype)
+
+
+# -- the job's side (package-internal: Job.commit delegates here) ---------------------------
+
+
+def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any]) -> Any:
+    """Commit ``job``'s step with the first ``n - b`` contributions, then catch up if late.
+
+    Returns ``apply()``'s result for this member's step, or None when the step was discarded
+    (the store timed out: a member died mid-step; the job reconfigures at the next boundary).
+    """
+    membership = job._membership
+    assert membership is not None
+    try:
+        change = 1.0 if membership.latest_epoch() > job.epoch else 0.0
+    except RuntimeError:
+        change = 0.0
+    gens = _generators(job.state)
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in job._params]
+    try:
+        found, ticket = backups.exchange(
+            epoch=job.epoch, step=job.step, rank=job.rank, size=job.size, grads=grads,
+            buffers=[b.detach() for b in job._buffers], own_s=time.time() - job._t0,
+            change=change, generators=gens,
+        )  # fmt: skip
+    except RuntimeError as e:
+        job._discard(e)
+        return None
+    result = _apply(job, found, ticket, apply, gens)
+    while not job._needs_reconfigure:
+        try:
+            later = backups.published(job.epoch, job.step)
+        except RuntimeError:
+            break
+        if later is None:
+            break
+        _apply(job, later, None, apply, gens)
+    return result
+
+
+def _generators(state: Any) -> list[torch.Generator]:
+    named = getattr(state, "generators", None)
+    return list(named.values()) if isinstance(named, Mapping) else []
+
+
+def _apply(
+    job: Job, found: Result, ticket: int | None, apply: Callable[[], Any],
+    gens: Sequence[torch.Generator],
+) -> Any:  # fmt: skip
+    job._events.write("backup", step=job.step, epoch=job.epoch, ticket=ticket,
+                      used=[job.members[r] for r in found.used], next_k=found.next_k)  # fmt: skip
+    for p, g in zip(job._params, found.grads, strict=True):
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+    with torch.no_grad():
+        for b, v in zip(job._buffers, found.buffers, strict=True):
+            b.copy_(v)
+    set_rng_state(found.rng, gens)
+    result = apply()
+    job._step += 1
+    job._needs_reconfigure = job._needs_reconfigure or found.change > 0
+    job._after_commit()
+    return result

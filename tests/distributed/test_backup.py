@@ -1,0 +1,90 @@
+"""Backup workers: a step commits with the first n - b contributions, late ones dropped.
+
+``stalwart run`` with 3 real workers, worker 2 slowed; members' digests compared bit for bit.
+Nothing asserts a duration: the slowed worker only makes lateness likely, and the assertions
+hold whoever is late.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stalwart.elastic import read_events
+from stalwart.elastic.backup import Dynamic, backup_count
+from stalwart.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = Path(__file__).with_name("backup_worker.py")
+STEPS = 24
+
+
+def _run(tmp: Path, backup: str) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("STALWART_ELASTIC_STORE", None)
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", "0",
+           "--events", str(tmp / "events"), "--timeout", "30", str(WORKER),
+           "--steps", str(STEPS), "--backup", backup, "--slow-worker", "2", "--slow-s", "0.15",
+           "--out", str(tmp / "out")]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    finals = [torch.load(p) for p in sorted((tmp / "out").glob("final-*.pt"))]
+    return read_events(tmp / "events"), finals
+
+
+def _assert_parity(events: dict[int, list[dict[str, Any]]], finals: list[dict[str, Any]]) -> None:
+    assert len(finals) == 3 and {f["step"] for f in finals} == {STEPS}
+    assert len({f["digest"] for f in finals}) == 1, "bit parity at the end"
+    by_step: dict[int, set[str]] = {}
+    for lines in events.values():
+        for e in lines:
+            if e["kind"] == "step" and e.get("digest"):
+                by_step.setdefault(e["step"], set()).add(e["digest"])
+    assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
+    assert not any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+
+
+def _backup_events(events: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    return {w: [e for e in lines if e["kind"] == "backup"] for w, lines in events.items()}
+
+
+def test_static_backup_commits_with_the_first_two_of_three(tmp_path: Path) -> None:
+    events, finals = _run(tmp_path, "1")
+    _assert_parity(events, finals)
+    per_worker = _backup_events(events)
+    for w, evs in per_worker.items():
+        assert [e["step"] for e in evs] == list(range(STEPS)), w  # every step applied once
+        assert all(len(e["used"]) == 2 for e in evs)
+        late = [e for e in evs if e["ticket"] is not None and e["ticket"] > 2]
+        assert all(w not in e["used"] for e in late), "a late contribution is dropped"
+    used = [tuple(e["used"]) for e in per_worker[0]]
+    # the same members were used on every worker (one result per step)
+    assert all([tuple(e["used"]) for e in per_worker[w]] == used for w in per_worker)
+
+
+def test_dynamic_backup_drops_the_slow_worker_and_keeps_parity(tmp_path: Path) -> None:
+    events, finals = _run(tmp_path, "dynamic")
+    _assert_parity(events, finals)
+    evs = _backup_events(events)[0]
+    assert len(evs[0]["used"]) == 3, "nothing measured before the first step: wait for all"
+    ks = [e["next_k"] for e in evs]
+    assert ks.count(2) > len(ks) // 2, ks  # worker 2 is ~0.15 s slower every step
+
+
+def test_dynamic_choice_maximises_contributions_per_second() -> None:
+    d = Dynamic()
+    assert d.choose({0: [1.0], 1: [1.0], 2: [1.0]}, 3) == 3
+    assert d.choose({0: [1.0], 1: [1.05], 2: [2.0]}, 3) == 2
+    assert d.choose({0: [1.0, 1.0], 1: [1.0]}, 3) == 2, "an unmeasured member counts as slowest"
+    assert d.choose({}, 3) == 3
+    assert Dynamic(min_k=3).choose({0: [1.0], 1: [1.0], 2: [9.0]}, 3) == 3
+    assert backup_count(1, 3) == 2 and backup_count(5, 3) == 1 and backup_count(Dynamic(), 4) == 4
+    with pytest.raises(ConfigError):
+        Dynamic(window=0)
