@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def campaign(n: int, mixed: bool = False, first_seed: int = 0) -> None:
             if mixed:  # a SIGSTOPped worker is excluded after 2 s of silent heartbeats
                 cmd[4:4] = ["--hang-timeout", "2", "--max-restarts", "3"]
             env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
-            rc = subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode
+            done = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+            rc = done.returncode
             digests: dict[int, set[str]] = {}
             events = read_events(ev)
             for lines in events.values():
@@ -160,6 +162,11 @@ def campaign(n: int, mixed: bool = False, first_seed: int = 0) -> None:
             healed = sum(e["kind"] == "state-received" and e["step"] > 0
                          for w, ls in events.items() if w < 3 for e in ls)  # fmt: skip
             rec = recoveries(ev)
+            if rc != 0 or bad or len(rec) != deaths:  # keep the evidence
+                keep = Path(tempfile.gettempdir()) / f"stalwart-campaign-seed{seed}"
+                shutil.rmtree(keep, ignore_errors=True)
+                shutil.copytree(tmp, keep)
+                (keep / "output.txt").write_bytes(done.stdout + done.stderr)
         divergent += bad > 0
         partial += healed > 0
         failed += rc != 0 or len(rec) != deaths

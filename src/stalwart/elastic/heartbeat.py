@@ -21,6 +21,7 @@ gap: the watch restarts every worker's silence from the moment it runs again.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -61,6 +62,10 @@ class Heartbeat:
         self._store.add(self.key, 1)  # the first beat, before the worker joins anything
         self._thread = threading.Thread(target=self._run, name="stalwart-heartbeat", daemon=True)
         self._thread.start()
+        # Joined before the interpreter finalizes: a daemon thread caught inside the store's
+        # C++ call when finalization begins is ended by pthread_exit, which aborts the process
+        # (SIGABRT) while unwinding C++ frames, turning a clean exit into a crash.
+        atexit.register(self.stop)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -75,8 +80,10 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
-        """Stop beating (the thread ends within one interval)."""
+        """Stop beating, and wait for the thread to end (it ends after its current beat)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 5.0)
 
 
 class HeartbeatWatch:
