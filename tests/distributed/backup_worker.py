@@ -21,6 +21,7 @@ from torch import nn
 import stalwart
 from stalwart.elastic import Job
 from stalwart.elastic.backup import Dynamic
+from stalwart.testing import chaos
 
 
 def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +44,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=a.verify_every)
+    chaos.install(job)
     backup = Dynamic() if a.backup == "dynamic" else int(a.backup)
     optimizer = job.optimizer(opt, backup=backup)
     worker = int(os.environ.get("STALWART_ELASTIC_WORKER", "-2"))

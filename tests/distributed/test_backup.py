@@ -19,6 +19,7 @@ import torch
 from stalwart.elastic import read_events
 from stalwart.elastic.backup import Dynamic, backup_count
 from stalwart.errors import ConfigError
+from stalwart.testing import Kill, KillSchedule
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,10 +27,13 @@ WORKER = Path(__file__).with_name("backup_worker.py")
 STEPS = 24
 
 
-def _run(tmp: Path, backup: str) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(
+    tmp: Path, backup: str, schedule: KillSchedule | None = None
+) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(schedule.to_env() if schedule else {})}
     env.pop("STALWART_ELASTIC_STORE", None)
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", "0",
+    restarts = "1" if schedule else "0"
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", restarts,
            "--events", str(tmp / "events"), "--timeout", "30", str(WORKER),
            "--steps", str(STEPS), "--backup", backup, "--slow-worker", "2", "--slow-s", "0.15",
            "--out", str(tmp / "out")]  # fmt: skip
@@ -76,6 +80,23 @@ def test_dynamic_backup_drops_the_slow_worker_and_keeps_parity(tmp_path: Path) -
     assert len(evs[0]["used"]) == 3, "nothing measured before the first step: wait for all"
     ks = [e["next_k"] for e in evs]
     assert ks.count(2) > len(ks) // 2, ks  # worker 2 is ~0.15 s slower every step
+
+
+def test_a_member_killed_inside_a_backup_step_is_replaced_with_parity(tmp_path: Path) -> None:
+    kill = Kill(worker=1, step=8, where="collective", delay_s=0.001)
+    events, finals = _run(tmp_path, "1", KillSchedule((kill,)))
+    # Either the survivors commit step 8 without the dead member (2 of 3 suffice) and change
+    # epoch after it, or it died holding the reducer's ticket and they discard step 8 as soon
+    # as the launcher publishes the next epoch (not after the store's 30 s timeout). A
+    # replacement may arrive after the 24 fast steps are over.
+    assert len(finals) >= 2 and {f["step"] for f in finals} == {STEPS}
+    assert len({f["digest"] for f in finals}) == 1, "bit parity at the end"
+    for w in (0, 2):
+        kinds = [e["kind"] for e in events[w]]
+        assert kinds.count("start") == 1 and kinds.count("finish") == 1, "survivors never restart"
+        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
+        faults = [e["error"] for e in events[w] if e["kind"] == "fault-detected"]
+        assert not any("timeout" in f for f in faults), faults
 
 
 def test_dynamic_choice_maximises_contributions_per_second() -> None:

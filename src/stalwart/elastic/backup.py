@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_backup"]
 
 _KEEP_STEPS = 64  # results kept in the store for members that fall behind
+_POLL = timedelta(seconds=0.2)  # how often a waiting member checks for a newer epoch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,14 +177,18 @@ class BackupRound:
         own_s: float,
         change: float,
         generators: Sequence[torch.Generator] = (),
+        abandon: Callable[[], bool] = lambda: False,
     ) -> tuple[Result, int]:
         """Post this member's contribution (if in time) and return the step's result.
+
+        ``abandon()`` is polled while waiting: True (a newer epoch was published, so a member
+        is gone) gives up at once instead of waiting for the store's timeout.
 
         Returns:
             The result, and this member's ticket (arrival order, 1-based; > k: dropped).
 
         Raises:
-            RuntimeError: the store timed out or is gone (a member died mid-step).
+            RuntimeError: abandoned, or the store timed out or is gone (a member died mid-step).
         """
         p = self._prefix(epoch, step)
         k = self._k.get(epoch, backup_count(self.backup, size))
@@ -191,8 +197,9 @@ class BackupRound:
         if ticket <= k:
             self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers)))
         if ticket == k:
+            self._wait([f"{p}/g{i}" for i in range(1, k + 1)], abandon)
             self._reduce(p, k, epoch, step, size, change, generators)
-        self.store.wait([f"{p}/r"])
+        self._wait([f"{p}/r"], abandon)
         result: Result = _loads(self.store.get(f"{p}/r"))
         self._k = {epoch: result.next_k}
         return result, ticket
@@ -201,7 +208,6 @@ class BackupRound:
         self, p: str, k: int, epoch: int, step: int, size: int, change: float,
         generators: Sequence[torch.Generator],
     ) -> None:  # fmt: skip
-        self.store.wait([f"{p}/g{i}" for i in range(1, k + 1)])
         parts = [_loads(self.store.get(f"{p}/g{i}")) for i in range(1, k + 1)]
         used = tuple(rank for rank, _, _ in parts)
         grads = [_mean([g[j] for _, g, _ in parts]) for j in range(len(parts[0][1]))]
@@ -211,6 +217,21 @@ class BackupRound:
         self.store.set(f"{p}/r", _dumps(result))
         if step >= _KEEP_STEPS:
             self._forget(self._prefix(epoch, step - _KEEP_STEPS), size)
+
+    def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + self.store.timeout.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, _POLL)
+                return
+            except RuntimeError:  # DistStoreError: not there yet
+                if abandon():
+                    raise RuntimeError(
+                        f"gave up waiting for {keys[-1]}: a newer membership epoch was "
+                        "published (a member left mid-step); the step is discarded"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise
 
     def _next_k(self, epoch: int, step: int, size: int) -> int:
         if not isinstance(self.backup, Dynamic):
@@ -257,13 +278,20 @@ def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any])
         change = 1.0 if membership.latest_epoch() > job.epoch else 0.0
     except RuntimeError:
         change = 0.0
+
+    def abandon() -> bool:
+        try:
+            return membership.latest_epoch() > job.epoch
+        except RuntimeError:
+            return False
+
     gens = _generators(job.state)
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in job._params]
     try:
         found, ticket = backups.exchange(
             epoch=job.epoch, step=job.step, rank=job.rank, size=job.size, grads=grads,
             buffers=[b.detach() for b in job._buffers], own_s=time.time() - job._t0,
-            change=change, generators=gens,
+            change=change, generators=gens, abandon=abandon,
         )  # fmt: skip
     except RuntimeError as e:
         job._discard(e)
