@@ -121,72 +121,83 @@ def _run(contender: str, a: argparse.Namespace, tmp: Path) -> float:
     return statistics.median(times) * 1e3
 
 
+def _cycle(seed: int, mixed: bool, worker: Path) -> dict:  # type: ignore[type-arg]
+    """One seeded cycle: run the job, compare the digests of every step, time the recoveries."""
+    from stalwart.elastic import read_events, recoveries
+    from stalwart.testing import KillSchedule
+
+    if mixed:
+        sched = KillSchedule.mixed(seed, workers=3, steps=range(3, 18), count=2)
+    else:
+        sched = KillSchedule.seeded(seed, workers=3, steps=range(3, 18), max_delay_s=0.004)
+    kind = {k.worker: k.signal.lower() for k in sched.kills} | {
+        r.worker: "raise" for r in sched.raises
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        ev, out = Path(tmp) / "events", Path(tmp) / "out"
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--events", str(ev),
+               str(worker), "--steps", "40", "--verify-every", "1", "--out", str(out),
+               "--hold-at", "25", "--hold-size", "3"]  # fmt: skip
+        if mixed:  # a SIGSTOPped worker is excluded after 2 s of silent heartbeats
+            cmd[4:4] = ["--hang-timeout", "2", "--max-restarts", "3"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+        digests: dict[int, set[str]] = {}
+        events = read_events(ev)
+        for lines in events.values():
+            for e in lines:
+                if e["kind"] == "step" and e.get("digest"):
+                    digests.setdefault(e["step"], set()).add(e["digest"])
+        finals = {torch.load(f)["digest"] for f in out.glob("final-*.pt")}
+        bad = sum(len(d) > 1 for d in digests.values()) + (len(finals) != 1)
+        healed = sum(e["kind"] == "state-received" and e["step"] > 0
+                     for w, ls in events.items() if w < 3 for e in ls)  # fmt: skip
+        rec = recoveries(ev)
+        failed = done.returncode != 0 or sorted(r.worker for r in rec) != sorted(kind)
+        if failed or bad:  # keep the evidence
+            keep = Path(tempfile.gettempdir()) / f"stalwart-campaign-seed{seed}"
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(tmp, keep)
+            (keep / "output.txt").write_bytes(done.stdout + done.stderr)
+    return {"seed": seed, "faults": str(sched), "rc": done.returncode, "failed": failed,
+            "divergent_steps": bad, "survivor_rolled_forward": healed,
+            "recoveries": [{"kind": kind.get(r.worker, "?"), "lost_steps": r.lost_steps,
+                            "detect_s": r.detect_s, "resume_s": r.resume_s,
+                            "rejoin_s": r.rejoin_s} for r in rec]}  # fmt: skip
+
+
 def campaign(n: int, mixed: bool = False, first_seed: int = 0) -> None:
     """Seeded kill/rejoin cycles; prints one JSON line per cycle and the totals.
 
     ``mixed``: two faults per cycle drawn by ``KillSchedule.mixed`` (SIGKILL, SIGSTOP, an
     exception in the step, a delay before every all-reduce) instead of one SIGKILL.
     """
-    from stalwart.elastic import read_events, recoveries
-    from stalwart.testing import KillSchedule
-
     worker = Path(__file__).resolve().parents[1] / "tests" / "distributed" / "elastic_worker.py"
     divergent = partial = failed = 0
-    detect: list[float] = []
-    resume: list[float] = []
-    lost: list[int] = []
+    by_kind: dict[str, dict[str, list[float]]] = {}
     for seed in range(first_seed, first_seed + n):
-        if mixed:
-            sched = KillSchedule.mixed(seed, workers=3, steps=range(3, 18), count=2)
-        else:
-            sched = KillSchedule.seeded(seed, workers=3, steps=range(3, 18), max_delay_s=0.004)
-        deaths = len(sched.kills) + len(sched.raises)
-        with tempfile.TemporaryDirectory() as tmp:
-            ev, out = Path(tmp) / "events", Path(tmp) / "out"
-            cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--events", str(ev),
-                   str(worker), "--steps", "40", "--verify-every", "1", "--out", str(out),
-                   "--hold-at", "25", "--hold-size", "3"]  # fmt: skip
-            if mixed:  # a SIGSTOPped worker is excluded after 2 s of silent heartbeats
-                cmd[4:4] = ["--hang-timeout", "2", "--max-restarts", "3"]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
-            done = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
-            rc = done.returncode
-            digests: dict[int, set[str]] = {}
-            events = read_events(ev)
-            for lines in events.values():
-                for e in lines:
-                    if e["kind"] == "step" and e.get("digest"):
-                        digests.setdefault(e["step"], set()).add(e["digest"])
-            finals = {torch.load(f)["digest"] for f in out.glob("final-*.pt")}
-            bad = sum(len(d) > 1 for d in digests.values()) + (len(finals) != 1)
-            healed = sum(e["kind"] == "state-received" and e["step"] > 0
-                         for w, ls in events.items() if w < 3 for e in ls)  # fmt: skip
-            rec = recoveries(ev)
-            if rc != 0 or bad or len(rec) != deaths:  # keep the evidence
-                keep = Path(tempfile.gettempdir()) / f"stalwart-campaign-seed{seed}"
-                shutil.rmtree(keep, ignore_errors=True)
-                shutil.copytree(tmp, keep)
-                (keep / "output.txt").write_bytes(done.stdout + done.stderr)
-        divergent += bad > 0
-        partial += healed > 0
-        failed += rc != 0 or len(rec) != deaths
-        detect += [r.detect_s for r in rec if r.detect_s is not None]
-        resume += [r.resume_s for r in rec if r.resume_s is not None]
-        lost += [r.lost_steps for r in rec]
-        print(json.dumps({"seed": seed, "faults": str(sched), "rc": rc,
-                          "divergent_steps": bad, "survivor_rolled_forward": healed,
-                          "lost_steps": [r.lost_steps for r in rec],
-                          "detect_s": [r.detect_s for r in rec],
-                          "resume_s": [r.resume_s for r in rec]}), flush=True)  # fmt: skip
+        c = _cycle(seed, mixed, worker)
+        print(json.dumps(c), flush=True)
+        divergent += c["divergent_steps"] > 0
+        partial += c["survivor_rolled_forward"] > 0
+        failed += c["failed"]
+        for r in c["recoveries"]:
+            for key in ("detect_s", "resume_s", "lost_steps", "rejoin_s"):
+                if r[key] is not None:
+                    by_kind.setdefault(r["kind"], {}).setdefault(key, []).append(r[key])
     print(
-        f"\n{n} kill/rejoin cycles: {divergent} with a bitwise divergence; {failed} runs failed "
-        f"(launcher exit != 0 or not the scheduled deaths); "
+        f"\n{n} cycles: {divergent} with a bitwise divergence; {failed} runs failed "
+        f"(launcher exit != 0 or not exactly the scheduled deaths); "
         f"{partial} where a survivor was behind after a partial all-reduce and rolled forward"
     )
-    for name, xs in (("detect (s)", detect), ("resume (s)", resume), ("lost steps", lost)):
-        if xs:
-            print(f"{name}: median {statistics.median(xs):.3f}, range {min(xs):.3f} to "
-                  f"{max(xs):.3f}, n={len(xs)}")  # fmt: skip
+    print("\n| fault | n | detect (s) | survivors commit (s) | lost steps | rejoin (s) |")
+    print("|---|---|---|---|---|---|")
+    for kind, st in sorted(by_kind.items()):
+        cells = [
+            f"{statistics.median(xs):.2f} ({min(xs):.2f} to {max(xs):.2f})" if xs else "-"
+            for xs in (st.get(k, []) for k in ("detect_s", "resume_s", "lost_steps", "rejoin_s"))
+        ]
+        print(f"| {kind} | {len(st.get('lost_steps', []))} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
