@@ -28,6 +28,7 @@ from stalwart.checkpoint.durable.async_api import AsyncSaves
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
+from stalwart.checkpoint.durable.loading import Loads, short_steps
 from stalwart.checkpoint.durable.manifest import (
     MANIFEST_PREFIX,
     MAX_STEP,
@@ -39,8 +40,6 @@ from stalwart.checkpoint.durable.manifest import (
 from stalwart.checkpoint.durable.manifest_cache import ManifestCache
 from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem, local_items, merge_skeletons, plan_writes
-from stalwart.checkpoint.durable.reshard import read_box
-from stalwart.checkpoint.durable.restore import load_first_that_verifies, load_step
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.options import CheckpointOptions
@@ -53,17 +52,17 @@ from stalwart.errors import (
 from stalwart.storage import open_storage
 from stalwart.storage.base import ObjectInfo, Storage
 from stalwart.storage.local import LocalStorage
-from stalwart.tree import dtype_from_name, flatten
+from stalwart.tree import flatten
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint.tools.verify import VerifyReport
+    pass
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
 log = logging.getLogger(__name__)
 
 
-class Checkpointer(AsyncSaves):
+class Checkpointer(AsyncSaves, Loads):
     """Sharded, deduplicated, verified checkpoints of state trees under one root.
 
     Args:
@@ -155,24 +154,6 @@ class Checkpointer(AsyncSaves):
         """
         return self._store(create=False)
 
-    def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
-        """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified.
-
-        Returns:
-            The tensor and the number of bytes read from the store.
-
-        Raises:
-            CheckpointNotFoundError: no such step.
-            KeyError: the step holds no tensor of that name.
-            CorruptCheckpointError: a chunk fails its checksum.
-        """
-        e = self.manifest(step).tensors[name]
-        store = self.storage
-        dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-        where = f"checkpoint {store.url} step {step}"
-        stats = read_box(store, e, name, (0,) * len(e.shape), dest, pool=self._pool, where=where)
-        return dest, stats.bytes_read
-
     # -- listing -----------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -208,7 +189,7 @@ class Checkpointer(AsyncSaves):
             steps = self.steps()
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
-                f"{_short(steps)}" + ("" if steps else " (none yet)")
+                f"{short_steps(steps)}" + ("" if steps else " (none yet)")
             ) from None
         self._manifests[step] = m
         return m
@@ -382,97 +363,7 @@ class Checkpointer(AsyncSaves):
             self._cache.forget(s)
         return report
 
-    # -- load --------------------------------------------------------------------------
-
-    def load(
-        self,
-        state: Any = None,
-        step: int | None = None,
-        *,
-        strict: bool = True,
-        fallback: bool = False,
-    ) -> Any:
-        """Load a checkpoint into ``state``'s tensors in place and return the loaded tree.
-
-        Args:
-            state: a state tree whose tensors (plain or DTensor, any sharding) receive the
-                data; stateful objects get ``load_state_dict``. ``None`` returns the whole
-                checkpoint as full CPU tensors (the consolidated view).
-            step: the step to load; the newest committed one when None.
-            strict: raise when ``state`` and the checkpoint differ in keys, shapes or dtypes;
-                with False, load what matches and leave the rest untouched.
-            fallback: when the step is damaged, load the newest older step that verifies,
-                and say so in a warning and in ``last_load.skipped``.
-
-        Raises:
-            CheckpointNotFoundError: no such root or step.
-            CorruptCheckpointError: damaged data (and no fallback left).
-            StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
-        """
-        self._async.raise_unobserved()
-        t0 = time.perf_counter()
-        g = self._group
-        # Rank 0 lists; every rank learns if that failed.
-        steps = g.run("listing checkpoints", lambda: self.steps() if g.rank == 0 else [])[0]
-        if not steps:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint under {self.url}; save one first or check the path"
-            )
-        if step is None:
-            candidates = sorted(steps, reverse=True)
-        elif step in steps:
-            candidates = [s for s in sorted(steps, reverse=True) if s <= step]
-        else:
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint in {self.url}; "
-                f"committed steps: {_short(steps)}"
-            )
-        if not fallback:
-            candidates = candidates[:1]
-        s, tree, read, mismatched, skipped = load_first_that_verifies(
-            candidates,
-            lambda s: self._load_step(s, state, strict),
-            g,
-            fallback=fallback,
-            where=self.url,
-        )
-        self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
-        loaded = CheckpointEvent(
-            "load", s, self.url, g.rank, self.last_load.seconds, bytes_read=read
-        )
-        emit(
-            self.options.on_event, dataclasses.replace(loaded, skipped=tuple(k for k, _ in skipped))
-        )
-        return tree
-
-    def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:
-        store = self._store(create=False)
-        return load_step(
-            self.manifest(step),
-            store,
-            state,
-            strict=strict,
-            where=f"checkpoint {store.url} step {step}",
-            io_pool=self._pool,
-            tensor_pool=self._tensor_pool,
-            lease_s=self.options.lease_s,
-        )
-
     # -- maintenance -------------------------------------------------------------------
-
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Read and hash every chunk of ``step`` (the newest when None); report all damage.
-
-        Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
-        every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
-        """
-        from stalwart.checkpoint.tools.verify import verify_step
-
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
-        return verify_step(self, step)
 
     def delete(self, step: int) -> None:
         """Un-commit ``step`` (its manifest); its unshared packs go at the next gc().
@@ -483,7 +374,7 @@ class Checkpointer(AsyncSaves):
         if step not in self.steps():
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
-                f"{_short(self.steps())}"
+                f"{short_steps(self.steps())}"
             )
         store.delete(manifest_key(step))
         self._manifests.pop(step, None)
@@ -523,9 +414,3 @@ def _check_save_args(step: Any, metadata: Any) -> None:
         )
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ConfigError("metadata must map str to str")
-
-
-def _short(steps: list[int]) -> str:
-    if len(steps) <= 8:
-        return str(steps)
-    return f"[{steps[0]}, {steps[1]}, …, {steps[-2]}, {steps[-1]}] ({len(steps)} in all)"

@@ -20,6 +20,7 @@ leading-dimension rows that overlap are read. A load is planned first, then read
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -288,7 +289,7 @@ def _plan_box(
             src = src.narrow(d, lo_g[d] - shard.offsets[d], ov_sizes[d])
         for d in range(len(sizes)):
             dst = dst.narrow(d, lo_g[d] - offsets[d], ov_sizes[d])
-        after.append(lambda dst=dst, src=src: dst.copy_(src))
+        after.append(functools.partial(_copy_into, dst, src))
     if covered < dest.numel():
         raise CorruptCheckpointError(
             f"{where}: tensor {fqn!r}: the saved shards cover {covered} of the {dest.numel()} "
@@ -371,3 +372,7 @@ def _numel(sizes: tuple[int, ...] | list[int]) -> int:
     for s in sizes:
         n *= s
     return n
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
