@@ -110,8 +110,9 @@ def main() -> None:
                 to_target[name].append(hit[0] if hit else float("inf"))
                 total[name].append(log[-1][0])
                 final[name].append(log[-1][2])
-                print(f"  run {r} {name:8s} to target {to_target[name][-1]:.2f} s, {a.steps} "
-                      f"steps {total[name][-1]:.2f} s, final loss {final[name][-1]:.3f}")  # fmt: skip
+                t_hit, t_all, end = to_target[name][-1], total[name][-1], final[name][-1]
+                print(f"  run {r} {name:8s} to target {t_hit:.2f} s, {a.steps} steps "
+                      f"{t_all:.2f} s, final loss {end:.3f}")  # fmt: skip
     print(f"\n3 workers, worker 2 slowed 2x (modelled compute {a.base_s} s / {2 * a.base_s} s "
           f"per step), target loss {a.target}, {a.runs} runs\n")  # fmt: skip
     print(f"| contender | time to target (s) | {a.steps} steps (s) | final loss "
