@@ -16,6 +16,7 @@ from stalwart.protect.ecc import SelectiveBitProtection
 from stalwart.protect.evaluate import (
     InputSplit,
     ProtectionResult,
+    ProtectionResults,
     ber_faults,
     ber_sweep,
     evaluate,
@@ -32,6 +33,7 @@ __all__ = [
     "ParameterScrubber",
     "Protection",
     "ProtectionResult",
+    "ProtectionResults",
     "SelectiveBitProtection",
     "ber_faults",
     "ber_sweep",
