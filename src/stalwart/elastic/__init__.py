@@ -42,6 +42,7 @@ Replicated state means replicated RNG: every member must draw the same random nu
 (seed them alike); per-member randomness belongs in the data function of (step, rank, size).
 """
 
+from stalwart.elastic.backup import Dynamic
 from stalwart.elastic.events import JobSummary, read_events, summarize
 from stalwart.elastic.job import Job
 from stalwart.elastic.launcher import LaunchResult, launch
@@ -49,6 +50,7 @@ from stalwart.elastic.optimizer import ElasticOptimizer
 from stalwart.elastic.recovery import Recovery, recoveries
 
 __all__ = [
+    "Dynamic",
     "ElasticOptimizer",
     "Job",
     "JobSummary",
