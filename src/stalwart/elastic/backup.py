@@ -21,10 +21,11 @@ batch's mean gradient without bias *when which members are late does not depend 
 (fresh samples per step, as in ``batch(step, rank, size)``). With fixed per-rank shards a
 persistently slow member's shard is under-represented; use ``backup=0`` there.
 
-**Dynamic b** (:class:`Dynamic`, after Xu et al., arXiv 2004.14696): every member also posts its
-compute time (step start to ticket); the reducer keeps each rank's median over a window and
-picks the ``k`` that maximises contributions per second, ``k / T(k)`` with ``T(k)`` the
-``k``-th smallest median, preferring the larger ``k`` unless the gain is over ``margin``.
+**Dynamic b** (:class:`Dynamic`, after Xu et al., arXiv 2004.14696): every contribution carries
+its member's compute time (step start to ticket; a late member posts it beside); the window of
+times travels in the results, and the reducer takes each rank's median over it and picks the
+``k`` that maximises contributions per second, ``k / T(k)`` with ``T(k)`` the ``k``-th smallest
+median, preferring the larger ``k`` unless the gain is over ``margin``.
 
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out),
 so this suits small and medium models; the gloo all-reduce remains the default path.
@@ -37,9 +38,8 @@ import math
 import random
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,7 @@ class Result:
     next_k: int
     change: float  # 1.0: a newer epoch was published, reconfigure after this step
     rng: tuple[Any, ...]
+    times: Mapping[int, tuple[float, ...]] = field(default_factory=dict)  # Dynamic's window
 
 
 def _dumps(obj: Any) -> bytes:
@@ -150,8 +151,7 @@ class BackupRound:
         self.store = store
         self.backup = backup
         self._k: dict[int, int] = {}  # epoch -> the next step's k (agreed through results)
-        self._times: dict[int, deque[float]] = {}  # rank -> compute times, this epoch
-        self._times_epoch = -1
+        self._last: tuple[int, Result] | None = None  # (epoch, the last result applied)
 
     def _prefix(self, epoch: int, step: int) -> str:
         return f"backup/{epoch}/{step}"
@@ -162,7 +162,7 @@ class BackupRound:
         if not self.store.check([key]):
             return None
         result: Result = _loads(self.store.get(key))
-        self._k = {epoch: result.next_k}
+        self._seen(epoch, result)
         return result
 
     def exchange(
@@ -193,30 +193,59 @@ class BackupRound:
         p = self._prefix(epoch, step)
         k = self._k.get(epoch, backup_count(self.backup, size))
         ticket = self.store.add(f"{p}/n", 1)
-        self.store.set(f"{p}/t{rank}", _dumps(own_s))
         if ticket <= k:
-            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers)))
+            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers, own_s)))
+        elif isinstance(self.backup, Dynamic):  # late: still tell the next reducer our time
+            self.store.set(f"{p}/t{rank}", _dumps(own_s))
         if ticket == k:
             self._wait([f"{p}/g{i}" for i in range(1, k + 1)], abandon)
             self._reduce(p, k, epoch, step, size, change, generators)
         self._wait([f"{p}/r"], abandon)
         result: Result = _loads(self.store.get(f"{p}/r"))
-        self._k = {epoch: result.next_k}
+        self._seen(epoch, result)
         return result, ticket
+
+    def _seen(self, epoch: int, result: Result) -> None:
+        self._k = {epoch: result.next_k}
+        self._last = (epoch, result)
 
     def _reduce(
         self, p: str, k: int, epoch: int, step: int, size: int, change: float,
         generators: Sequence[torch.Generator],
     ) -> None:  # fmt: skip
         parts = [_loads(self.store.get(f"{p}/g{i}")) for i in range(1, k + 1)]
-        used = tuple(rank for rank, _, _ in parts)
-        grads = [_mean([g[j] for _, g, _ in parts]) for j in range(len(parts[0][1]))]
-        buffers = [_mean([b[j] for _, _, b in parts]) for j in range(len(parts[0][2]))]
-        result = Result(grads, buffers, used, self._next_k(epoch, step, size), change,
-                        _rng_state(generators))  # fmt: skip
+        used = tuple(part[0] for part in parts)
+        grads = [_mean([part[1][j] for part in parts]) for j in range(len(parts[0][1]))]
+        buffers = [_mean([part[2][j] for part in parts]) for j in range(len(parts[0][2]))]
+        if isinstance(self.backup, Dynamic):
+            times = self._times(epoch, step, size, {part[0]: part[3] for part in parts})
+            next_k = self.backup.choose(times, size)
+        else:
+            times, next_k = {}, backup_count(self.backup, size)
+        result = Result(grads, buffers, used, next_k, change, _rng_state(generators), times)
         self.store.set(f"{p}/r", _dumps(result))
         if step >= _KEEP_STEPS:
             self._forget(self._prefix(epoch, step - _KEEP_STEPS), size)
+
+    def _times(
+        self, epoch: int, step: int, size: int, now: Mapping[int, float]
+    ) -> dict[int, tuple[float, ...]]:
+        """The compute-time window, carried from result to result (whoever reduces).
+
+        This step's contributors bring theirs; members late for the previous step posted
+        theirs beside it (one store read each); a member late for longer keeps older values.
+        """
+        assert isinstance(self.backup, Dynamic)
+        prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
+        times = {r: list(v) for r, v in (prev.times if prev is not None else {}).items()}
+        if prev is not None:
+            p = self._prefix(epoch, step - 1)
+            for r in range(size):
+                if r not in prev.used and self.store.check([f"{p}/t{r}"]):
+                    times.setdefault(r, []).append(float(_loads(self.store.get(f"{p}/t{r}"))))
+        for r, own_s in now.items():
+            times.setdefault(r, []).append(own_s)
+        return {r: tuple(v[-self.backup.window :]) for r, v in times.items()}
 
     def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.store.timeout.total_seconds()
@@ -232,19 +261,6 @@ class BackupRound:
                     ) from None
                 if time.monotonic() > deadline:
                     raise
-
-    def _next_k(self, epoch: int, step: int, size: int) -> int:
-        if not isinstance(self.backup, Dynamic):
-            return backup_count(self.backup, size)
-        # compute times of the previous step (a member late for it keeps its older ones)
-        if self._times_epoch != epoch:  # ranks are renumbered in every epoch
-            self._times, self._times_epoch = {}, epoch
-        p = self._prefix(epoch, step - 1)
-        for r in range(size):
-            if step > 0 and self.store.check([f"{p}/t{r}"]):
-                t = self._times.setdefault(r, deque(maxlen=self.backup.window))
-                t.append(float(_loads(self.store.get(f"{p}/t{r}"))))
-        return self.backup.choose(self._times, size)
 
     def _forget(self, p: str, size: int) -> None:
         for key in (
