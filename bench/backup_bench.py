@@ -7,13 +7,15 @@ Contenders (same script, same seed, ``stalwart run --nproc 3`` with gloo on CPU)
 * ``dynamic``: ``backup=Dynamic()`` (k chosen online from the members' compute times).
 
 Compute is *modelled*: each worker sleeps ``--base-s`` per step after its forward/backward
-(worker 2 sleeps twice that), so the 2-core box's noise does not decide who is late. Every
-worker draws fresh rows each step (``seed(step, rank)``), so dropping late contributions keeps
-the gradient unbiased. Worker 0 evaluates the held-out loss every 5 steps; the time to target is
-the wall time (from its first step) of the first evaluation at or under ``--target``. Runs
-alternate between contenders; the table gives medians and ranges over ``--runs`` runs.
+(worker 2 sleeps twice that; ``--slow random``: a different member each step), so the
+2-core box's noise does not decide who is late. Every worker draws fresh rows each step
+(``seed(step, rank)``), so dropping late contributions keeps the gradient unbiased. Worker 0
+evaluates the held-out loss every 5 steps; the time to target is the wall time (from its first
+step) of the first evaluation at or under ``--target``. Runs alternate between contenders; the
+table gives medians and ranges over ``--runs`` runs.
 
     .venv/bin/python bench/backup_bench.py --runs 3
+    .venv/bin/python bench/backup_bench.py --runs 3 --slow random
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def worker(a: argparse.Namespace) -> None:
         optimizer.zero_grad()
         x, y = _rows(1_000_000 + 1000 * job.step + job.rank, 16)
         F.cross_entropy(model(x), y).backward()
-        time.sleep(a.base_s * (2 if wid == 2 else 1))
+        slow = wid == 2 if a.slow == "fixed" else (job.step * 7919) % job.size == job.rank
+        time.sleep(a.base_s * (2 if slow else 1))
         optimizer.step()
         if wid == 0 and job.step % 5 == 0:
             with torch.no_grad():
@@ -78,7 +81,7 @@ def run_once(name: str, a: argparse.Namespace, tmp: Path) -> list[tuple[float, i
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", "0",
            "--events", str(tmp / f"ev-{name}"), "--timeout", "60", __file__, "--worker",
            "--backup", CONTENDERS[name], "--steps", str(a.steps), "--base-s", str(a.base_s),
-           "--log", str(log)]  # fmt: skip
+           "--slow", a.slow, "--log", str(log)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STALWART_ELASTIC_STORE", None)
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
@@ -94,6 +97,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--base-s", type=float, default=0.04)
     parser.add_argument("--target", type=float, default=0.6)
+    parser.add_argument("--slow", choices=["fixed", "random"], default="fixed",
+                        help="worker 2 always slow, or a different member each step")  # fmt: skip
     a = parser.parse_args()
     if a.worker:
         worker(a)
@@ -113,7 +118,8 @@ def main() -> None:
                 t_hit, t_all, end = to_target[name][-1], total[name][-1], final[name][-1]
                 print(f"  run {r} {name:8s} to target {t_hit:.2f} s, {a.steps} steps "
                       f"{t_all:.2f} s, final loss {end:.3f}")  # fmt: skip
-    print(f"\n3 workers, worker 2 slowed 2x (modelled compute {a.base_s} s / {2 * a.base_s} s "
+    who = "worker 2" if a.slow == "fixed" else "one member per step (pseudo-random)"
+    print(f"\n3 workers, {who} slowed 2x (modelled compute {a.base_s} s / {2 * a.base_s} s "
           f"per step), target loss {a.target}, {a.runs} runs\n")  # fmt: skip
     print(f"| contender | time to target (s) | {a.steps} steps (s) | final loss "
           "| speed-up to target vs sync |")  # fmt: skip
