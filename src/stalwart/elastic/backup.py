@@ -13,7 +13,9 @@ workers go through the coordinator's store instead, keyed by (epoch, step):
    member applies the same bytes through the same optimizer.
 
 A member that arrives after later steps' results were posted applies them in order without
-computing their gradients (it catches up; its RNG follows the reducer's).
+computing their gradients (it catches up; its RNG follows the reducer's). Results are kept
+for 64 steps; a member further behind finds them gone, times out, and is healed from its peers
+by the parity policy of the next epoch.
 
 **Unbiased scaling.** The result divides by ``k`` (the contributions used), not ``n``: each
 member's gradient is the mean over its share, so the mean of ``k`` shares estimates the full
