@@ -101,11 +101,15 @@ def test_a_member_killed_inside_a_backup_step_is_replaced_with_parity(tmp_path: 
 
 def test_dynamic_choice_maximises_contributions_per_second() -> None:
     d = Dynamic()
-    assert d.choose({0: [1.0], 1: [1.0], 2: [1.0]}, 3) == 3
-    assert d.choose({0: [1.0], 1: [1.05], 2: [2.0]}, 3) == 2
-    assert d.choose({0: [1.0, 1.0], 1: [1.0]}, 3) == 2, "an unmeasured member counts as slowest"
-    assert d.choose({}, 3) == 3
-    assert Dynamic(min_k=3).choose({0: [1.0], 1: [1.0], 2: [9.0]}, 3) == 3
+    same = [{0: 1.0, 1: 1.0, 2: 1.0}] * 3
+    assert d.choose(same, 3) == 3
+    fixed = [{0: 1.0, 1: 1.05, 2: 2.0}] * 3
+    assert d.choose(fixed, 3) == 2
+    rotating = [{0: 2.0, 1: 1.0, 2: 1.0}, {0: 1.0, 1: 2.0, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 2.0}]
+    assert d.choose(rotating, 3) == 2, "a different slow member each step"
+    assert d.choose([{0: 1.0, 1: 1.0}] * 2, 3) == 2, "an unmeasured member counts as slowest"
+    assert d.choose([], 3) == 3
+    assert Dynamic(min_k=3).choose(fixed, 3) == 3
     assert backup_count(1, 3) == 2 and backup_count(5, 3) == 1 and backup_count(Dynamic(), 4) == 4
     with pytest.raises(ConfigError):
         Dynamic(window=0)

@@ -24,10 +24,10 @@ batch's mean gradient without bias *when which members are late does not depend 
 persistently slow member's shard is under-represented; use ``backup=0`` there.
 
 **Dynamic b** (:class:`Dynamic`, after Xu et al., arXiv 2004.14696): every contribution carries
-its member's compute time (step start to ticket; a late member posts it beside); the window of
-times travels in the results, and the reducer takes each rank's median over it and picks the
-``k`` that maximises contributions per second, ``k / T(k)`` with ``T(k)`` the ``k``-th smallest
-median, preferring the larger ``k`` unless the gain is over ``margin``.
+its member's compute time (step start to ticket; a late member posts it beside); the window
+of recent steps' times travels in the results, and the reducer picks the ``k`` that maximises
+contributions per second, ``k / T(k)`` with ``T(k)`` the median over the window of each step's
+``k``-th smallest time, preferring the larger ``k`` unless the gain is over ``margin``.
 
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out),
 so this suits small and medium models; the gloo all-reduce remains the default path.
@@ -78,18 +78,21 @@ class Dynamic:
         if self.window < 1 or self.margin < 0 or self.min_k < 1:
             raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
 
-    def choose(self, times_s: Mapping[int, Sequence[float]], size: int) -> int:
-        """The ``k`` for the next step, given each rank's recent compute times."""
-        # a member not measured yet counts as the slowest; nobody measured: wait for all
-        medians = sorted(
-            statistics.median(times_s[r]) if times_s.get(r) else math.inf for r in range(size)
-        )
-        if math.isinf(medians[0]):
-            return size
+    def choose(self, steps: Sequence[Mapping[int, float]], size: int) -> int:
+        """The ``k`` for the next step, given recent steps' compute times (rank -> seconds).
+
+        ``T(k)`` is the median over the steps of the ``k``-th smallest time of each step (a
+        member not measured in a step counts as slower than all measured), so a fixed slow
+        member and a different slow member every step are handled alike.
+        """
+        if not steps:
+            return size  # nothing measured yet: wait for all
+        ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
+        t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
         best = size
-        rate_best = size / max(medians[size - 1], 1e-9)
+        rate_best = size / max(t_k[size - 1], 1e-9)
         for k in range(size - 1, self.min_k - 1, -1):
-            rate = k / max(medians[k - 1], 1e-9)
+            rate = k / max(t_k[k - 1], 1e-9)
             if rate > rate_best * (1.0 + self.margin):
                 best, rate_best = k, rate
         return best
@@ -112,7 +115,7 @@ class Result:
     next_k: int
     change: float  # 1.0: a newer epoch was published, reconfigure after this step
     rng: tuple[Any, ...]
-    times: Mapping[int, tuple[float, ...]] = field(default_factory=dict)  # Dynamic's window
+    times: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # step -> rank -> s
 
 
 def _dumps(obj: Any) -> bytes:
@@ -221,7 +224,7 @@ class BackupRound:
         buffers = [_mean([part[2][j] for part in parts]) for j in range(len(parts[0][2]))]
         if isinstance(self.backup, Dynamic):
             times = self._times(epoch, step, size, {part[0]: part[3] for part in parts})
-            next_k = self.backup.choose(times, size)
+            next_k = self.backup.choose(list(times.values()), size)
         else:
             times, next_k = {}, backup_count(self.backup, size)
         result = Result(grads, buffers, used, next_k, change, _rng_state(generators), times)
@@ -231,23 +234,22 @@ class BackupRound:
 
     def _times(
         self, epoch: int, step: int, size: int, now: Mapping[int, float]
-    ) -> dict[int, tuple[float, ...]]:
-        """The compute-time window, carried from result to result (whoever reduces).
+    ) -> dict[int, dict[int, float]]:
+        """The compute-time window (step -> rank -> seconds), carried from result to result.
 
         This step's contributors bring theirs; members late for the previous step posted
-        theirs beside it (one store read each); a member late for longer keeps older values.
+        theirs beside it (one store read each, if already there).
         """
         assert isinstance(self.backup, Dynamic)
         prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
-        times = {r: list(v) for r, v in (prev.times if prev is not None else {}).items()}
-        if prev is not None:
+        times = {s_: dict(t) for s_, t in (prev.times if prev is not None else {}).items()}
+        if prev is not None and step - 1 in times:
             p = self._prefix(epoch, step - 1)
             for r in range(size):
                 if r not in prev.used and self.store.check([f"{p}/t{r}"]):
-                    times.setdefault(r, []).append(float(_loads(self.store.get(f"{p}/t{r}"))))
-        for r, own_s in now.items():
-            times.setdefault(r, []).append(own_s)
-        return {r: tuple(v[-self.backup.window :]) for r, v in times.items()}
+                    times[step - 1][r] = float(_loads(self.store.get(f"{p}/t{r}")))
+        times[step] = dict(now)
+        return {s_: times[s_] for s_ in sorted(times)[-self.backup.window :]}
 
     def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.store.timeout.total_seconds()
