@@ -1,8 +1,7 @@
 """Hang detection that does not depend on gloo's timeout: heartbeats through the coordinator.
 
 Each worker runs a small daemon thread (:class:`Heartbeat`) that adds 1 to
-``coord/beat/{wid}`` five times per hang timeout, on a store client of its own, and also
-publishes the worker's latest step-time window (``coord/stats/{wid}``). The launcher
+``coord/beat/{wid}`` five times per hang timeout, on a store client of its own. The launcher
 (:class:`HeartbeatWatch`) reads the counters and remembers, on its own monotonic clock, when
 each one last moved, so the workers' clocks never matter.
 
@@ -47,10 +46,7 @@ class Heartbeat:
 
     def __init__(self, env: WorkerEnv) -> None:
         self.key = keys.beat(env.worker_id)
-        self.stats_key = keys.stats(env.worker_id)
         self.interval_s = max(env.hang_s / BEATS_PER_TIMEOUT, 0.02)
-        self.stats: bytes | None = None  # set by the training thread, sent with the next beat
-        self._sent: bytes | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if env.hang_s <= 0:
@@ -71,10 +67,6 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(self.key, 1)
-                stats = self.stats
-                if stats is not None and stats != self._sent:
-                    self._store.set(self.stats_key, stats)
-                    self._sent = stats
             except RuntimeError as e:  # the coordinator is gone: nobody is listening
                 log.warning("heartbeat stopped: %s", e)
                 return

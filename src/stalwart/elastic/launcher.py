@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 _TERM_GRACE_S = 5.0
-_STATS_POLL_S = 0.25
+_STATS_POLL_S = 0.05  # well under a window of short steps: windows are not missed
 
 
 @dataclass

@@ -76,8 +76,11 @@ class Membership:
         self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))
 
     def publish_stats(self, window: dict[str, object]) -> None:
-        """Hand a step-time window to the heartbeat thread, which publishes it with its beat."""
-        self.heartbeat.stats = encode(window)
+        """Publish a step-time window for the launcher's straggler check (one store write)."""
+        try:
+            self.store.set(keys.stats(self.wid), encode(window))
+        except RuntimeError as e:  # the coordinator is gone: nobody compares any more
+            log.warning("could not publish step-time statistics: %s", e)
 
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""

@@ -6,8 +6,8 @@ delay before the collective counts too). The whole step time (``dt``) is nearly 
 every member, since the all-reduce waits for the slowest; the own time is what differs.
 
 Every ``window`` committed steps a member closes a window (:class:`StepStats`) with the median
-and 90th percentile of both, writes it to its event file (``step-stats``) and hands it to its
-heartbeat thread, which publishes it on the coordinator. The launcher
+and 90th percentile of both, writes it to its event file (``step-stats``) and publishes it on
+the coordinator (``coord/stats/{wid}``, one store write per window). The launcher
 (:class:`StragglerWatch`) compares each member's latest own-time median with the median of the
 other members' medians; a member above ``factor`` times that (and at least
 ``min_excess_s`` above it, so that sub-millisecond noise is never a straggler) in
