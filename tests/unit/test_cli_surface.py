@@ -211,7 +211,7 @@ def test_every_command_has_help() -> None:
 def test_json_of_demo_and_protect(tmp_path: Path) -> None:
     r = _invoke(
         "demo", "--root", str(tmp_path / "demo"), "--steps", "12", "--every", "4",
-        "--no-recovery", "--no-pvf", "--no-rca", "--json",
+        "--no-recovery", "--no-pvf", "--no-rca", "--no-elastic", "--json",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
