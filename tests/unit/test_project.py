@@ -102,6 +102,53 @@ def test_modules_stay_small_and_documented() -> None:
         )
 
 
+MODULE_LINES = 400
+FUNCTION_LINES = 60
+BUDGET = Path(__file__).with_name("size_budget.json")
+
+
+def _sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """Lines of every module over MODULE_LINES and every function over FUNCTION_LINES."""
+    modules: dict[str, int] = {}
+    functions: dict[str, int] = {}
+    for path in _modules():
+        rel = str(path.relative_to(SRC))
+        text = path.read_text()
+        if text.count("\n") > MODULE_LINES:
+            modules[rel] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > FUNCTION_LINES:
+                    key = f"{rel}:{node.name}"
+                    functions[key] = max(functions.get(key, 0), n)
+    return modules, functions
+
+
+def test_modules_and_functions_only_shrink_past_the_style_limits() -> None:
+    """STYLE.md: modules under ~400 lines, functions under ~60. Older ones past that are
+    listed in size_budget.json with their size then; they may shrink, never grow, and no
+    new one may join. After splitting one, regenerate the budget:
+    STALWART_UPDATE_SIZE_BUDGET=1 pytest tests/unit/test_project.py."""
+    import json
+    import os
+
+    modules, functions = _sizes()
+    if os.environ.get("STALWART_UPDATE_SIZE_BUDGET") == "1":
+        BUDGET.write_text(json.dumps({"modules": modules, "functions": functions}, indent=1))
+    budget = json.loads(BUDGET.read_text())
+    grown = [
+        f"{name}: {n} lines (budget {budget[kind].get(name, 'none: new')})"
+        for kind, found, limit in (
+            ("modules", modules, MODULE_LINES),
+            ("functions", functions, FUNCTION_LINES),
+        )
+        for name, n in sorted(found.items())
+        if n > budget[kind].get(name, limit)
+    ]
+    assert not grown, "past the size limits of STYLE.md; split them:\n  " + "\n  ".join(grown)
+
+
 def test_ruff_is_clean() -> None:
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
