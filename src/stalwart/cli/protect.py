@@ -56,7 +56,11 @@ def _split(ref: Any, spec: str, fraction: float, seed: int) -> tuple[Any, Any, d
     labels = ref.labels if len(ref.labels) else None
     n = int(ref.inputs[0].shape[0])
     if fraction == 0.0:
-        info = {"fraction": 0.0, "calibration_samples": n, "evaluation_samples": n}
+        info: dict[str, Any] = {
+            "fraction": 0.0,
+            "calibration_samples": n,
+            "evaluation_samples": n,
+        }
         info["note"] = "in-sample: calibrated on the scored inputs (--calibration-fraction 0)"
         return ref.inputs, ref, info
     if not ref.independent_samples:
@@ -70,14 +74,14 @@ def _split(ref: Any, spec: str, fraction: float, seed: int) -> tuple[Any, Any, d
         ref, inputs=split.evaluation, labels=split.labels if labels is not None else ref.labels
     )
     scored.quality = scored.evaluate()
-    info = {
+    held: dict[str, Any] = {
         "fraction": fraction,
         "calibration_samples": len(split.calibration_index),
         "evaluation_samples": len(split.evaluation_index),
         "seed": seed,
         "note": "held out: calibration and evaluation inputs are disjoint",
     }
-    return split.calibration, scored, info
+    return split.calibration, scored, held
 
 
 def _table(title: str, results: list[Any]) -> Table:

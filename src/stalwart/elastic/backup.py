@@ -199,9 +199,9 @@ class BackupRound:
         k = self._k.get(epoch, backup_count(self.backup, size))
         ticket = self.store.add(f"{p}/n", 1)
         if ticket <= k:
-            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers, own_s)))
+            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers, own_s)))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         elif isinstance(self.backup, Dynamic):  # late: still tell the next reducer our time
-            self.store.set(f"{p}/t{rank}", _dumps(own_s))
+            self.store.set(f"{p}/t{rank}", _dumps(own_s))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         if ticket == k:
             self._wait([f"{p}/g{i}" for i in range(1, k + 1)], abandon)
             self._reduce(p, k, epoch, step, size, change, generators)
@@ -228,7 +228,7 @@ class BackupRound:
         else:
             times, next_k = {}, backup_count(self.backup, size)
         result = Result(grads, buffers, used, next_k, change, _rng_state(generators), times)
-        self.store.set(f"{p}/r", _dumps(result))
+        self.store.set(f"{p}/r", _dumps(result))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         if step >= _KEEP_STEPS:
             self._forget(self._prefix(epoch, step - _KEEP_STEPS), size)
 
@@ -252,7 +252,7 @@ class BackupRound:
         return {s_: times[s_] for s_ in sorted(times)[-self.backup.window :]}
 
     def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + self.store.timeout.total_seconds()
+        deadline = time.monotonic() + self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
         while True:
             try:
                 self.store.wait(keys, _POLL)

@@ -76,7 +76,7 @@ class Coordinator:
         """Publish the next epoch with ``members``; returns its number."""
         self.members = tuple(sorted(members))
         self.epoch += 1
-        self.store.set(keys.members(self.epoch), encode(list(self.members)))
+        self.store.set(keys.members(self.epoch), encode(list(self.members)))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         self.store.set(keys.EPOCH, str(self.epoch))
         return self.epoch
 

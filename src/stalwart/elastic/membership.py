@@ -73,12 +73,12 @@ class Membership:
             env.host, env.port, is_master=False, timeout=env.timeout, wait_for_workers=False
         )
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
-        self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))
+        self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
 
     def publish_stats(self, window: dict[str, object]) -> None:
         """Publish a step-time window for the launcher's straggler check (one store write)."""
         try:
-            self.store.set(keys.stats(self.wid), encode(window))
+            self.store.set(keys.stats(self.wid), encode(window))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         except RuntimeError as e:  # the coordinator is gone: nobody compares any more
             log.warning("could not publish step-time statistics: %s", e)
 
@@ -97,7 +97,7 @@ class Membership:
 
     def finish(self, step: int, epoch: int) -> None:
         """Record that this worker finished at ``step``, agreed with the members of ``epoch``."""
-        self.store.set(keys.done(self.wid), encode({"step": step, "epoch": epoch}))
+        self.store.set(keys.done(self.wid), encode({"step": step, "epoch": epoch}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
 
     def join(self, after: int, deadline_s: float) -> Epoch:
         """Join the first epoch newer than ``after`` that lists this worker and forms.
@@ -146,7 +146,7 @@ class Membership:
         A member that has not arrived within the epoch timeout is taken for hung: the epoch is
         abandoned and reported as faulty, and the coordinator excludes whoever never arrived.
         """
-        self.store.set(keys.arrival(number, self.wid), b"1")
+        self.store.set(keys.arrival(number, self.wid), b"1")  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         arrived = self.store.add(keys.arrived(number), 1)
         fate_key = keys.fate(number)
         if arrived >= size:
@@ -172,4 +172,4 @@ class Membership:
         if size == 1:
             return None
         prefixed = PrefixStore(f"epoch{number}", self.store)
-        return dist.ProcessGroupGloo(prefixed, rank, size, self.env.timeout)
+        return dist.ProcessGroupGloo(prefixed, rank, size, self.env.timeout)  # type: ignore[return-value]

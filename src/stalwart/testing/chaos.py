@@ -193,7 +193,11 @@ class KillSchedule:
 
     def to_env(self) -> dict[str, str]:
         """The environment variable that carries this schedule to the workers."""
-        faults = {"kills": self.kills, "raises": self.raises, "delays": self.delays}
+        faults: dict[str, Any] = {
+            "kills": self.kills,
+            "raises": self.raises,
+            "delays": self.delays,
+        }
         return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
 
     @classmethod
