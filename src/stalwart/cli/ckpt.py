@@ -9,144 +9,49 @@ do next, never a traceback. ``--json`` (on every command) prints JSON on stdout 
 
 from __future__ import annotations
 
-import enum
 import json
-import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import KeepLast
 from stalwart.checkpoint.tools.diff import diff_steps
 from stalwart.checkpoint.tools.export import export_step, import_file
+from stalwart.checkpoint.tools.inspection import inspect_manifest
 from stalwart.checkpoint.tools.verify import verify_all, verify_step
-from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.ckpt_options import (
+    _FORMAT,
+    _HTML,
+    _JSON,
+    _OPTS,
+    _OUT_FILE,
+    _ROOT,
+    _SRC,
+    _STEP,
+    Format,
+    _done,
+    _err,
+    _handled,
+    _json,
+    _open,
+    _out,
+    _ratio,
+    _size,
+    _step,
+    _storage_options,
+    _table,
+    ckpt_app,
+)
 from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import ConfigError, CorruptCheckpointError
 
-__all__ = ["ckpt_app", "register"]
-
-ckpt_app = typer.Typer(
-    help="Inspect, verify, compare, export and import checkpoints.", no_args_is_help=True
-)
-
-_ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
-_STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
-_JSON = typer.Option(False, "--json", help=JSON_HELP)
-
-
-class Format(str, enum.Enum):
-    """``export --format``: ``tools.export.FORMATS`` and DCP (a test keeps them equal)."""
-
-    safetensors = "safetensors"
-    torch = "torch"
-    dcp = "dcp"
-
-
-_FORMAT = typer.Option(
-    Format["safetensors"], "--format", "-f", help="File format, or dcp (a DCP folder)."
-)
-_OPTS = typer.Option(
-    [],
-    "--storage-option",
-    "-o",
-    help="KEY=VALUE passed to fsspec for remote roots (repeatable; VALUE is parsed as JSON "
-    "when it can be, e.g. anon=true).",
-)
-
-_HTML = typer.Option(None, "--html", help="Also write a self-contained HTML report here.")
-_OUT_FILE = typer.Argument(..., help="File to write.")
-_SRC = typer.Argument(..., help="safetensors file, torch.save file or DCP checkpoint folder.")
-
-
-def _out() -> Console:
-    return Console()
-
-
-def _err() -> Console:
-    return Console(stderr=True)
-
-
-_handled = handled  # damaged data: exit 1; other stalwart or OS errors: exit 2
-
-
-def _done(as_json: bool, doc: dict[str, Any], text: str) -> None:
-    """Report a command's result: ``doc`` as JSON with ``--json``, else the ``text`` line."""
-    if as_json:
-        emit_json(doc)
-    else:
-        _out().print(text)
-
-
-def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
-    opts: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--storage-option {pair!r}: write it as KEY=VALUE")
-        try:
-            opts[key] = json.loads(value)
-        except ValueError:
-            opts[key] = value
-    return opts or None
-
-
-def _open(
-    root: str,
-    pairs: list[str],
-    *,
-    must_exist: bool = True,
-    options: CheckpointOptions | None = None,
-) -> Checkpointer:
-    local = "://" not in root or root.startswith("file://")
-    if must_exist and local and not Path(root.removeprefix("file://")).is_dir():
-        raise ConfigError(f"checkpoint root {root} does not exist; check the path")
-    return Checkpointer(root, options, storage_options=_storage_options(pairs))
-
-
-def _step(ck: Checkpointer, step: int | None) -> int:
-    if step is not None:
-        return step
-    latest = ck.latest_step()
-    if latest is None:
-        raise ConfigError(f"no committed checkpoint under {ck.url}; save one first")
-    return latest
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _ratio(x: float | None) -> str:
-    return "—" if x is None else ("∞" if math.isinf(x) else f"{x:.2f}x")
-
-
-def _table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
-    """A table whose ``left`` columns are left-aligned, numbers right-aligned; only tensor
-    names wrap (they are the point of the table), other cells never do."""
-    table = Table(title=title)
-    for col in cols:
-        fold: dict[str, Any] = {"overflow": "fold"} if col == "tensor" else {"no_wrap": True}
-        table.add_column(col, justify="left" if col in left else "right", **fold)
-    return table
-
-
-def _json(obj: Any) -> None:
-    emit_json(obj)
+__all__ = ["Format", "ckpt_app", "register"]
 
 
 @ckpt_app.command("ls")
@@ -204,30 +109,9 @@ def inspect(
     with _handled(), _open(root, storage_option) as ck:
         s = _step(ck, step)
         m = ck.manifest(s)
-        tensors: list[dict[str, Any]] = [
-            {
-                "name": fqn,
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "shards": len(e.shards),
-                "bytes": e.nbytes,
-                "chunks": sum(len(sh.chunks) for sh in e.shards),
-            }
-            for fqn, e in m.tensors.items()
-        ]
-        refs = m.chunks()
-        distinct = {(c.pack, c.offset, c.length): c for c in refs}
-        logical = sum(t["bytes"] for t in tensors)
-        stored = sum(c.length for c in distinct.values())
-        totals = {
-            "tensors": len(tensors),
-            "logical_bytes": logical,
-            "chunk_refs": len(refs),
-            "distinct_chunks": len({c.hash for c in refs}),
-            "stored_bytes": stored,
-            "dedup_ratio": logical / stored if stored else None,
-            "packs": len(m.packs()),
-        }
+        found = inspect_manifest(m)
+        tensors, totals = found.to_json()["tensors"], found.totals
+        refs, logical, stored = m.chunks(), totals["logical_bytes"], totals["stored_bytes"]
         info = {"step": s, "world_size": m.world_size, "metadata": m.metadata}
         if as_json:
             _json({**info, "totals": totals, "tensors": tensors})
