@@ -18,13 +18,15 @@ import torch
 from stalwart.checkpoint.capture import Capture, optimizer_storages
 from stalwart.checkpoint.collective import Group, dedicated_group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
+from stalwart.checkpoint.durable.manifest import MAX_STEP
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
+from stalwart.errors import ConfigError
 from stalwart.tree import flatten
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaves"]
+__all__ = ["AsyncSaves", "check_save_args"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,6 @@ class AsyncSaves:
 
     @property
     def _group(self) -> Group:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    @staticmethod
-    def _check_args(step: Any, metadata: Any) -> None:  # provided by the Checkpointer
         raise NotImplementedError
 
     def _write(
@@ -84,7 +82,7 @@ class AsyncSaves:
             CheckpointError: an earlier background save failed and nobody had waited on it.
             UnsupportedValueError: the tree holds something that cannot be stored.
         """
-        self._check_args(step, metadata)
+        check_save_args(step, metadata)
         self._async.raise_unobserved()
         g = self._background_group()
         try:
@@ -128,7 +126,7 @@ class AsyncSaves:
         completes once every copy has landed. The caller keeps the capture's buffer
         unchanged until the returned save completes.
         """
-        self._check_args(step, metadata)
+        check_save_args(step, metadata)
         g = self._background_group()
 
         def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
@@ -165,3 +163,16 @@ class AsyncSaves:
     def deferrable(self) -> frozenset[int]:
         """Storages a lazy save may copy late: those of the guarded optimizers."""
         return optimizer_storages(self._guarded)
+
+
+def check_save_args(step: Any, metadata: Any) -> None:
+    """Refuse a step or metadata the format cannot hold, saying what is allowed."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step {step} is too large: manifest names hold 20 digits, so steps go up to "
+            f"{MAX_STEP}; number steps from 0 (a counter, not a timestamp in nanoseconds)"
+        )
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ConfigError("metadata must map str to str")

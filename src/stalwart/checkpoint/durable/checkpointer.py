@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stalwart.checkpoint.collective import Group, resolve_group
-from stalwart.checkpoint.durable.async_api import AsyncSaves
+from stalwart.checkpoint.durable.async_api import AsyncSaves, check_save_args
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
 from stalwart.checkpoint.durable.loading import Loads, short_steps
 from stalwart.checkpoint.durable.manifest import (
     MANIFEST_PREFIX,
-    MAX_STEP,
     ChunkRef,
     Manifest,
     manifest_key,
@@ -225,7 +224,7 @@ class Checkpointer(AsyncSaves, Loads):
             StorageError: the store failed (full, read-only, ...); earlier checkpoints stay.
             DistributedError: another rank failed; nothing was committed.
         """
-        _check_save_args(step, metadata)
+        check_save_args(step, metadata)
         self._async.flush()  # saves commit in call order; earlier async errors surface here
 
         def capture() -> tuple[list[LocalItem], dict[str, Any]]:
@@ -233,10 +232,6 @@ class Checkpointer(AsyncSaves, Loads):
             return local_items(flat), flat.skeleton
 
         return self._write(step, capture, metadata, self._group, time.perf_counter())
-
-    @staticmethod
-    def _check_args(step: Any, metadata: Any) -> None:
-        _check_save_args(step, metadata)
 
     def _write(
         self,
@@ -402,15 +397,3 @@ class Checkpointer(AsyncSaves, Loads):
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
-
-
-def _check_save_args(step: Any, metadata: Any) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    if step > MAX_STEP:
-        raise ConfigError(
-            f"step {step} is too large: manifest names hold 20 digits, so steps go up to "
-            f"{MAX_STEP}; number steps from 0 (a counter, not a timestamp in nanoseconds)"
-        )
-    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ConfigError("metadata must map str to str")
