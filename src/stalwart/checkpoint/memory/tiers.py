@@ -34,7 +34,7 @@ from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
-from stalwart.checkpoint.memory.tier import RecoveryReport, Tier
+from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.tree import flatten
