@@ -164,3 +164,20 @@ def test_cli_without_an_extra_says_what_to_install(
     assert hint in text, text
     assert "Traceback" not in text
     assert not (tmp_path / "demo").exists()  # the demo refuses before it starts
+
+
+def test_reed_solomon_without_pyeclib_names_the_ec_extra(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        from stalwart.checkpoint.memory.erasure_codec import ReedSolomonCodec, XorCodec
+        from stalwart.errors import MissingDependencyError
+        XorCodec(4)  # m = 1 needs nothing
+        try:
+            ReedSolomonCodec(4, 2)
+        except MissingDependencyError as e:
+            print("MISSING:", e)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pip install 'stalwart[ec]'" in proc.stdout, proc.stdout

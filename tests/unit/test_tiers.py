@@ -179,3 +179,10 @@ def test_recover_reports_its_source_to_the_event_listener(tmp_path: Path) -> Non
     assert [e.metadata["source"] for e in recovers] == [report.source, from_disk.source]
     assert report.source == "memory" and from_disk.source == "disk"
     assert all(e.step == 3 for e in recovers)
+
+
+def test_a_memory_tier_keeps_only_the_newest_snapshots() -> None:
+    from stalwart.checkpoint.policy import KeepEvery
+
+    with pytest.raises(ConfigError, match=r"give keep=KeepLast\(n\)"):
+        Tier(name="memory", keep=KeepEvery(100))  # was silently turned into KeepLast(2)
