@@ -144,9 +144,17 @@ def test_load_from_checkpoint_and_hparams_round_trip(tmp_path: pathlib.Path) -> 
     raw = read_checkpoint(best)
     assert raw["global_step"] == 4 and "optimizer_states" in raw
 
-    # Lightning's own loader refuses a pointer file: the docs send users to our helper.
-    with pytest.raises(Exception):  # noqa: B017 (torch.load's error varies by version)
-        TinyModule.load_from_checkpoint(best)
+    # Lightning's own loader reads the pointer too (the plugin installed the loader).
+    own = TinyModule.load_from_checkpoint(best, map_location="cpu")
+    assert own.hparams.args == loaded.hparams.args and own.hparams.act is Act.RELU
+    for a, b in zip(module.parameters(), own.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    # A plain Trainer, without the plugin, resumes from the pointer through Lightning's loader.
+    resumed = _module()
+    plain = _trainer(tmp_path / "plain", 2, pl.plugins.TorchCheckpointIO())
+    plain.fit(resumed, _data(), ckpt_path=best)
+    assert len(resumed.losses) == 4  # one epoch of 4 batches after the restored one
 
 
 def test_a_plain_torch_checkpoint_still_resumes_under_the_plugin(tmp_path: pathlib.Path) -> None:

@@ -21,10 +21,13 @@ packs no step uses any more. With ``async_save=True`` saves return once the tens
 (``Checkpointer.save_async``), and the pointer follows the commit in the background.
 
 **Loading.** ``Trainer.fit(ckpt_path=...)`` goes through the plugin. Lightning's
-``LightningModule.load_from_checkpoint`` bypasses plugins and ``torch.load``-s the path, which
-a pointer is not: use :func:`load_from_checkpoint` here (same arguments), or
-:func:`read_checkpoint` for the plain dict. A path holding an ordinary ``torch.save`` checkpoint
-still loads, through Lightning's own loader, so an old run can resume under the plugin.
+``LightningModule.load_from_checkpoint`` (and a plain ``Trainer`` without the plugin) bypasses
+plugins and ``torch.load``-s the path through one function, ``lightning.fabric.utilities.
+cloud_io._load``; :func:`install_loader` (run by every :class:`StalwartCheckpointIO`, or called
+once in a process that only loads) wraps it so that a stalwart pointer is read from its root and
+anything else goes to Lightning's loader unchanged. :func:`read_checkpoint` gives the plain
+dict. A path holding an ordinary ``torch.save`` checkpoint still loads, through Lightning's own
+loader, so an old run can resume under the plugin.
 
 Hyper-parameters (``argparse.Namespace``, dataclasses, Enums, sets, paths) travel as plain data
 (see :mod:`stalwart.tree`); nothing is unpickled on load. Enum and dataclass classes are rebuilt
@@ -34,7 +37,6 @@ only when listed with :func:`stalwart.tree.allow_types`.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -62,7 +64,7 @@ except ImportError as e:  # pragma: no cover (the dev extra installs lightning)
         "(or pip install lightning)"
     ) from e
 
-__all__ = ["StalwartCheckpointIO", "load_from_checkpoint", "read_checkpoint"]
+__all__ = ["StalwartCheckpointIO", "install_loader", "load_from_checkpoint", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,45 @@ def _local_group() -> Any:
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
+def install_loader() -> None:
+    """Let Lightning's own loaders read stalwart pointers (idempotent).
+
+    ``LightningModule.load_from_checkpoint``, ``LightningDataModule.load_from_checkpoint`` and
+    ``TorchCheckpointIO`` all load through ``cloud_io._load``, imported by name into
+    ``core.saving`` and ``plugins.io.torch_io``; the three names get one wrapper. A path that
+    is not a stalwart pointer (a ``torch.save`` file, a URL, a file object) goes to the
+    original unchanged.
+    """
+    import lightning.fabric.plugins.io.torch_io as torch_io
+    import lightning.fabric.utilities.cloud_io as cloud_io
+    import lightning.pytorch.core.saving as saving
+
+    original = cloud_io._load
+    if getattr(original, "_stalwart", False):
+        return
+
+    def load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and _is_pointer(path_or_url):
+            tree = read_checkpoint(path_or_url)
+            if isinstance(map_location, (str, torch.device)):
+                tree = _to_device(tree, torch.device(map_location))
+            return tree
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    load._stalwart = True  # type: ignore[attr-defined]
+    cloud_io._load = saving.pl_load = torch_io.pl_load = load  # type: ignore[assignment]
+
+
+def _is_pointer(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a local file that starts like a stalwart pointer."""
+    text = os.fspath(path)
+    if "://" in text or not os.path.isfile(text):
+        return False
+    with open(text, "rb") as f:
+        head = f.read(256)
+    return head.lstrip().startswith(b"{") and POINTER_KEY.encode() in head
+
+
 class StalwartCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that stores checkpoints in a stalwart root (see module doc).
 
@@ -158,6 +199,7 @@ class StalwartCheckpointIO(CheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._group: Any = None
+        install_loader()
 
     def _root_for(self, path: str) -> str:
         return self.root or os.path.join(os.path.dirname(os.path.abspath(path)), "stalwart")
@@ -340,21 +382,14 @@ def read_checkpoint(path: str | os.PathLike[str], *, root: str | None = None) ->
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint`` for a checkpoint written by :class:`StalwartCheckpointIO`.
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` with :func:`install_loader` done.
 
-    Lightning's loader ``torch.load``-s the path itself, so it cannot read a pointer; this
-    reads the checkpoint safely and hands Lightning an in-memory copy of the dict.
+    Kept for code written before Lightning's own ``load_from_checkpoint`` read pointers.
 
     Args:
         cls: the ``LightningModule`` (or ``LightningDataModule``) class.
         checkpoint_path: the pointer file (``trainer.checkpoint_callback.best_model_path``).
         **kwargs: passed on (``map_location``, ``strict``, hyper-parameter overrides).
     """
-    checkpoint = read_checkpoint(checkpoint_path)
-    buf = io.BytesIO()
-    torch.save(checkpoint, buf)
-    buf.seek(0)
-    # The bytes are our own, made just now from safely decoded values: unpickling them runs
-    # nothing that the decoded checkpoint did not already contain.
-    kwargs.setdefault("weights_only", False)
-    return cls.load_from_checkpoint(buf, **kwargs)
+    install_loader()
+    return cls.load_from_checkpoint(checkpoint_path, **kwargs)
