@@ -159,9 +159,13 @@ def test_protect_cli_scores_held_out_inputs(tmp_path) -> None:
     assert cal["note"].startswith("held out")
     methods = {r["name"]: r["method"] for r in data["results"]}
     assert "90 inputs" in methods["clip"] and "90 inputs" in methods["abft"]
-    assert methods["sbp"].startswith("measured: SECDED")
+    assert methods["sbp"].startswith("modelled: SECDED")
+    basis = {r["name"]: r["basis"] for r in data["results"]}
+    assert basis == {"clip": "measured", "abft": "measured", "sbp": "modelled"}
+    assert all(0.0 <= r["false_alarm_rate"] <= 1.0 for r in data["results"])
     page = (tmp_path / "report.html").read_text()
     assert "How each result was obtained" in page and "SECDED" in page
+    assert "modelled" in page and "false alarms (clean)" in page
 
 
 def test_sbp_is_measured_secded_per_codeword() -> None:

@@ -4,9 +4,10 @@ from stalwart import protect
 split = protect.split_inputs(inputs, labels, 0.5)          # calibrate on one half, score the other
 clip = protect.ActivationClipping(model, split.calibration)   # bounds from clean data
 abft = protect.ABFT(model, split.calibration)                 # checksums, repair on alarm
-sbp = protect.SelectiveBitProtection(("sign", "exponent"))    # SECDED over protected bits
+sbp = protect.SelectiveBitProtection(("sign", "exponent"))    # modelled SECDED over them
+shadow = protect.ShadowBitProtection(model, ("sign", "exponent"))  # stored shadow + parity
 scrub = protect.ParameterScrubber(model, root="ckpt/")        # restore from a checkpoint
-results = protect.evaluate(model, split.evaluation, faults, [clip, abft, sbp, scrub])
+results = protect.evaluate(model, split.evaluation, faults, [clip, abft, sbp, shadow, scrub])
 """
 
 from stalwart.protect.abft import ABFT
@@ -25,6 +26,7 @@ from stalwart.protect.evaluate import (
     split_inputs,
 )
 from stalwart.protect.scrub import ParameterScrubber
+from stalwart.protect.shadow import ShadowBitProtection
 
 __all__ = [
     "ABFT",
@@ -35,6 +37,7 @@ __all__ = [
     "ProtectionResult",
     "ProtectionResults",
     "SelectiveBitProtection",
+    "ShadowBitProtection",
     "ber_faults",
     "ber_sweep",
     "evaluate",

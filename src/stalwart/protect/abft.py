@@ -13,7 +13,7 @@ copy (found by per-row checksums) and the output is recomputed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ class ABFT:
         *,
         factor: float = 8.0,
     ) -> None:
-        self.name = "abft"
+        self.name, self.basis = "abft", "measured"
         mods = (
             select_modules(model, modules) if modules is not None else dict(model.named_modules())
         )
@@ -119,7 +119,11 @@ class ABFT:
             self.clean[n] = {k: p.detach().clone() for k, p in m.named_parameters(recurse=False)}
         self.threshold: dict[str, float] = {}
         worst: dict[str, float] = {}
-        with self._hooks(model, calibrate=worst), torch.no_grad():
+
+        def grab(n: str, rel: torch.Tensor) -> None:
+            worst[n] = max(worst.get(n, 0.0), float(rel.max()))
+
+        with self._hooks(model, observe=grab), torch.no_grad():
             model(*inputs)
         self.threshold = {n: max(factor * worst.get(n, 0.0), 1e-12) for n in self.modules}
         self.calibration_samples = _samples(inputs)
@@ -129,14 +133,19 @@ class ABFT:
         self.repairs = 0
 
     @contextlib.contextmanager
-    def _hooks(self, model: nn.Module, calibrate: dict[str, float] | None = None) -> Iterator[None]:
+    def _hooks(
+        self, model: nn.Module, observe: Callable[[str, torch.Tensor], None] | None = None
+    ) -> Iterator[None]:
+        """Check every module's output; with ``observe``, hand it each module's relative
+        residuals instead (calibration, false alarms) and never repair."""
+
         def make(n: str, m: nn.Module) -> Any:
             def hook(mod: nn.Module, args: Any, y: torch.Tensor) -> torch.Tensor | None:
                 x = args[0]
                 resid, scale = _check(mod, x, y, self.refs[n], args[1:])
                 rel = torch.nan_to_num(resid / (scale + 1e-30), nan=torch.inf)
-                if calibrate is not None:
-                    calibrate[n] = max(calibrate.get(n, 0.0), float(rel.max()))
+                if observe is not None:
+                    observe(n, rel)
                     return None
                 if bool((rel > self.threshold[n]).any()):
                     self.alarms += 1
@@ -176,6 +185,21 @@ class ABFT:
 
     def after_fault(self, model: nn.Module) -> None:
         return None
+
+    def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
+        """Share of the (clean) ``inputs`` whose residual crosses a threshold in any
+        module: on inputs not used for calibration, the detector's false-alarm rate."""
+        n = _samples(inputs)
+        flagged = torch.zeros(max(n, 1), dtype=torch.bool)
+
+        def flag(name: str, rel: torch.Tensor) -> None:
+            over = rel > self.threshold[name]
+            rows = over.reshape(n, -1).any(1) if rel.dim() and rel.shape[0] == n else over.any()
+            flagged.logical_or_(rows)
+
+        with self._hooks(model, observe=flag), torch.no_grad():
+            model(*inputs)
+        return float(flagged.float().mean())
 
     def cost(self, model: nn.Module) -> dict[str, float]:
         clean = sum(t.numel() * t.element_size() for d in self.clean.values() for t in d.values())

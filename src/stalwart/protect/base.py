@@ -4,6 +4,7 @@ that states its cost."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -18,6 +19,9 @@ class Protection(Protocol):
     """A mitigation evaluated on a replayed fault list."""
 
     name: str
+    basis: str
+    """``measured`` (the mechanism runs and is timed) or ``modelled`` (simulated; its
+    runtime is not measured)."""
 
     def attach(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Hooks active for the ``with`` block (a null context when not needed)."""
@@ -29,6 +33,11 @@ class Protection(Protocol):
 
     def after_fault(self, model: nn.Module) -> None:
         """Runs after a fault lands and before the forward pass (scrubbing)."""
+        ...
+
+    def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
+        """Share of clean ``inputs`` (or of checks, for storage checks) that the detector
+        flags on the fault-free model: score it on inputs it was not calibrated on."""
         ...
 
     def cost(self, model: nn.Module) -> dict[str, float]:

@@ -41,7 +41,7 @@ class ActivationClipping:
         *,
         margin: float = 0.0,
     ) -> None:
-        self.name = "clip"
+        self.name, self.basis = "clip", "measured"
         if modules is None:
             names = [n for n, m in model.named_modules() if isinstance(m, _TYPES)]
             names = names[:-1]
@@ -91,6 +91,29 @@ class ActivationClipping:
 
     def after_fault(self, model: nn.Module) -> None:
         return None
+
+    def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
+        """Share of the (clean) ``inputs`` with any clipped module output outside its bounds
+        (or NaN): on inputs not used for calibration, how often clipping alters a clean
+        activation."""
+        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        n = int(first.shape[0]) if first is not None else 1
+        flagged = torch.zeros(n, dtype=torch.bool)
+        mods = dict(model.named_modules())
+
+        def grab(name: str) -> Any:
+            lo, hi = self.bounds[name]
+
+            def hook(m: nn.Module, a: Any, out: Any) -> None:
+                if isinstance(out, torch.Tensor):
+                    out_ = (out < lo) | (out > hi) | out.isnan()
+                    rows = out_.reshape(n, -1).any(1) if out.shape[0] == n else out_.any()
+                    flagged.logical_or_(rows)
+
+            return hook
+
+        forward_with_hooks(model, inputs, {k: mods[k] for k in self.bounds}, grab)
+        return float(flagged.float().mean())
 
     def cost(self, model: nn.Module) -> dict[str, float]:
         return {"extra_bytes": 8.0 * len(self.bounds), "clipped_modules": float(len(self.bounds))}

@@ -1,15 +1,17 @@
 """Selective bit protection: ECC on the bits that matter (sign and exponent, or chosen bits)
 of chosen tensors (e.g. the most vulnerable by PVF).
 
-Measured, not modelled: the whole fault lands in the model's weights, then an SECDED code
-is simulated in software on the protected bits, which are grouped into codewords of at most
+Modelled: the whole fault lands in the model's weights, then an SECDED code is simulated
+in software on the protected bits, which are grouped into codewords of at most
 64 data bits (``64 // bits per element`` consecutive elements; 7 fp32 elements for sign and
 exponent): a codeword with one flipped protected bit is corrected from the copy of the
 protected bits taken when the protection was attached (what the check bits would rebuild);
 one with two or more is detected, not corrected, and left as it is. Unprotected bits are
 never touched. Not simulated: faults in the check bits themselves, and miscorrection of
 three or more flips (counted as detected). The cost is the protected share of storage and
-8 check bits per codeword."""
+8 check bits per codeword, counted, not stored; no time is measured (the decode would run in
+the memory controller). :class:`stalwart.protect.ShadowBitProtection` is the measured
+counterpart: its redundancy is stored and checked in software on every forward."""
 
 from __future__ import annotations
 
@@ -44,10 +46,11 @@ class SelectiveBitProtection:
             not corrected).
     """
 
+    basis = "modelled"
     method = (
-        "measured: SECDED simulated per codeword of protected bits (1 flip corrected, "
-        ">= 2 detected, not corrected); runtime: ECC decodes in the memory controller, "
-        "not timed"
+        "modelled: SECDED simulated per codeword of protected bits (1 flip corrected, "
+        ">= 2 detected, not corrected); check bits counted, not stored; runtime: ECC "
+        "decodes in the memory controller, not timed"
     )
 
     def __init__(
@@ -126,6 +129,13 @@ class SelectiveBitProtection:
                 raw[fix] = (raw[fix] & ~mask) | (clean[fix] & mask)
                 self.corrected += int((per_word == 1).sum())
                 self.uncorrectable += int((per_word > 1).sum())
+
+    def false_alarms(self, model: nn.Module, inputs: Sequence[object]) -> float:
+        """1.0 if decoding the clean model corrects or flags any codeword (it never should)."""
+        before = self.corrected + self.uncorrectable
+        with self.attach(model):
+            self.after_fault(model)
+        return float(self.corrected + self.uncorrectable > before)
 
     def cost(self, model: nn.Module) -> dict[str, float]:
         total = prot = check = 0

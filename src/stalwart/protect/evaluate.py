@@ -150,10 +150,19 @@ class ProtectionResult:
     recovered: float
     """Share of the unprotected failures that the protection removed (net of broken)."""
     overhead: float
-    """Median forward time with the protection over without, minus 1 (0.1 = +10 %)."""
+    """Median forward time with the protection over without, minus 1 (0.1 = +10 %); NaN
+    for a modelled protection (nothing of it runs to be timed)."""
     cost: dict[str, float] = field(default_factory=dict)
     method: str = "measured"
     """How the result was obtained (measured on the faulty model, and how)."""
+    basis: str = "measured"
+    """``measured``: the mechanism runs (its redundancy is stored, its check is timed);
+    ``modelled``: simulated, runtime not measured."""
+    false_alarm_rate: float = 0.0
+    """Share of the clean scored inputs the detector flags (storage checks: of clean checks)."""
+    overhead_s: float = 0.0
+    """Median seconds the protection adds to one forward over the scored inputs (NaN when
+    modelled)."""
 
 
 class ProtectionResults(list[ProtectionResult]):
@@ -191,7 +200,8 @@ class ProtectionResults(list[ProtectionResult]):
             f"{len(self)} protection(s) on {trials} replayed faults ({base} unprotected failures)"
         )
         table = self.to_arrow()
-        keep = ["name", "failures", "fixed", "broken", "p_value", "recovered", "overhead", "method"]
+        keep = ["name", "basis", "failures", "fixed", "broken", "recovered", "overhead"]
+        keep += ["false_alarm_rate", "method"]
         return render_notebook(
             "Protection results", summary, table.select(keep), more="protection(s)"
         )
@@ -218,6 +228,32 @@ def forward_time(
 
 def _judge(crit: Any, golden: torch.Tensor, out: torch.Tensor) -> bool:
     return bool(crit.judge(golden, out.unsqueeze(0)).any())
+
+
+def _replay(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    faults: FaultList,
+    p: Protection,
+    crit: Any,
+    golden: torch.Tensor,
+    repeats: int,
+) -> tuple[np.ndarray, float, float]:
+    """Outcome per fault under ``p``, and the median forward seconds with and without it."""
+    after = np.zeros(len(faults), bool)
+    with p.attach(model), torch.no_grad():
+        for i, f in enumerate(p.filter(model, faults)):
+            with apply_faults(model, [f]):
+                p.after_fault(model)
+                after[i] = _judge(crit, golden, model(*inputs))
+    extra = p.scrub if hasattr(p, "scrub") else None
+    prot: list[float] = []
+    plain: list[float] = []
+    for _ in range(repeats):  # interleaved, so both see the same machine load
+        with p.attach(model):
+            prot.append(forward_time(model, inputs, 1, extra))
+        plain.append(forward_time(model, inputs, 1))
+    return after, statistics.median(prot), statistics.median(plain)
 
 
 def evaluate(
@@ -251,18 +287,12 @@ def evaluate(
         golden = model(*inputs)
     out = ProtectionResults()
     for p in protections:
-        replay = p.filter(model, faults)
-        after = np.zeros(len(faults), bool)
-        with p.attach(model), torch.no_grad():
-            for i, f in enumerate(replay):
-                with apply_faults(model, [f]):
-                    p.after_fault(model)
-                    after[i] = _judge(crit, golden, model(*inputs))
-            extra = p.scrub if hasattr(p, "scrub") else None
-            t_prot = forward_time(model, inputs, repeats, extra)
-        t_plain = forward_time(model, inputs, repeats)  # right after: same machine load
+        alarms = p.false_alarms(model, inputs) if hasattr(p, "false_alarms") else float("nan")
+        after, t_prot, t_plain = _replay(model, inputs, faults, p, crit, golden, repeats)
         fixed, broken, pval = mcnemar(before.tolist(), after.tolist())
         k0 = int(before.sum())
+        basis = getattr(p, "basis", "measured")
+        nan = float("nan")
         out.append(
             ProtectionResult(
                 p.name,
@@ -273,9 +303,12 @@ def evaluate(
                 broken,
                 pval,
                 (fixed - broken) / k0 if k0 else 0.0,
-                t_prot / t_plain - 1,
+                t_prot / t_plain - 1 if basis == "measured" else nan,
                 p.cost(model),
                 getattr(p, "method", "measured"),
+                basis,
+                alarms,
+                t_prot - t_plain if basis == "measured" else nan,
             )
         )
     return out

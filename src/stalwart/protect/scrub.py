@@ -43,6 +43,7 @@ class ParameterScrubber:
         step: int = 0,
     ) -> None:
         self.name = "scrub"
+        self.basis = "measured"
         self.tensors = select_tensors(model, pattern)
         self.sums = {n: _crc(t) for n, t in self.tensors.items()}
         self.step = step
@@ -82,6 +83,10 @@ class ParameterScrubber:
 
     def after_fault(self, model: nn.Module) -> None:
         self.scrub()
+
+    def false_alarms(self, model: nn.Module, inputs: Any) -> float:
+        """1.0 if a clean model's checksums flag any tensor (they never should)."""
+        return float(bool(self.damaged()))
 
     def cost(self, model: nn.Module) -> dict[str, Any]:
         size = sum(t.numel() * t.element_size() for t in self.tensors.values())
