@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.source import Source, quote
 
-__all__ = ["CleanPlan", "CleaningStep", "plan_cleaning"]
+__all__ = ["CleanPlan", "CleaningStep", "bucket_labels", "id_like", "plan_cleaning"]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,9 @@ def plan_cleaning(
             steps.append(CleaningStep(c, "dropped", "a single value in every row"))
             continue
         keep = c in options.keep
-        id_limit = max(options.id_share * n_rows, options.id_min_distinct)
         numeric = _is_numeric(sql_type)
         integer = sql_type.upper().startswith(_INTEGER)
-        if (
-            not keep
-            and distinct > id_limit
-            and (not numeric or (integer and distinct > 0.5 * n_rows))
-        ):
+        if not keep and id_like(distinct, n_rows, numeric, integer, options):
             steps.append(
                 CleaningStep(c, "dropped", f"ID-like: {distinct} distinct values in {n_rows} rows")
             )
@@ -151,18 +146,39 @@ def plan_cleaning(
     )
 
 
+def id_like(
+    distinct: int, n_rows: int, numeric: bool, integer: bool, options: DiagnoseOptions
+) -> bool:
+    """Whether a column is ID-like (dropped): more distinct values than ``id_share`` of the
+    rows and ``id_min_distinct``; a number only when it is an integer nearly unique per row
+    (other numbers are bucketed instead). Shared with the Spark engine."""
+    if distinct <= max(options.id_share * n_rows, options.id_min_distinct):
+        return False
+    return not numeric or (integer and distinct > 0.5 * n_rows)
+
+
+def bucket_labels(quantiles: list[float]) -> tuple[list[float], list[str]]:
+    """The distinct finite bucket edges among ``quantiles``, ascending, and the label of each
+    bucket (one more than the edges): ``< a``, ``[a, b)``, ..., ``>= z``. Shared with the Spark
+    engine, so both engines name a bucket alike."""
+    edges = sorted({float(e) for e in quantiles if e is not None and math.isfinite(e)})
+    if not edges:
+        return [], []
+    labels = [f"< {_fmt(edges[0])}"]
+    labels += [f"[{_fmt(a)}, {_fmt(b)})" for a, b in itertools.pairwise(edges)]
+    labels.append(f">= {_fmt(edges[-1])}")
+    return edges, labels
+
+
 def _bucket(src: Source, column: str, sql_type: str, buckets: int) -> tuple[str | None, str]:
     q = quote(column)
     probs = [k / buckets for k in range(1, buckets)]
     row = src.sql(
         f"SELECT quantile_cont(CAST({q} AS DOUBLE), {probs}) FROM {{src}} WHERE {q} IS NOT NULL"
     ).fetchall()[0]
-    edges = sorted({float(e) for e in (row[0] if row and row[0] else []) if math.isfinite(e)})
+    edges, labels = bucket_labels(row[0] if row and row[0] else [])
     if not edges:
         return None, ""
-    labels = [f"< {_fmt(edges[0])}"]
-    labels += [f"[{_fmt(a)}, {_fmt(b)})" for a, b in itertools.pairwise(edges)]
-    labels.append(f">= {_fmt(edges[-1])}")
     cases = [f"WHEN {q} IS NULL THEN '{NULL_VALUE}'"]
     cases += [f"WHEN {q} < {e!r} THEN '{lab}'" for e, lab in zip(edges, labels, strict=False)]
     expr = f"CASE {' '.join(cases)} ELSE '{labels[-1]}' END"
