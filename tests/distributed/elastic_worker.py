@@ -66,6 +66,7 @@ def main() -> None:
         time.sleep(a.step_sleep)
         optimizer.step()
     job.close()
+    print(f"worker {os.environ.get('STALWART_ELASTIC_WORKER', '-')}: done at step {job.step}")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         tag = os.environ.get("STALWART_ELASTIC_WORKER") or os.environ.get("RANK") or "single"

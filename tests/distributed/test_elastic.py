@@ -108,7 +108,12 @@ def test_single_process_trains_the_script_unchanged(reference: dict[str, torch.T
 
 
 def test_three_healthy_workers_keep_equal_digests(tmp_path: Path, reference: Any) -> None:
-    _launch(tmp_path, 3)
+    # --json: one JSON document on stdout; the workers' own prints went to stderr.
+    doc = json.loads(_launch(tmp_path, 3, launcher=("--json",)))
+    assert doc["ok"] and doc["exit_code"] == 0 and doc["restarts"] == 0
+    assert doc["summary"]["final_step"] == STEPS and doc["summary"]["workers"] == 3
+    assert doc["final_digests_equal"] and len(doc["summary"]["final_digests"]) == 3
+    assert 0 < doc["summary"]["goodput"] <= 1 and doc["recoveries"] == []
     events = read_events(tmp_path / "events")
     assert sorted(events) == [0, 1, 2]
     assert _periodic_digests_agree(events) == STEPS // VERIFY_EVERY

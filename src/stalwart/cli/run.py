@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from stalwart.cli.conventions import JSON_HELP, emit_json
 
 __all__ = ["register", "run"]
 
@@ -41,6 +44,10 @@ def run(
         float,
         typer.Option(min=0.0, help="Report a member this many times slower than the others."),
     ] = 2.0,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help=JSON_HELP + " (the workers' stdout goes to stderr)"),
+    ] = False,
 ) -> None:
     """Start N workers around a coordinator; replace dead ones; survivors never restart."""
     from stalwart.elastic import launch  # torch is imported only when a job runs
@@ -49,7 +56,11 @@ def run(
         script, args or [], nproc=nproc, min_size=min(min_size, nproc),
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
         hang_s=hang_timeout, straggler_factor=straggler_factor,
+        stdout=2 if as_json else None,
     )  # fmt: skip
+    if as_json:
+        emit_json(summary_json(result))
+        raise typer.Exit(result.exit_code)
     s = result.summary
     table = Table(title="stalwart run", show_header=False)
     digests = set(s.final_digests.values())
@@ -76,6 +87,29 @@ def run(
         console.print(_recovery_table(result.recoveries))
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+def summary_json(result: Any) -> dict[str, Any]:
+    """``stalwart run --json``'s document: outcome, summary, recoveries, hangs, stragglers.
+
+    Keys: ``exit_code``, ``ok``, ``restarts``, ``wall_s``, ``events_dir``, ``summary``
+    (:class:`~stalwart.elastic.JobSummary` fields, ``goodput`` a share in [0, 1]),
+    ``final_digests_equal``, ``recoveries`` (one object per dead worker), ``hung`` (worker id
+    to seconds of silence) and ``stragglers``.
+    """
+    summary = dataclasses.asdict(result.summary)
+    return {
+        "exit_code": result.exit_code,
+        "ok": result.exit_code == 0,
+        "restarts": result.restarts,
+        "wall_s": round(result.wall_s, 3),
+        "events_dir": str(result.events_dir),
+        "summary": summary,
+        "final_digests_equal": len(set(summary["final_digests"].values())) <= 1,
+        "recoveries": [dataclasses.asdict(r) for r in result.recoveries],
+        "hung": {str(w): s for w, s in sorted(result.hung.items())},
+        "stragglers": result.stragglers,
+    }
 
 
 def _hung(hung: dict[int, float]) -> str:

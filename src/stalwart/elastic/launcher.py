@@ -73,9 +73,10 @@ class _Supervisor:
 
     def __init__(self, cmd: list[str], nproc: int, min_size: int, max_restarts: int,
                  env: dict[str, str], start_grace_s: float,
-                 straggler_factor: float) -> None:  # fmt: skip
+                 straggler_factor: float, stdout: int | None = None) -> None:  # fmt: skip
         self.cmd, self.nproc, self.min_size = cmd, nproc, min_size
         self.max_restarts, self.env, self.start_grace_s = max_restarts, env, start_grace_s
+        self.stdout = stdout
         self.coord = Coordinator()
         self.beats = HeartbeatWatch(self.coord.store, float(env[ENV_HANG]))
         self.hung: dict[int, float] = {}
@@ -94,7 +95,7 @@ class _Supervisor:
         wid = len(self.procs)
         self.log.write("spawned", wid=wid, replaces=replaces)
         env = dict(self.env, **{ENV_WORKER: str(wid)})
-        self.procs[wid] = subprocess.Popen(self.cmd, env=env)
+        self.procs[wid] = subprocess.Popen(self.cmd, env=env, stdout=self.stdout)
 
     def live(self) -> set[int]:
         return {w for w, p in self.procs.items() if w not in self.codes}
@@ -235,6 +236,7 @@ def launch(
     straggler_factor: float = 2.0,
     start_grace_s: float = 60.0,
     env: Mapping[str, str] | None = None,
+    stdout: int | None = None,
 ) -> LaunchResult:
     """Run ``python script args...`` as an elastic job of ``nproc`` workers.
 
@@ -250,6 +252,8 @@ def launch(
         straggler_factor: report a member this many times slower than the others (<= 1: off).
         start_grace_s: how long the first epoch waits for all ``nproc`` workers.
         env: environment of the workers (default: this process's).
+        stdout: where the workers' stdout goes (a file descriptor, e.g. 2 for this process's
+            stderr, or ``subprocess.DEVNULL``); None: this process's stdout.
 
     Raises:
         ConfigError: ``nproc``, ``min_size`` or ``max_restarts`` is out of range.
@@ -267,7 +271,7 @@ def launch(
     )
     cmd = [sys.executable, str(script), *args]
     sup = _Supervisor(
-        cmd, nproc, min_size, max_restarts, worker_env, start_grace_s, straggler_factor
+        cmd, nproc, min_size, max_restarts, worker_env, start_grace_s, straggler_factor, stdout
     )
     code = sup.run()
     wall = time.monotonic() - sup.t0
