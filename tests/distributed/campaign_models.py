@@ -24,16 +24,19 @@ def tiny() -> tuple[nn.Module, torch.Tensor]:
     return model.eval(), torch.randn(24, 12, generator=g)
 
 
-def mixed_faults(n: int = 240, seed: int = 0) -> FaultList:
-    """Weight faults on every tensor followed by activation faults: both engine paths."""
-    model, x = tiny()
+def mixed_faults(n: int = 240, seed: int = 0, make: Any = tiny) -> FaultList:
+    """Weight faults on every tensor followed by activation faults (on the ReLU's output):
+    both engine paths. ``make`` is the factory whose model names the targets."""
+    model, x = make()
     w = sample_faults(model, n, seed=seed)
-    a = sample_activation_faults(model, (x,), n // 4, modules="1", seed=seed + 1)
+    a = sample_activation_faults(model, (x,), n // 4, modules="*1", seed=seed + 1)
     return FaultList(w.faults + a.faults, w.seed, w.error, w.population | a.population)
 
 
 class _Suicidal(nn.Module):
-    """Wraps a model; on the chosen rank, SIGKILLs its own process at the n-th forward."""
+    """Wraps a model; SIGKILLs its own process at the n-th forward, once (then ``marker``
+    exists), on gloo rank ``rank``, or with ``rank=-1`` in any process without a gloo world
+    (a Ray actor: build the test's own reference only once ``marker`` exists)."""
 
     def __init__(self, inner: nn.Module, rank: int, after: int, marker: str) -> None:
         super().__init__()

@@ -79,6 +79,7 @@ def test_resume_runs_only_the_missing_shards(tmp_path: Path, reference: Campaign
     assert res.manifest["shards"] == 5  # the stored plan wins over the new shard count
     assert {n: os.stat(tmp_path / n).st_mtime_ns for n in kept} == kept
     assert_same(res, reference)
+    assert not list(tmp_path.glob(".*.tmp"))  # leftovers of killed writers are swept
     again = scale.run_sharded(cm.tiny, faults, tmp_path, CRITERIA, backend="local")
     assert again.manifest["ran_shards"] == []
     assert_same(again, reference)
