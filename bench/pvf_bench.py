@@ -108,14 +108,9 @@ def pvf_tables(trials: int) -> list[dict]:
         row: dict = {"model": name, "quality": ref.quality, "metric": ref.metric}
         for by in ("bit", "layer"):
             t0 = time.perf_counter()
+            opts = vulnerability.PVFOptions(by=by, stop=vulnerability.FixedTrials(trials), seed=0)
             rep = vulnerability.pvf(
-                ref.model,
-                ref.inputs,
-                list(ref.criteria[:2]),
-                by=by,
-                trials=trials,
-                seed=0,
-                labels=labels,
+                ref.model, ref.inputs, list(ref.criteria[:2]), opts, labels=labels
             )
             row[f"by_{by}_s"] = time.perf_counter() - t0
             row[f"by_{by}"] = [

@@ -103,7 +103,8 @@ def test_core_alone_checkpoints_and_extras_fail_clearly(tmp_path: Path) -> None:
 
         def pvf():
             from stalwart import vulnerability
-            vulnerability.pvf(model.eval(), torch.randn(8, 4), trials=4)
+            opts = vulnerability.PVFOptions(stop=vulnerability.FixedTrials(4))
+            vulnerability.pvf(model.eval(), torch.randn(8, 4), "top1", opts)
 
         def digits():
             from stalwart import models

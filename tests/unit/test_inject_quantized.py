@@ -112,11 +112,9 @@ def test_campaign_on_dynamically_quantized_mlp_reports_pvf_by_part(qmlp: nn.Modu
             qmlp,
             x,
             ["top1", "dev>0.05"],
-            by="part",
-            trials=60,
-            seed=0,
-            engine=engine,
-            per_tensor=True,
+            vulnerability.PVFOptions(
+                by="part", stop=vulnerability.FixedTrials(60), engine=engine, per_tensor=True
+            ),
         )
         for engine in ("naive", "fast")
     }

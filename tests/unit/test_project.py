@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "elastic": {"errors", "tree", "storage", "checkpoint"},
     "models": {"errors"},
     "inject": {"errors", "tree"},
-    "vulnerability": {"errors", "tree", "inject", "models"},
+    "vulnerability": {"errors", "tree", "inject"},
     "protect": {"errors", "tree", "storage", "checkpoint", "inject", "vulnerability", "models"},
     "diagnose": {"errors"},
     "testing": {"errors", "tree", "storage", "checkpoint"},

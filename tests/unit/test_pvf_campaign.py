@@ -10,7 +10,7 @@ from torch import nn
 
 from stalwart import inject, models, vulnerability
 from stalwart.errors import ConfigError
-from stalwart.vulnerability import sample_faults
+from stalwart.vulnerability import FixedTrials, PVFOptions, UntilWidth, sample_faults
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,8 @@ def test_generic_paths_and_rows_match_naive() -> None:
 
 
 def test_pvf_by_bit_table_and_intervals(digits: models.ReferenceModel) -> None:
-    report = vulnerability.pvf(
-        digits.model, digits.inputs[0][:100], criterion="top1", by="bit", trials=640, seed=0
-    )
+    opts = PVFOptions(by="bit", stop=FixedTrials(640), seed=0)
+    report = vulnerability.pvf(digits.model, digits.inputs[0][:100], "top1", opts)
     t = report.table.to_pydict()
     assert list(t)[:6] == ["group", "trials", "failures", "pvf", "low", "high"]
     assert sum(t["trials"]) == 640
@@ -84,23 +83,14 @@ def test_pvf_by_bit_table_and_intervals(digits: models.ReferenceModel) -> None:
     assert max(pvf[str(b)] for b in range(0, 16)) == 0.0  # low mantissa bits are masked
     p, lo, hi = report.overall["top1"]
     assert lo <= p <= hi
-    again = vulnerability.pvf(
-        digits.model, digits.inputs[0][:100], criterion="top1", by="bit", trials=640, seed=0
-    )
+    again = vulnerability.pvf(digits.model, digits.inputs[0][:100], "top1", opts)
     assert again.table.equals(report.table)  # seeded: reproducible
 
 
 def test_sequential_stopping_and_side_by_side(digits: models.ReferenceModel) -> None:
-    report = vulnerability.pvf(
-        digits.model,
-        digits.inputs[0][:60],
-        ["top1", "top5"],
-        by="tensor",
-        trials=160,
-        margin=0.12,
-        max_trials=2000,
-        seed=1,
-    )
+    stop = UntilWidth(0.12, trials=160, max_trials=2000)
+    opts = PVFOptions(by="tensor", stop=stop, seed=1)
+    report = vulnerability.pvf(digits.model, digits.inputs[0][:60], ["top1", "top5"], opts)
     rows = [r for r in report.rows if r.criterion == "top1"]
     assert all((r.high - r.low) / 2 <= 0.12 for r in rows) or len(report.result) >= 2000
     side = report.side_by_side().to_pydict()
@@ -145,7 +135,7 @@ def test_bad_input_errors(digits: models.ReferenceModel) -> None:
     with pytest.raises(ConfigError, match="matches no parameter"):
         sample_faults(digits.model, 4, targets="encoder.*")
     with pytest.raises(ConfigError, match="by must be one of"):
-        vulnerability.pvf(digits.model, x, by="neuron", trials=4)
+        PVFOptions(by="neuron")
     digits.model.train()
     try:
         with pytest.raises(ConfigError, match=r"training mode.*model.eval\(\)"):

@@ -156,7 +156,7 @@ def pvf_command(
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""
-    from stalwart.vulnerability import pvf
+    from stalwart import vulnerability as vuln
     from stalwart.vulnerability.report import write_outputs
 
     with handled():
@@ -164,21 +164,21 @@ def pvf_command(
         ref = load_spec(model_spec, dtype.value)
         crits = criterion or [ref.criteria[0]]
         labels = ref.labels if len(ref.labels) else None
-        report = pvf(
-            ref.model,
-            ref.inputs,
-            crits,
+        stop: vuln.StoppingRule = (
+            vuln.FixedTrials(trials) if margin is None else vuln.UntilWidth(margin, trials=trials)
+        )
+        options = vuln.PVFOptions(
             by=by.value,
-            trials=trials,
+            stop=stop,
             seed=seed,
             targets=targets,
             error=error.value,
-            labels=labels,
-            margin=margin,
             confidence=confidence,
-            method=interval.value,
-            engine=engine.value,
-            progress=not as_json,
+            interval=vuln.Interval(interval.value),
+            engine=vuln.Engine(engine.value),
+        )
+        report = vuln.pvf(
+            ref.model, ref.inputs, crits, options, labels=labels, progress=not as_json
         )
         if as_json:
             emit_json(report.to_dict())

@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.vulnerability.pvf import PVFReport, estimate, pvf
+from stalwart.vulnerability import FixedTrials, PVFOptions, PVFReport, estimate, pvf
 
 __all__ = ["run_pvf_demo"]
 
@@ -24,7 +24,8 @@ def run_pvf_demo(console: Console, *, trials: int = 3000, seed: int = 0) -> PVFR
     torch.set_num_threads(1)  # many small ops: one thread avoids oversubscribed spinning
     try:
         t0 = time.perf_counter()
-        report = pvf(ref.model, ref.inputs, ["top1", "top5"], by="bit", trials=trials, seed=seed)
+        options = PVFOptions(by="bit", stop=FixedTrials(trials), seed=seed)
+        report = pvf(ref.model, ref.inputs, ["top1", "top5"], options)
         took = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
