@@ -42,7 +42,9 @@ Replicated state means replicated RNG: every member must draw the same random nu
 (seed them alike); per-member randomness belongs in the data function of (step, rank, size).
 """
 
+from stalwart.elastic.async_outer import Buffered
 from stalwart.elastic.backup import Dynamic
+from stalwart.elastic.diloco import DiLoCo, Nesterov
 from stalwart.elastic.events import JobSummary, read_events, summarize
 from stalwart.elastic.job import Job
 from stalwart.elastic.launcher import LaunchResult, launch
@@ -50,12 +52,15 @@ from stalwart.elastic.optimizer import ElasticOptimizer
 from stalwart.elastic.recovery import Recovery, recoveries
 
 __all__ = [
+    "Buffered",
+    "DiLoCo",
     "Dynamic",
     "ElasticOptimizer",
     "Job",
     "JobSummary",
     "LaunchResult",
     "launch",
+    "Nesterov",
     "Recovery",
     "read_events",
     "recoveries",

@@ -1,0 +1,345 @@
+"""Buffered asynchronous outer steps for DiLoCo: apply once K of N pseudo-gradients arrived.
+
+gloo has no partial all-reduce, so (as for backup workers, :mod:`stalwart.elastic.backup`)
+the buffer lives on the coordinator's ``TCPStore``. Versions ``v = 0, 1, 2, ...`` of the
+global model are published by whichever member fills a buffer; nobody waits for the slowest:
+
+    diloco/version      the newest published version (decimal)
+    diloco/r{v}         version v: global parameters and buffers, the outer optimizer's state,
+                        who was used or dropped, and the next phase's H per worker
+    diloco/b{v}/n       ticket counter of buffer v (the contributions that make version v+1)
+    diloco/b{v}/g{t}    contribution t: worker id, base version, inner steps, seconds, Δ
+    diloco/b{v}/claim   the one aggregator of buffer v, decided with ``compare_set``
+
+1. A member finishing its inner phase reads ``v = version``. Its **staleness** is
+   ``s = v - base`` (base: the version its phase started from). If ``s > S`` its
+   contribution is **dropped** (it adopts version v and starts again).
+2. Otherwise it takes a ticket ``t`` in buffer v, posts its contribution, and, if the buffer
+   holds ``k = min(K, members)`` contributions, claims the aggregation (``compare_set``; the
+   claim fixes how many contributions are used). The aggregator loads version v, combines
+   the contributions, steps the outer optimizer, and publishes version v+1.
+3. A member whose phase started from the newest version (``base == v``) waits until version
+   v+1 is published (it waits for the K fastest, not for the slowest); a stale member adopts
+   the newest version at once. A member that finds itself left out of the buffer it waited
+   on (it arrived after the claim) posts again into the next buffer.
+
+**Weights** (unbiased when which members arrive is random, FedFix/FAVANO's concern): each
+contribution counts by the inner steps behind it, discounted by staleness,
+``w_i = h_i · (1 + s_i)^-1/2`` (FedBuff's discount), and the pseudo-gradient applied is
+
+    Δ = H · Σ_i (1 + s_i)^-1/2 Δ_i / Σ_i w_i
+
+the per-inner-step progress averaged over the samples behind it, scaled to ``H`` steps. With
+equal ``h_i = H`` and no staleness this is the plain mean of synchronous DiLoCo; a member that
+did fewer steps neither shrinks nor inflates the step, and every sample counts the same
+whichever members arrived.
+
+**Compute-aware H** (after FedCompass): every member publishes its seconds per inner step
+``r_i`` at each report (``diloco/rate/{wid}``, dropped or not); the aggregator assigns
+``H_i = clamp(round(H · r_min / r_i), h_min, H)``, so each member's phase takes about the
+fastest member's ``H``-step time and they report together.
+
+**Membership.** ``k`` follows the published members, so a departed member never blocks a
+buffer (a member that died between its ticket and its post costs the aggregator one store
+timeout for that slot). A newer epoch (a newcomer) is joined when each member next reports
+or waits: that join is a barrier of the job (the slowest member arrives within one of its
+phases), after which every member adopts the newest version again.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed import Store
+
+from stalwart.elastic.protocol import decode, keys
+from stalwart.errors import ConfigError, DistributedError
+
+if TYPE_CHECKING:
+    from stalwart.elastic.diloco import DiLoCo
+
+__all__ = ["AsyncOuter", "Buffered", "combine"]
+
+_KEEP = 16  # versions kept on the store
+_POLL_S = 0.005
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buffered:
+    """Asynchronous DiLoCo: an outer step once ``k`` of the members' pseudo-gradients arrived.
+
+    Attributes:
+        k: contributions per outer step (None: one less than the members, at least 1).
+        staleness: contributions more than this many versions old are dropped.
+        compute_aware: assign fewer inner steps to slower members.
+        h_min: the fewest inner steps a member is assigned.
+    """
+
+    k: int | None = None
+    staleness: int = 2
+    compute_aware: bool = True
+    h_min: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.k is not None and self.k < 1) or self.staleness < 0 or self.h_min < 1:
+            raise ConfigError(f"{self}: need k >= 1, staleness >= 0 and h_min >= 1")
+
+    def k_for(self, members: int) -> int:
+        """Contributions per outer step with ``members`` members."""
+        want = self.k if self.k is not None else members - 1
+        return max(1, min(want, members))
+
+
+def combine(
+    parts: list[dict[str, Any]], version: int, h: int
+) -> tuple[list[torch.Tensor], list[float]]:
+    """The weighted pseudo-gradient of buffer ``version`` (see the module docstring).
+
+    Returns:
+        Δ per parameter (float64 accumulation, the inputs' dtype), and each part's weight
+        ``w_i / Σ w`` as a fraction of the whole.
+    """
+    disc = [(1.0 + version - p["base"]) ** -0.5 for p in parts]
+    total = sum(d * p["h"] for d, p in zip(disc, parts, strict=True))
+    out = []
+    for j in range(len(parts[0]["deltas"])):
+        acc = torch.zeros_like(parts[0]["deltas"][j], dtype=torch.float64)
+        for d, p in zip(disc, parts, strict=True):
+            acc += d * p["deltas"][j].to(torch.float64)
+        out.append((acc * (h / total)).to(parts[0]["deltas"][j].dtype))
+    return out, [d * p["h"] / total for d, p in zip(disc, parts, strict=True)]
+
+
+def assign_h(rates: dict[int, float], h: int, h_min: int) -> dict[int, int]:
+    """Inner steps per worker so that each phase takes about the fastest worker's ``h`` steps."""
+    if not rates:
+        return {}
+    fastest = min(rates.values())
+    return {w: max(h_min, min(h, round(h * fastest / max(r, 1e-12)))) for w, r in rates.items()}
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class AsyncOuter:
+    """The store side of buffered asynchronous DiLoCo for one member.
+
+    Args:
+        diloco: the member's :class:`~stalwart.elastic.diloco.DiLoCo`.
+        mode: the buffer's settings.
+
+    Raises:
+        ConfigError: not under ``stalwart run`` (the buffer needs the coordinator).
+    """
+
+    def __init__(self, diloco: DiLoCo, mode: Buffered) -> None:
+        membership = diloco.job._membership
+        if membership is None:
+            raise ConfigError(
+                "DiLoCo(mode=Buffered(...)) needs the coordinator's store: run the script "
+                "with `stalwart run`, or use the synchronous mode (mode=None)"
+            )
+        self.d, self.mode, self.membership = diloco, mode, membership
+        self.version = 0  # the version the global model holds
+        self.assigned_h = diloco.h
+        self.wid = membership.wid
+        self._timeout_s = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
+
+    @property
+    def store(self) -> Store:
+        """The coordinator's store (read each time: membership may follow a new one)."""
+        return self.membership.store
+
+    # -- versions ---------------------------------------------------------------------------
+
+    def latest(self) -> int:
+        """The newest published version (0: none yet)."""
+        return int(self.store.get("diloco/version")) if self.store.check(["diloco/version"]) else 0
+
+    def start(self) -> None:
+        """A member (a newcomer too) starts from the newest version."""
+        self.adopt(self.latest(), force=True)
+
+    def adopt(self, v: int, *, force: bool = False) -> dict[str, Any] | None:
+        """Load version ``v`` into the global model and outer optimizer; returns its record."""
+        if v == 0 or (v == self.version and not force):
+            self.version = max(self.version, v)
+            return None
+        rec: dict[str, Any] = _loads(self.store.get(f"diloco/r{v}"))
+        with torch.no_grad():
+            for g, t in zip(self.d._global, rec["params"], strict=True):
+                g.copy_(t)
+            floats = [b for b in self.d.global_model.buffers() if b.is_floating_point()]
+            for b, t in zip(floats, rec["buffers"], strict=True):
+                b.copy_(t)
+        self.d.outer.load_state_dict(rec["outer"])
+        self.version = v
+        self.assigned_h = rec["assign"].get(self.wid, self.d.h)
+        if not self.mode.compute_aware:
+            self.assigned_h = self.d.h
+        return rec
+
+    def _member_ids(self) -> list[int]:
+        epoch = self.membership.latest_epoch()
+        return list(decode(self.store.get(keys.members(epoch)))) if epoch else [self.wid]
+
+    def _members(self) -> int:
+        return len(self._member_ids())
+
+    def _rates(self) -> dict[int, float]:
+        """The latest seconds per inner step of each current member that reported one."""
+        found = {}
+        for wid in self._member_ids():
+            key = f"diloco/rate/{wid}"
+            if self.store.check([key]):
+                found[wid] = float(self.store.get(key))
+        return found
+
+    def _follow_membership(self) -> None:
+        """Join a newer published epoch (a barrier of the job), then adopt the newest version."""
+        job = self.d.job
+        if self.membership.latest_epoch() > job.epoch:
+            job._reconfigure()  # the heal may overwrite the global model: adopt again
+            self.adopt(max(self.latest(), self.version), force=True)
+
+    # -- reporting a phase ------------------------------------------------------------------
+
+    def report(self, deltas: list[torch.Tensor], h_done: int, seconds: float) -> None:
+        """Post this phase's pseudo-gradient to the open buffer and move to a newer version."""
+        base = self.version
+        buffers = [b.detach().clone() for b in self.d.model.buffers() if b.is_floating_point()]
+        part = {"wid": self.wid, "base": base, "h": h_done, "rate": seconds / max(h_done, 1),
+                "deltas": deltas, "buffers": buffers}  # fmt: skip
+        # every phase's speed is published, dropped or not: the slowest needs assigning most
+        self.store.set(f"diloco/rate/{self.wid}", str(part["rate"]))
+        while True:
+            self._follow_membership()
+            v = self.latest()
+            if v - base > self.mode.staleness:
+                self._event("diloco-dropped", base=base, version=v)
+                self.adopt(v)
+                return
+            ticket = self.store.add(f"diloco/b{v}/n", 1)
+            self.store.set(f"diloco/b{v}/g{ticket}", _dumps({**part, "ticket": ticket}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+            self._maybe_aggregate(v)
+            self._event("diloco-report", base=base, buffer=v, ticket=ticket, h=h_done)
+            if v > base:  # stale: never wait, the newest version is already there
+                self.adopt(self.latest())
+                return
+            self._wait_newer(base)
+            self.adopt(self.latest())
+            if self._included(v, ticket):
+                return
+            # left out of buffer v (arrived after its claim): post again into the next one
+
+    def _wait_newer(self, base: int) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        while self.latest() <= base:
+            self._follow_membership()
+            self._maybe_aggregate(self.latest())
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"worker {self.wid}: no DiLoCo version after {base} within "
+                    f"{self._timeout_s:.0f} s; fewer than k members are reporting (raise "
+                    "--timeout, or lower Buffered(k=...))"
+                )
+            time.sleep(_POLL_S)
+
+    def finish(self, outer_steps: int | None) -> None:
+        """Wait for version ``outer_steps`` (default: the newest) and adopt exactly it."""
+        target = self.latest() if outer_steps is None else outer_steps
+        if self.latest() < target:
+            self._wait_newer(target - 1)
+        self.adopt(target, force=True)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.d.job._events.write(kind, worker=self.wid, **fields)
+
+    # -- aggregating a buffer ---------------------------------------------------------------
+
+    def _maybe_aggregate(self, v: int) -> None:
+        """Claim and aggregate buffer ``v`` if it holds ``k`` contributions and nobody has."""
+        n = self.store.add(f"diloco/b{v}/n", 0)
+        if n < self.mode.k_for(self._members()) or self.latest() > v:
+            return
+        mine = f"{self.wid}:{n}"
+        if bytes(self.store.compare_set(f"diloco/b{v}/claim", "", mine)).decode() != mine:
+            return  # another member claimed it
+        self._aggregate(v, n)
+
+    def _included(self, v: int, ticket: int) -> bool:
+        key = f"diloco/r{v + 1}"
+        if not self.store.check([key]):
+            return True  # already forgotten: long ago, count it as used
+        used = _loads(self.store.get(key))["used"]
+        return any(u["wid"] == self.wid and u["ticket"] == ticket for u in used)
+
+    def _parts(self, v: int, n: int) -> list[dict[str, Any]]:
+        """Contributions 1..n of buffer ``v``; a slot never posted (its member died) is skipped."""
+        parts = []
+        for t in range(1, n + 1):
+            key = f"diloco/b{v}/g{t}"
+            try:
+                self.store.wait([key], timedelta(seconds=self._timeout_s))
+            except RuntimeError:
+                self._event("diloco-missing", buffer=v, ticket=t)
+                continue
+            parts.append(_loads(self.store.get(key)))
+        return parts
+
+    def _aggregate(self, v: int, n: int) -> None:
+        """Make version v+1 from buffer v's first ``n`` contributions and publish it."""
+        parts = self._parts(v, n)
+        fresh = [p for p in parts if v - p["base"] <= self.mode.staleness]
+        self.adopt(v)  # the aggregator steps from version v exactly
+        rates = self._rates()
+        weights: list[float] = []
+        if fresh:
+            deltas, weights = combine(fresh, v, self.d.h)
+            for g, dlt in zip(self.d._global, deltas, strict=True):
+                g.grad = dlt
+            self.d.outer.step()
+            self.d.outer.zero_grad(set_to_none=True)
+            floats = [b for b in self.d.global_model.buffers() if b.is_floating_point()]
+            with torch.no_grad():
+                for j, b in enumerate(floats):
+                    b.copy_(torch.stack([p["buffers"][j] for p in fresh]).mean(0).to(b.dtype))
+        used = [{"wid": p["wid"], "ticket": p["ticket"], "base": p["base"], "h": p["h"],
+                 "weight": w} for p, w in zip(fresh, weights, strict=True)]  # fmt: skip
+        rec = {
+            "version": v + 1,
+            "params": [g.detach().clone() for g in self.d._global],
+            "buffers": [b.detach().clone() for b in self.d.global_model.buffers()
+                        if b.is_floating_point()],
+            "outer": self.d.outer.state_dict(),
+            "used": used,
+            "dropped": [p["wid"] for p in parts if p not in fresh],
+            "assign": assign_h(rates, self.d.h, self.mode.h_min),
+        }  # fmt: skip
+        self.store.set(f"diloco/r{v + 1}", _dumps(rec))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        self.store.set("diloco/version", str(v + 1))
+        self.version = v + 1
+        self._event("diloco-aggregate", version=v + 1, used=used, dropped=rec["dropped"],
+                    assign=rec["assign"], members=self._members())  # fmt: skip
+        self._forget(v + 1 - _KEEP)
+
+    def _forget(self, old: int) -> None:
+        if old < 1:
+            return
+        n = self.store.add(f"diloco/b{old}/n", 0)
+        for key in [f"diloco/r{old}", f"diloco/b{old}/n", f"diloco/b{old}/claim"] + [
+            f"diloco/b{old}/g{t}" for t in range(1, n + 1)
+        ]:
+            self.store.delete_key(key)
