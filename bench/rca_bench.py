@@ -28,7 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stalwart.diagnose import analyze
+from stalwart.diagnose import DiagnoseOptions, analyze
 from stalwart.diagnose.synth import make_failure_log
 
 MIN_SUPPORT, MAX_LEN, MIN_LIFT = 0.05, 3, 1.5
@@ -48,7 +48,7 @@ def accuracy(rows: int, seeds: int, strength: float) -> None:
                 log = make_failure_log(
                     rows, causes=n_causes, depth=depth, seed=100 * seed + 7, strength=strength
                 )
-                d = analyze(log.table, log.label, example_rows=0)
+                d = analyze(log.table, log.label, options=DiagnoseOptions(example_rows=0))
                 pred = {tuple(sorted(f.items.items())) for f in d.findings}
                 true = {tuple(sorted(c.items())) for c in log.causes}
                 tp, fp, fn = tp + len(pred & true), fp + len(pred - true), fn + len(true - pred)
@@ -61,7 +61,7 @@ def accuracy(rows: int, seeds: int, strength: float) -> None:
 
 
 def _stalwart(path: str, memory_limit: str | None = None) -> int:
-    d = analyze(path, "failed", example_rows=0, memory_limit=memory_limit)
+    d = analyze(path, "failed", options=DiagnoseOptions(example_rows=0, memory_limit=memory_limit))
     print(json.dumps({"timings_s": d.timings_s, "groups": d.groups}), file=sys.stderr)
     print(json.dumps({"findings": [f.items for f in d.findings]}), file=sys.stderr)
     return len(d.findings)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from stalwart.diagnose import localize
+from stalwart.diagnose import DiagnoseOptions, localize
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "rca" / "robustspot-RS"
 
@@ -88,8 +88,7 @@ def main() -> None:
             actual=("succ", "cnt"),
             expected=("succ_exp", "cnt_exp"),
             columns=attrs,
-            example_rows=0,
-            **overrides,
+            options=DiagnoseOptions(example_rows=0, **overrides),
         )
         spent += time.perf_counter() - start
         pred = {"&".join(sorted(f"{k}={v}" for k, v in f.items.items())) for f in d.findings}

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from stalwart.demos.rca import run_rca_demo
-from stalwart.diagnose import analyze
+from stalwart.diagnose import DiagnoseOptions, analyze
 from stalwart.diagnose.synth import make_failure_log
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,8 +38,8 @@ def test_spills_under_a_small_memory_limit(tmp_path: Path) -> None:
     d = analyze(
         str(tmp_path / "log.parquet"),
         "failed",
-        memory_limit="100MB",
-        threads=1,
-        temp_directory=str(tmp_path / "spill"),
+        options=DiagnoseOptions(
+            memory_limit="100MB", threads=1, temp_directory=str(tmp_path / "spill")
+        ),
     )
     assert sorted(map(str, (f.items for f in d.findings))) == sorted(map(str, log.causes))

@@ -18,7 +18,7 @@ from torch import nn
 from stalwart import Checkpointer, CheckpointOptions, protect, vulnerability
 from stalwart.checkpoint.tools.diff import DiffReport, diff_steps
 from stalwart.checkpoint.tools.inspection import Inspection, inspect_manifest
-from stalwart.diagnose import Diagnosis, analyze, localize
+from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze, localize
 from stalwart.protect.evaluate import ProtectionResults
 
 HOSTILE = "<script>alert('x')</script>"
@@ -41,7 +41,7 @@ def hostile_log(rows: int = 4000, seed: int = 0) -> pa.Table:
 
 
 def diagnosis() -> Diagnosis:
-    return analyze(hostile_log(), "failed", min_lift=1.2)
+    return analyze(hostile_log(), "failed", options=DiagnoseOptions(min_lift=1.2))
 
 
 def kpi_diagnosis() -> Diagnosis:

@@ -148,7 +148,7 @@ def _analyse(
     skip_bad_lines: bool,
     kw: dict[str, Any],
 ) -> Any:
-    from stalwart.diagnose import analyze, localize
+    from stalwart.diagnose import DiagnoseOptions, analyze, localize
     from stalwart.errors import ConfigError
 
     if engine not in ("duckdb", "spark"):
@@ -158,16 +158,22 @@ def _analyse(
         raise ConfigError("KPI mode needs both --actual and --expected")
     if kpi == (label is not None):
         raise ConfigError("give --label (labelled events) or --actual and --expected (a KPI)")
+    columns = kw.pop("columns")
+    opts = DiagnoseOptions(**kw)
     if kpi:
         if engine == "spark":
             raise ConfigError("the spark engine analyses labelled events; drop --engine spark")
-        return localize(data, actual, expected, skip_bad_lines=skip_bad_lines, **kw)
+        return localize(
+            data, actual, expected, columns=columns, options=opts, skip_bad_lines=skip_bad_lines
+        )
     assert label is not None
     if engine == "spark":
         from stalwart.diagnose.spark import analyze_spark
 
-        return analyze_spark(data, label, weight=weight, **kw)
-    return analyze(data, label, weight=weight, skip_bad_lines=skip_bad_lines, **kw)
+        return analyze_spark(data, label, weight=weight, columns=columns, options=opts)
+    return analyze(
+        data, label, weight=weight, columns=columns, options=opts, skip_bad_lines=skip_bad_lines
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,6 @@ pipeline they share: open, clean, pre-aggregate, mine, count, prune, select, rep
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,9 +21,18 @@ from stalwart.diagnose.aggregate import (
 )
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
 from stalwart.diagnose.fpgrowth import fpgrowth_rows
+from stalwart.diagnose.kpi_localize import localize_kpi
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
-from stalwart.diagnose.score import Scored, Tester, prune, select, wilson
+from stalwart.diagnose.score import (
+    Scored,
+    Tester,
+    finding_confidence,
+    overall_confidence,
+    prune,
+    select,
+    wilson,
+)
 from stalwart.diagnose.source import Source, open_source, suggest
 from stalwart.diagnose.target import Masses, event_masses, kpi_masses
 from stalwart.errors import ConfigError
@@ -46,7 +54,6 @@ def analyze(
     connection: duckdb.DuckDBPyConnection | None = None,
     skip_bad_lines: bool = False,
     storage_options: dict[str, Any] | None = None,
-    **overrides: Any,
 ) -> Diagnosis:
     """Find the combinations of attribute values that single out failing events.
 
@@ -59,7 +66,8 @@ def analyze(
             SQL condition such as ``"status != 'ok'"``.
         weight: a column counting the events each row stands for (pre-aggregated input).
         columns: the attribute columns; all others but the label and weight when omitted.
-        options: cleaning, mining and selection settings; keyword ``overrides`` replace fields.
+        options: cleaning, mining and selection settings (``DiagnoseOptions()`` when omitted;
+            ``dataclasses.replace(opts, min_lift=2)`` changes one field).
         connection: a DuckDB connection to run a SQL ``data`` on (it sees your tables).
         skip_bad_lines: drop malformed CSV lines (and report how many) instead of failing.
         storage_options: options of a URL's fsspec filesystem (for s3fs: ``key``, ``secret``,
@@ -72,10 +80,10 @@ def analyze(
     Raises:
         ConfigError: unreadable input, a missing column (with the closest names), bad options.
     """
-    opts = _options(options, overrides)
+    opts = options or DiagnoseOptions()
     with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
         masses = event_masses(src, label, weight)
-        return _run(src, masses, columns, opts, mode="events")
+        return _run(src, masses, columns, opts)
 
 
 def localize(
@@ -88,30 +96,21 @@ def localize(
     connection: duckdb.DuckDBPyConnection | None = None,
     skip_bad_lines: bool = False,
     storage_options: dict[str, Any] | None = None,
-    **overrides: Any,
 ) -> Diagnosis:
     """Find the combinations of attribute values that explain a KPI's deviation from forecast.
 
-    One row per leaf (a full combination of attribute values) with its actual and expected
-    value: single columns for an additive KPI (counts, revenue), or (numerator, denominator)
-    pairs for a ratio KPI (success rate = successes / requests). See ``analyze`` for the rest.
+    One row per leaf (a full combination of attribute values; rows that share them are summed)
+    with its actual and expected value: single columns for an additive KPI (counts, revenue),
+    or (numerator, denominator) pairs for a ratio KPI (success rate = successes / requests).
+    The search (``kpi_search``) finds causes of any depth, several at once, and returns its
+    best explanation with a ``confidence`` whenever a leaf deviates beyond the forecast noise.
+    The ``kpi_*`` fields of ``options`` set it. See ``analyze`` for the other arguments.
     """
-    opts = _options(options, overrides)
+    opts = options or DiagnoseOptions()
     with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
         masses = kpi_masses(src, actual, expected)
-        mode = "kpi-additive" if isinstance(actual, str) else "kpi-ratio"
-        return _run(src, masses, columns, opts, mode=mode)
-
-
-def _options(options: DiagnoseOptions | None, overrides: dict[str, Any]) -> DiagnoseOptions:
-    opts = options or DiagnoseOptions()
-    if overrides:
-        fields = set(DiagnoseOptions.__dataclass_fields__)
-        bad = sorted(set(overrides) - fields)
-        if bad:
-            raise ConfigError(f"unknown option(s) {bad}.{suggest(bad[0], sorted(fields))}")
-        opts = DiagnoseOptions(**{**opts.__dict__, **overrides})
-    return opts
+        attrs = _attributes(src, masses, columns, opts)
+        return localize_kpi(src, actual, expected, attrs, masses, opts)
 
 
 def _attributes(
@@ -135,10 +134,10 @@ def _attributes(
     return attrs
 
 
-def _nothing(plan: CleanPlan | None, mode: str, message: str, **kw: Any) -> Diagnosis:
+def _nothing(plan: CleanPlan | None, message: str, **kw: Any) -> Diagnosis:
     return Diagnosis(
         [],
-        mode,
+        "events",
         plan.total_target if plan else 0.0,
         plan.total_reference if plan else 0.0,
         0,
@@ -149,7 +148,7 @@ def _nothing(plan: CleanPlan | None, mode: str, message: str, **kw: Any) -> Diag
 
 
 def _run(
-    src: Source, masses: Masses, columns: Sequence[str] | None, opts: DiagnoseOptions, *, mode: str
+    src: Source, masses: Masses, columns: Sequence[str] | None, opts: DiagnoseOptions
 ) -> Diagnosis:
     clock = time.perf_counter()
     timings: dict[str, float] = {}
@@ -160,8 +159,6 @@ def _run(
         timings[name] = round(now - clock, 4)
         clock = now
 
-    if opts.min_gain is None:
-        opts = dataclasses.replace(opts, min_gain=0.02 if mode == "events" else 0.1)
     attrs = _attributes(src, masses, columns, opts)
     plan = plan_cleaning(
         src, attrs, target_sql=masses.target, weight_sql=masses.reference, options=opts
@@ -172,7 +169,6 @@ def _run(
     if not plan.columns:
         return _nothing(
             None,
-            mode,
             "every attribute column was dropped by cleaning (see "
             "cleaning); name columns to keep with keep=[...]",
             cleaning=cleaning,
@@ -180,14 +176,12 @@ def _run(
             timings_s=timings,
         )
     kw: dict[str, Any] = {"cleaning": cleaning, "notes": notes, "timings_s": timings}
-    what = "failures" if mode == "events" else "deviation"
     total_t, total_r = plan.total_target, plan.total_reference
     if total_t <= 0:
-        return _nothing(plan, mode, f"no {what}: there is nothing to explain", **kw)
-    if mode == "events" and total_t >= total_r:
+        return _nothing(plan, "no failures: there is nothing to explain", **kw)
+    if total_t >= total_r:
         return _nothing(
             plan,
-            mode,
             "every row is a failure: there is nothing to contrast the failures with",
             **kw,
         )
@@ -251,6 +245,7 @@ def _run(
                 lift_low=lo / base,
                 lift_high=hi / base,
                 explained=sel.attributable / total_t,
+                confidence=finding_confidence(1.0 - base / lo if lo > 0 else 0.0),
                 subsumed=tuple(_neighbours(sc, scored, plan.columns, base)),
                 examples=tuple(fails.examples(sc.items, opts.example_rows))
                 if opts.example_rows
@@ -262,13 +257,13 @@ def _run(
         ""
         if findings
         else (
-            f"nothing found: no combination of attribute values singles out the {what} "
+            f"nothing found: no combination of attribute values singles out the failures "
             f"(min_support={opts.min_support}, min_lift={opts.min_lift}, alpha={opts.alpha})"
         )
     )
     return Diagnosis(
         findings,
-        mode,
+        "events",
         total_t,
         total_r,
         agg.groups,
@@ -276,6 +271,9 @@ def _run(
         candidates=len(scored),
         covered=covered,
         message=message,
+        confidence=overall_confidence(
+            [f.explained for f in findings], [f.confidence for f in findings]
+        ),
         **kw,
     )
 

@@ -14,7 +14,9 @@ __all__ = ["DiagnoseOptions"]
 class DiagnoseOptions:
     """How ``analyze`` and ``localize`` clean, mine, score and select.
 
-    Defaults suit a fleet-sized log (10^3 to 10^8 rows, tens of attribute columns).
+    Defaults suit a fleet-sized log (10^3 to 10^8 rows, tens of attribute columns). Fields
+    named ``kpi_*`` set ``localize``'s search; ``min_support`` to ``min_gain`` set the labelled
+    events' mining and selection (``max_findings`` bounds both).
     """
 
     min_support: float = 0.05
@@ -38,10 +40,20 @@ class DiagnoseOptions:
     """At most this many findings are selected."""
     coverage: float = 0.95
     """Selection stops once the findings' rows hold this share of the failures (or deviation)."""
-    min_gain: float | None = None
-    """Selection stops when the next finding would explain less than this share of the failures
-    (or of the deviation). Default 0.02 for events, whose failures include a background rate
-    spread over every row, and 0.1 for a KPI, whose deviation is all excess already."""
+    min_gain: float = 0.02
+    """Labelled events: selection stops when the next finding would explain less than this
+    share of the failures (they include a background rate spread over every row)."""
+    kpi_risk: float = 0.5
+    """KPI mode: an element is a cause when its risk (purity of deviating leaves minus the
+    misfit of the ripple effect) reaches this; see ``kpi_search``."""
+    kpi_min_ep: float = 0.02
+    """KPI mode: a cause must explain at least this share of the abnormal deviation, and the
+    search stops when less is left unexplained."""
+    kpi_trim: int = 5
+    """KPI mode: the forecast-noise cut is the deviation of the leaf this many places in from
+    the extreme on the side opposite the anomaly (outliers trimmed)."""
+    kpi_max_depth: int | None = None
+    """KPI mode: most attributes in one cause; every attribute when omitted."""
     id_share: float = 0.02
     """A column whose distinct values exceed this share of the rows (and ``id_min_distinct``) is
     ID-like and dropped, as in the FDA paper's variability filter."""
@@ -85,7 +97,15 @@ class DiagnoseOptions:
         check(0.0 < self.alpha < 1.0, "alpha", "a level in (0, 1)")
         check(self.max_findings >= 1, "max_findings", "at least 1")
         check(0.0 < self.coverage <= 1.0, "coverage", "a share in (0, 1]")
-        check(self.min_gain is None or 0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
+        check(0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
+        check(self.kpi_risk <= 1.0, "kpi_risk", "a number <= 1")
+        check(0.0 <= self.kpi_min_ep < 1.0, "kpi_min_ep", "a share in [0, 1)")
+        check(self.kpi_trim >= 0, "kpi_trim", "0 or more")
+        check(
+            self.kpi_max_depth is None or self.kpi_max_depth >= 1,
+            "kpi_max_depth",
+            "None or at least 1",
+        )
         check(0.0 < self.id_share <= 1.0, "id_share", "a share in (0, 1]")
         check(self.max_values >= 2, "max_values", "at least 2")
         check(2 <= self.buckets <= 50, "buckets", "2 to 50")

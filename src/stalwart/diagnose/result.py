@@ -49,6 +49,8 @@ class Finding:
     unexplained by earlier findings: (failures - rows * residual rate) / all failures."""
     subsumed: tuple[Neighbour, ...] = ()
     examples: tuple[dict[str, str], ...] = ()
+    confidence: float = 0.0
+    """How sure the analysis is of this finding, 0..1 (``score.finding_confidence``)."""
 
     def label(self) -> str:
         """``col=value & col=value``."""
@@ -74,6 +76,9 @@ class Diagnosis:
     timings_s: dict[str, float] = field(default_factory=dict)
     message: str = ""
     """Why nothing was found, when ``findings`` is empty."""
+    confidence: float = 0.0
+    """How sure the analysis is of its findings together, 0..1: their confidences weighted by
+    what each explains, times the share they explain (``score.overall_confidence``)."""
 
     @property
     def base_rate(self) -> float:
@@ -101,6 +106,7 @@ class Diagnosis:
             "cleaning": self.cleaning,
             "notes": self.notes,
             "message": self.message,
+            "confidence": self.confidence,
             "timings_s": self.timings_s,
         }
 

@@ -32,9 +32,38 @@ import numpy as np
 from stalwart.diagnose.aggregate import Itemset
 from stalwart.diagnose.options import DiagnoseOptions
 
-__all__ = ["Scored", "Tester", "prune", "select", "wilson"]
+__all__ = [
+    "Scored",
+    "Tester",
+    "finding_confidence",
+    "overall_confidence",
+    "prune",
+    "select",
+    "wilson",
+]
 
 _RATIO = 1.25  # rate ratio that counts as "higher" when masses are not counts
+
+
+def finding_confidence(purity: float, misfit: float = 0.0) -> float:
+    """How sure one finding is, 0..1, in both modes: the share of its mass that is anomalous
+    (purity) less what its cause model leaves unexplained (misfit).
+
+    Labelled events: purity = 1 - 1 / lift_low, the share of the finding's failures above the
+    base rate at the low end of the lift's interval; no misfit. KPI: ``kpi_search``'s weighted
+    purity of deviating leaves and the misfit of the ripple effect.
+    """
+    return float(min(max(purity - misfit, 0.0), 1.0))
+
+
+def overall_confidence(explained: list[float], confidence: list[float]) -> float:
+    """How sure an analysis is of its findings together, 0..1: their confidences weighted by
+    the share each explains, times the share they explain together (capped at 1)."""
+    ep = np.maximum(np.asarray(explained, dtype=np.float64), 0.0)
+    if ep.size == 0 or ep.sum() <= 0:
+        return 0.0
+    conf = np.asarray(confidence, dtype=np.float64)
+    return float((ep * conf).sum() / ep.sum() * min(1.0, float(ep.sum())))
 
 
 def wilson(f: float, n: float, z: float) -> tuple[float, float]:

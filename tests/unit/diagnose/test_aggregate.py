@@ -86,8 +86,10 @@ def test_in_memory_and_out_of_core_counts_agree(weight: str | None, narrow: bool
 def test_findings_do_not_depend_on_the_in_memory_budget() -> None:
     # under a small memory limit the coded rows go through a DuckDB temporary table
     log = make_failure_log(60_000, columns=10, causes=2, depth=(1, 2), seed=4)
-    held = analyze(log.table, "failed", example_rows=0)
-    grouped = analyze(log.table, "failed", example_rows=0, memory_limit="8MB")
+    held = analyze(log.table, "failed", options=DiagnoseOptions(example_rows=0))
+    grouped = analyze(
+        log.table, "failed", options=DiagnoseOptions(example_rows=0, memory_limit="8MB")
+    )
     assert held.groups == grouped.groups == 60_000
     assert len(held.findings) == 2
     assert [f.items for f in held.findings] == [f.items for f in grouped.findings]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from stalwart.diagnose import analyze, localize
+from stalwart.diagnose import DiagnoseOptions, analyze, localize
 from stalwart.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,10 +107,15 @@ def test_malformed_csv_line_names_the_line_and_can_be_skipped(tmp_path: Path) ->
 
 
 def test_unknown_option_and_bad_values() -> None:
-    with pytest.raises(ConfigError, match="min_suport"):
-        analyze(_table(), "outcome", min_suport=0.1)
+    # Options are the dataclass only: an unknown keyword is Python's TypeError naming it.
+    with pytest.raises(TypeError, match="min_suport"):
+        analyze(_table(), "outcome", options=DiagnoseOptions(min_suport=0.1))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="min_support"):
+        analyze(_table(), "outcome", min_support=0.1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="kpi_risk"):
+        localize(_table(), "a", "b", kpi_risk=0.1)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="max_len"):
-        analyze(_table(), "outcome", max_len=0)
+        analyze(_table(), "outcome", options=DiagnoseOptions(max_len=0))
 
 
 def test_unsupported_data_type() -> None:

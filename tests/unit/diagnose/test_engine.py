@@ -82,7 +82,7 @@ def test_cleaning_drops_ids_buckets_numbers_keeps_nulls_and_exclusions() -> None
             "failed": failed,
         }
     )
-    d = analyze(t, "failed", exclude=["build"])
+    d = analyze(t, "failed", options=DiagnoseOptions(exclude=["build"]))
     actions = {(c["column"], c["action"]) for c in d.cleaning}
     assert ("request_id", "dropped") in actions
     assert ("latency_ms", "bucketed") in actions

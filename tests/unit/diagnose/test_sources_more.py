@@ -15,7 +15,7 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 
-from stalwart.diagnose import Diagnosis, analyze
+from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze
 from stalwart.diagnose.synth import SyntheticLog
 from stalwart.errors import ConfigError
 
@@ -77,7 +77,7 @@ def test_malformed_json_line_is_a_config_error_and_can_be_skipped(tmp_path: Path
     path.write_text("\n".join([*good[:30], '{"a": "x1", "b": ', *good[30:]]) + "\n")
     with pytest.raises(ConfigError, match=r"malformed JSON lines.*skip_bad_lines"):
         analyze(path, "failed")
-    d = analyze(path, "failed", skip_bad_lines=True, min_lift=1.0)
+    d = analyze(path, "failed", skip_bad_lines=True, options=DiagnoseOptions(min_lift=1.0))
     assert d.total_rows == 60
     assert any("skipped 1 malformed" in n for n in d.notes)
 

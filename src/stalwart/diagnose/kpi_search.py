@@ -1,0 +1,359 @@
+"""KPI-deviation localization over leaves: which elements (combinations of attribute values, from
+one attribute up to all of them) explain why a KPI left its forecast.
+
+The search combines the field's ideas in one pass of vectorised cuboid sums:
+
+- **Deviation score and partition** (Squeeze's clustering of leaves by deviation, RiskLoc's
+  two-way cut): each leaf gets d = 2 (f - v) / (f + v); the anomaly moves leaves one way while
+  forecast noise is symmetric, so the cut is the noise extreme of the *other* side (after
+  trimming a few outliers) and leaves beyond it form the abnormal partition.
+- **Purity** (RiskLoc's weighted risk): inside an element, abnormal leaves weigh more the further
+  they lie beyond the cut, normal leaves the further they lie from it.
+- **Ripple fit** (HotSpot/Squeeze's ripple effect): if an element is a root cause, every leaf
+  under it moves by the element's own ratio; the misfit is the leaves' deviation left after
+  that scaling, relative to their deviation from forecast.
+- **Explanatory power and succinctness** (Adtributor): an element must explain a share of the
+  abnormal deviation; the shallowest layer holding a pure, well-fitting element wins, and
+  within it the element explaining most.
+- **Removal and repeat** for several causes, as in RiskLoc; a fallback returns the best-scoring
+  element with a low confidence when no element passes, so an anomalous input always gets an
+  answer.
+
+Every cuboid's element sums are ``np.bincount`` calls over the live leaves, so one case of
+48 000 leaves and 31 cuboids takes milliseconds per layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from stalwart.diagnose.score import finding_confidence, overall_confidence
+
+__all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "kpi_leaves", "search"]
+
+_TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class KpiLeaves:
+    """One row per leaf: attribute codes, the KPI's actual and forecast value, and each leaf's
+    explanatory power (its share of the total deviation; sums to 1)."""
+
+    codes: np.ndarray
+    """(leaves, attributes) integer codes, 0..cards[j]-1 in column j."""
+    cards: tuple[int, ...]
+    real: np.ndarray
+    predict: np.ndarray
+    ep: np.ndarray
+    direction: float
+    """+1 when the KPI's total is above its forecast, -1 below (the deviation to explain)."""
+
+
+@dataclass(frozen=True)
+class SearchParams:
+    """The search's knobs (``DiagnoseOptions.kpi_*`` fields)."""
+
+    risk: float = 0.5
+    min_ep: float = 0.02
+    prior: float = 1.0
+    balance_prior: float = 3.0
+    trim: int = 5
+    max_depth: int | None = None
+    max_causes: int = 10
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One element found: (column index, value code) pairs and its scores."""
+
+    items: tuple[tuple[int, int], ...]
+    ep: float
+    """Share of the abnormal deviation the element explains."""
+    purity: float
+    misfit: float
+    confidence: float
+    real: float
+    predict: float
+    leaves: int
+
+
+@dataclass(frozen=True)
+class Localized:
+    """The causes, how sure the search is overall, and what it saw."""
+
+    causes: list[Cause]
+    confidence: float
+    cutoff: float
+    abnormal: int
+    fallback: bool
+
+
+def kpi_leaves(
+    codes: np.ndarray,
+    cards: tuple[int, ...],
+    actual: tuple[np.ndarray, ...],
+    expected: tuple[np.ndarray, ...],
+) -> KpiLeaves:
+    """Leaves of an additive KPI (``actual=(v,)``) or a ratio KPI (``(num, den)`` pairs).
+
+    A ratio leaf's value is num / den (0 without a denominator); its explanatory power is
+    Adtributor's for derived measures: the change it alone would make to the overall ratio.
+    """
+    if len(actual) == 1:
+        v, f = (np.asarray(x[0], dtype=np.float64) for x in (actual, expected))
+        total = float(v.sum() - f.sum())
+        ep = (v - f) / total if abs(total) > _TINY else np.zeros_like(v)
+        return KpiLeaves(codes, cards, v, f, ep, 1.0 if total >= 0 else -1.0)
+    an, ad = (np.asarray(x, dtype=np.float64) for x in actual)
+    en, ed = (np.asarray(x, dtype=np.float64) for x in expected)
+    v = np.divide(an, ad, out=np.zeros_like(an), where=ad != 0)
+    f = np.divide(en, ed, out=np.zeros_like(en), where=ed != 0)
+    fa, fb = float(en.sum()), float(ed.sum())
+    num = (an - en) * fb - (ad - ed) * fa
+    den = fb * (fb + ad - ed)
+    ep = np.divide(num, den, out=np.zeros_like(num), where=np.abs(den) > _TINY)
+    s = float(ep.sum())
+    ep = ep / s if abs(s) > _TINY else np.zeros_like(ep)
+    return KpiLeaves(codes, cards, v, f, ep, 1.0 if s >= 0 else -1.0)
+
+
+def _deviation(real: np.ndarray, predict: np.ndarray) -> np.ndarray:
+    s = real + predict
+    return np.divide(2.0 * (predict - real), s, out=np.zeros_like(s), where=np.abs(s) > _TINY)
+
+
+def _cut(x: np.ndarray, trim: int) -> float:
+    """The noise cut for deviations ``x`` oriented so the anomaly is positive: forecast noise
+    moves leaves both ways alike, so the extreme of those moved against the anomaly, ``trim``
+    places in (fewer when there are few), bounds the noise."""
+    against = np.unique(-x[x < 0])
+    if len(against) == 0:
+        return 0.0
+    return float(against[-1 - min(trim, (len(against) - 1) // 2)])
+
+
+@dataclass
+class _State:
+    """Per-leaf arrays of the live (not yet explained) leaves."""
+
+    codes: np.ndarray
+    real: np.ndarray
+    predict: np.ndarray
+    ep: np.ndarray
+    dev: np.ndarray
+    w_abnormal: np.ndarray
+    """Weight of an abnormal leaf (0 for a normal one): how far it lies beyond the cut."""
+    w_all: np.ndarray
+    moved: np.ndarray
+    """+1 for a leaf moved the anomaly's way, -1 against it, 0 unmoved."""
+    nonzero: np.ndarray
+
+    def keep(self, mask: np.ndarray) -> _State:
+        return _State(*(getattr(self, k)[mask] for k in self.__dataclass_fields__))
+
+    def abnormal_ep(self) -> float:
+        return float(self.ep[self.w_abnormal > 0].sum())
+
+
+def _prepare(leaves: KpiLeaves, trim: int, *, noise: bool = True) -> tuple[_State, float]:
+    dev = _deviation(leaves.real, leaves.predict)
+    sign = -leaves.direction  # dev > 0 is a drop
+    x = sign * dev
+    cut = _cut(x, trim) if noise else 0.0
+    abnormal = x > cut
+    zero = (leaves.real == 0) & (leaves.predict == 0)
+    w_ab = np.where(abnormal, np.minimum(np.abs(x), 1.0), 0.0)
+    w_no = np.where(abnormal | zero, 0.0, np.minimum(np.abs(cut - x), 1.0))
+    ep = leaves.ep
+    if float(ep[abnormal].sum()) < 0:
+        ep = -ep
+    nonzero = ((leaves.real != 0) & (leaves.predict != 0)).astype(np.float64)
+    codes = np.ascontiguousarray(leaves.codes, dtype=np.int64)
+    state = _State(
+        codes, leaves.real, leaves.predict, ep, dev, w_ab, w_ab + w_no, np.sign(x), nonzero
+    )
+    return state, sign * cut
+
+
+def _element_ids(
+    codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]
+) -> tuple[np.ndarray, int]:
+    """Each leaf's element in a cuboid, as dense-ish ids, and how many ids there are."""
+    key = codes[:, cols[0]].copy()
+    size = cards[cols[0]]
+    for c in cols[1:]:
+        key *= cards[c]
+        key += codes[:, c]
+        size *= cards[c]
+    if size <= 4 * len(codes) + 1024:
+        return key, size
+    uniq, inv = np.unique(key, return_inverse=True)
+    return inv.ravel(), len(uniq)
+
+
+@dataclass(frozen=True)
+class _Cuboid:
+    """Element scores of one cuboid over the live leaves (misfit only where it can matter)."""
+
+    cols: tuple[int, ...]
+    ids: np.ndarray
+    ep: np.ndarray
+    purity: np.ndarray
+    misfit: np.ndarray
+
+    @property
+    def risk(self) -> np.ndarray:
+        return self.purity - self.misfit
+
+
+def _score(
+    st: _State, cols: tuple[int, ...], cards: tuple[int, ...], p: SearchParams, floor: float
+) -> _Cuboid:
+    ids, n = _element_ids(st.codes, cols, cards)
+
+    def total(w: np.ndarray, where: np.ndarray | None = None) -> np.ndarray:
+        if where is None:
+            return np.bincount(ids, weights=w, minlength=n)
+        return np.bincount(ids[where], weights=w[where], minlength=n)
+
+    ep, w_ab = total(st.ep), total(st.w_abnormal)
+    # Purity: RiskLoc's weighted share of abnormal leaves, or, for a broad cause whose leaves
+    # moved less than the noise extreme but all the same way, the balance of leaves moved the
+    # anomaly's way over those moved against it (noise moves as many each way: balance ~ 0).
+    moved, count = total(st.moved), total(np.abs(st.moved))
+    purity = w_ab / (total(st.w_all) + p.prior)
+    purity = np.where(w_ab > 0, np.maximum(purity, moved / (count + p.balance_prior)), 0.0)
+    misfit = np.full(n, np.inf)
+    want = (ep > floor) & (purity >= p.risk)
+    if want.any():
+        leaf = want[ids]
+        misfit[want] = _misfit(st, ids, n, leaf)[want]
+    return _Cuboid(cols, ids, ep, purity, misfit)
+
+
+def _misfit(st: _State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.ndarray:
+    """Ripple fit: scale every leaf by its element's own actual/forecast ratio (leaves with both
+    values non-zero: a zero says nothing about relative change) and compare the deviation left
+    with the deviation from forecast."""
+    ids, nz = ids[leaf], st.nonzero[leaf]
+    real, predict = st.real[leaf], st.predict[leaf]
+    v = np.bincount(ids, weights=real * nz, minlength=n)
+    f = np.bincount(ids, weights=predict * nz, minlength=n)
+    scale = np.divide(v, f, out=np.ones_like(v), where=f > _TINY)
+    left = np.abs(_deviation(real, predict * scale[ids]))
+    m1 = np.bincount(ids, weights=left * nz, minlength=n)
+    m2 = np.bincount(ids, weights=np.abs(st.dev[leaf]) * nz, minlength=n)
+    return np.divide(m1, m2, out=np.zeros_like(m1), where=m2 > _TINY)
+
+
+@dataclass
+class _Pick:
+    cuboid: _Cuboid
+    element: int
+    score: float
+
+
+def _layer(
+    st: _State, cards: tuple[int, ...], layer: int, floor: float, p: SearchParams
+) -> tuple[_Pick | None, list[_Pick]]:
+    """The element with the most explanatory power that passes the risk bar in this layer, and
+    each cuboid's best element by explanatory power times purity (fallback candidates)."""
+    best: _Pick | None = None
+    fallback: list[_Pick] = []
+    for cols in itertools.combinations(range(len(cards)), layer):
+        cub = _score(st, cols, cards, p, best.score if best else floor)
+        ok = cub.risk >= p.risk
+        if ok.any():
+            e = int(np.argmax(np.where(ok, cub.ep, -np.inf)))
+            best = _Pick(cub, e, float(cub.ep[e]))
+        fb = np.where(cub.purity > 0, np.maximum(cub.ep, 0.0) * cub.purity, -np.inf)
+        e = int(np.argmax(fb))
+        if fb[e] > 0:
+            fallback.append(_Pick(cub, e, float(fb[e])))
+    return best, fallback
+
+
+def _fallback(st: _State, picks: list[_Pick]) -> _Pick | None:
+    """The candidate with the most explanatory power times risk (floored, so that a deviation
+    no element fits still gets its best guess)."""
+    best: _Pick | None = None
+    for pick in picks:
+        cub, e = pick.cuboid, pick.element
+        misfit = _misfit(st, cub.ids, len(cub.ep), cub.ids == e)[e]
+        score = pick.score / max(cub.purity[e], _TINY) * max(cub.purity[e] - misfit, 0.01)
+        if best is None or score > best.score:
+            best = _Pick(cub, e, float(score))
+    return best
+
+
+def _cause(st: _State, pick: _Pick, total_ep: float) -> tuple[Cause, np.ndarray]:
+    cub, e = pick.cuboid, pick.element
+    mask = cub.ids == e
+    row = st.codes[int(np.argmax(mask))]
+    misfit = float(cub.misfit[e])
+    if not np.isfinite(misfit):  # a fallback: its fit was never needed, work it out now
+        misfit = float(_misfit(st, cub.ids, len(cub.ep), mask)[e])
+    purity = float(cub.purity[e])
+    cause = Cause(
+        items=tuple((c, int(row[c])) for c in cub.cols),
+        ep=float(cub.ep[e]) / total_ep,
+        purity=purity,
+        misfit=misfit,
+        confidence=finding_confidence(purity, misfit),
+        real=float(st.real[mask].sum()),
+        predict=float(st.predict[mask].sum()),
+        leaves=int(mask.sum()),
+    )
+    return cause, mask
+
+
+def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
+    """Localize the deviation: up to ``max_causes`` elements, each from the shallowest layer
+    that holds one passing the risk bar, its leaves removed before the next round.
+
+    Returns no causes only when no leaf moved the way of the total deviation (nothing to
+    explain); otherwise at least the best-scoring element, flagged ``fallback`` with its (low)
+    confidence when none passed the bar (with the noise cut dropped when no leaf lies beyond
+    it).
+    """
+    p = params or SearchParams()
+    st, cut = _prepare(leaves, p.trim)
+    total_ep = st.abnormal_ep()
+    if total_ep <= _TINY:  # nothing beyond the noise: every leaf moved the deviation's way
+        st, cut = _prepare(leaves, p.trim, noise=False)
+        total_ep = st.abnormal_ep()
+    n_abnormal = int((st.w_abnormal > 0).sum())
+    if n_abnormal == 0 or total_ep <= _TINY:
+        return Localized([], 0.0, cut, n_abnormal, False)
+    floor = p.min_ep * total_ep
+    depth = min(p.max_depth or len(leaves.cards), len(leaves.cards))
+    causes: list[Cause] = []
+    fallback: list[_Pick] = []
+    first = st
+    while len(causes) < p.max_causes and st.abnormal_ep() >= floor:
+        found = None
+        for layer in range(1, depth + 1):
+            found, fb = _layer(st, leaves.cards, layer, floor, p)
+            fallback += fb if not causes else []
+            if found is not None:
+                break
+        if found is None:
+            break
+        cause, mask = _cause(st, found, total_ep)
+        causes.append(cause)
+        st = st.keep(~mask)
+    pick = None if causes else _fallback(first, fallback)
+    if pick is not None:
+        cause = _cause(first, pick, total_ep)[0]
+        conf = overall_confidence([cause.ep], [cause.confidence])
+        return Localized([cause], conf, cut, n_abnormal, True)
+    return Localized(
+        causes,
+        overall_confidence([c.ep for c in causes], [c.confidence for c in causes]),
+        cut,
+        n_abnormal,
+        False,
+    )

@@ -1,0 +1,132 @@
+"""localize()'s KPI search on generated leaves: deep causes (every attribute), several causes at
+once, ratio KPIs, an answer with a confidence whenever the data hold an anomaly."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stalwart.diagnose import DiagnoseOptions, localize
+from stalwart.diagnose.kpi_search import SearchParams, kpi_leaves, search
+
+DIMS = {"a": 6, "b": 5, "c": 4, "d": 3}
+
+
+def _cube(seed: int, noise: float = 0.05) -> tuple[dict[str, list[str]], np.ndarray, np.ndarray]:
+    """Every combination of DIMS' values, a skewed forecast and an actual off by noise."""
+    rng = np.random.default_rng(seed)
+    grid = list(itertools.product(*(range(n) for n in DIMS.values())))
+    cols = {k: [f"{k}{row[i]}" for row in grid] for i, k in enumerate(DIMS)}
+    forecast = rng.weibull(0.8, len(grid)) * 100 + 1.0
+    actual = forecast * (1 + rng.normal(0, noise, len(grid)))
+    return cols, forecast, actual
+
+
+def _hit(cols: dict[str, list[str]], **items: str) -> np.ndarray:
+    return np.logical_and.reduce([np.array(cols[k]) == v for k, v in items.items()])
+
+
+def _found(d: object) -> set[tuple[tuple[str, str], ...]]:
+    return {tuple(sorted(f.items.items())) for f in d.findings}  # type: ignore[attr-defined]
+
+
+def _table(cols: dict[str, list[str]], actual: np.ndarray, forecast: np.ndarray) -> pa.Table:
+    return pa.table({**cols, "actual": actual, "forecast": forecast})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_cause_spanning_every_attribute_is_found(seed: int) -> None:
+    cols, forecast, actual = _cube(seed)
+    leaf = {"a": "a2", "b": "b3", "c": "c1", "d": "d0"}
+    actual[_hit(cols, **leaf)] = forecast[_hit(cols, **leaf)] * 0.1
+    d = localize(_table(cols, actual, forecast), "actual", "forecast")
+    assert _found(d) == {tuple(sorted(leaf.items()))}
+    assert d.mode == "kpi-additive"
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_several_causes_at_different_depths(seed: int) -> None:
+    cols, forecast, actual = _cube(seed)
+    for items in ({"a": "a1"}, {"b": "b2", "c": "c3"}):
+        hit = _hit(cols, **items)
+        actual[hit] = forecast[hit] * 0.4
+    d = localize(_table(cols, actual, forecast), "actual", "forecast")
+    assert _found(d) == {(("a", "a1"),), (("b", "b2"), ("c", "c3"))}
+    assert 0.5 <= d.confidence <= 1.0
+    assert all(0.5 <= f.confidence <= 1.0 for f in d.findings)
+    assert sum(f.explained for f in d.findings) > 0.8
+
+
+def test_a_rise_is_localized_as_well_as_a_drop() -> None:
+    cols, forecast, actual = _cube(5)
+    hit = _hit(cols, c="c2")
+    actual[hit] = forecast[hit] * 1.8
+    d = localize(_table(cols, actual, forecast), "actual", "forecast")
+    assert _found(d) == {(("c", "c2"),)}
+
+
+def test_ratio_kpi_with_a_deep_and_a_shallow_cause() -> None:
+    cols, requests, _ = _cube(6)
+    requests = np.round(requests * 50) + 100
+    rng = np.random.default_rng(6)
+    rate = np.clip(0.97 + rng.normal(0, 0.005, len(requests)), 0, 1)
+    for items, bad in (({"d": "d1"}, 0.6), ({"a": "a0", "b": "b1", "c": "c2"}, 0.3)):
+        rate[_hit(cols, **items)] = bad
+    t = pa.table(
+        {
+            **cols,
+            "ok": np.round(requests * rate),
+            "req": requests,
+            "ok_fc": requests * 0.97,
+            "req_fc": requests,
+        }
+    )
+    d = localize(t, ("ok", "req"), ("ok_fc", "req_fc"))
+    assert _found(d) == {(("d", "d1"),), (("a", "a0"), ("b", "b1"), ("c", "c2"))}
+    assert d.mode == "kpi-ratio"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_anomalous_input_always_gets_an_answer_with_a_confidence(seed: int) -> None:
+    # A faint cause, well inside the noise: the search may not be sure, but it answers.
+    cols, forecast, actual = _cube(seed, noise=0.2)
+    hit = _hit(cols, b="b4")
+    actual[hit] = forecast[hit] * 0.9
+    d = localize(_table(cols, actual, forecast), "actual", "forecast")
+    assert d.findings, d.message
+    assert 0.0 <= d.confidence <= 1.0
+    assert all(0.0 <= f.confidence <= 1.0 for f in d.findings)
+
+
+def test_no_deviation_means_no_finding_and_says_why() -> None:
+    cols, forecast, _ = _cube(7)
+    d = localize(_table(cols, forecast.copy(), forecast), "actual", "forecast")
+    assert d.findings == [] and "nothing found" in d.message and d.confidence == 0.0
+
+
+def test_max_depth_and_max_findings_bound_the_search() -> None:
+    cols, forecast, actual = _cube(8)
+    leaf = {"a": "a4", "b": "b0", "c": "c3", "d": "d2"}
+    actual[_hit(cols, **leaf)] = 0.0
+    for c in ("a1", "a3"):
+        actual[_hit(cols, a=c)] *= 0.5
+    shallow = localize(
+        _table(cols, actual, forecast),
+        "actual",
+        "forecast",
+        options=DiagnoseOptions(kpi_max_depth=2, max_findings=1),
+    )
+    assert len(shallow.findings) == 1 and len(shallow.findings[0].items) <= 2
+
+
+def test_search_on_arrays_marks_a_fallback_with_low_confidence() -> None:
+    # Four leaves, one moved a little against three still ones: nothing passes a strict bar.
+    codes = np.array([[0, 0], [0, 1], [1, 0], [1, 1]])
+    real, forecast = np.array([10.0, 10.0, 10.0, 9.0]), np.full(4, 10.0)
+    leaves = kpi_leaves(codes, (2, 2), (real,), (forecast,))
+    got = search(leaves, SearchParams(risk=1.0))
+    assert got.fallback and len(got.causes) == 1 and got.confidence < 1.0
+    assert search(leaves).causes[0].items == ((0, 1), (1, 1))
