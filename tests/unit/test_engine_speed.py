@@ -1,0 +1,177 @@
+"""The fast engine's shortcuts (channel-wise propagation past batch norm, residual adds,
+pooling, means and a graph's adjacency; activation faults on the traced graph; device
+handling) give the naive loop's outcome on every trial."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stalwart import inject, vulnerability
+from stalwart.vulnerability import FastEngine, sample_activation_faults, sample_faults
+from stalwart.vulnerability.activation_engine import pack_samples
+from stalwart.vulnerability.engine import edited_words
+
+EXPSIGN = inject.BitFlip(bits=list(range(23, 32)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny convolutions on a shared, busy machine: one thread avoids OpenMP contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class TinyResNet(nn.Module):
+    """Stem, max pool, one residual block with batch norm, mean over space, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn0(self.stem(x))))
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)) + x)
+        return self.fc(y.mean((2, 3)))
+
+
+class TinyGCN(nn.Module):
+    def __init__(self, n: int = 40) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        adj = (torch.rand(n, n, generator=g) < 0.1).float() + torch.eye(n)
+        self.register_buffer("adj", adj / adj.sum(1, keepdim=True))
+        self.features = nn.Identity()
+        self.lin1 = nn.Linear(6, 8)
+        self.lin2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.adj @ self.lin1(self.features(x)))
+        return self.adj @ self.lin2(h)
+
+
+def _resnet() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyResNet()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.1, 0.1)
+    return model.eval(), torch.randn(6, 3, 8, 8)
+
+
+def _same(a: vulnerability.CampaignResult, b: vulnerability.CampaignResult) -> None:
+    for c in a.criteria:
+        assert np.array_equal(a.failed[c], b.failed[c]), c
+
+
+@pytest.mark.parametrize("error", [EXPSIGN, None], ids=["expsign", "uniform"])
+def test_resnet_block_weight_faults_match_naive(error: inject.BitFlip | None) -> None:
+    model, x = _resnet()
+    faults = sample_faults(model, 40, per_tensor=True, seed=2, error=error, targets="*.weight")
+    crit = ["top1", "dev>0.01"]
+    fast = vulnerability.run_campaign(model, x, faults, crit)
+    slow = vulnerability.run_campaign(model, x, faults, crit, engine="naive")
+    _same(fast, slow)
+    assert 0 < fast.failed["top1"].sum() < len(faults)
+
+
+def test_propagation_reaches_past_norm_residual_and_mean() -> None:
+    model, x = _resnet()
+    eng = FastEngine(model, (x,))
+    faults = [inject.Fault("conv2.weight", i, 1 << 31) for i in range(0, 500, 50)]
+    out = eng.run(faults)
+    for f, o in zip(faults, out, strict=True):
+        with inject.apply_faults(model, [f]), torch.no_grad():
+            ref = model(x)
+        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("error", [EXPSIGN, None], ids=["expsign", "uniform"])
+def test_graph_adjacency_products_match_naive(error: inject.BitFlip | None) -> None:
+    torch.manual_seed(1)
+    model = TinyGCN().eval()
+    x = torch.randn(40, 6)
+    faults = sample_faults(model, 60, per_tensor=True, seed=3, error=error, targets="lin*")
+    kw = {"independent_samples": False}
+    fast = vulnerability.run_campaign(model, x, faults, "top1", **kw)
+    slow = vulnerability.run_campaign(model, x, faults, "top1", engine="naive", **kw)
+    _same(fast, slow)
+
+
+def _hook_outputs(model: nn.Module, args: tuple, faults: vulnerability.FaultList) -> torch.Tensor:
+    outs = []
+    for f in faults:
+        with torch.no_grad(), inject.activation_faults(model, [f]):
+            outs.append(model(*args))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_activation_faults_on_the_graph_match_hooks(independent: bool) -> None:
+    model, x = _resnet()
+    if not independent:
+        model, x = TinyGCN().eval(), torch.randn(40, 6)
+    faults = sample_activation_faults(model, (x,), 80, seed=4, error=EXPSIGN)
+    faults.faults.append(inject.Fault(faults[0].target, 3, 0, "set", "activation", 1))  # masked
+    eng = FastEngine(model, (x,))
+    fast = eng.run(list(faults), independent=independent)
+    ref = _hook_outputs(model, (x,), faults)
+    finite = torch.isfinite(ref).reshape(len(ref), -1).all(1)
+    torch.testing.assert_close(fast[finite], ref[finite], rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast[-1], eng.golden)
+    c = vulnerability.criterion("top1")
+    margin = c.margin(eng.golden, fast).reshape(len(fast), -1).amin(1)
+    sure = finite & (margin > 1e-5)
+    assert torch.equal(c.judge(eng.golden, fast)[sure], c.judge(eng.golden, ref)[sure])
+
+
+def test_pack_samples_never_puts_one_sample_twice() -> None:
+    assert pack_samples([0, 1, 0, 2, 1, 0], True) == [[0, 1, 3], [2, 4], [5]]
+    assert pack_samples([0, 1], False) == [[0], [1]]
+
+
+def test_edited_words_apply_each_fault_op() -> None:
+    raw = torch.tensor([0b1010, 0b1010, 0b1010, 0b1010], dtype=torch.int32)
+    faults = [
+        inject.Fault("t", 0, 0b0001, "xor"),
+        inject.Fault("t", 1, 0b0101, "set"),
+        inject.Fault("t", 2, 0b0010, "clear"),
+        inject.Fault("t", 3, 7, "assign"),
+    ]
+    new = edited_words(raw, torch.arange(4), faults, inject.layout_of(torch.float32))
+    assert new.tolist() == [0b1011, 0b1111, 0b1000, 7]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_runs_on_cuda_and_matches_cpu_naive() -> None:
+    model, x = _resnet()
+    faults = sample_faults(model, 30, per_tensor=True, seed=5, error=EXPSIGN, targets="*.weight")
+    slow = vulnerability.NaiveEngine(model, (x,)).run(list(faults))
+    eng = FastEngine(model.cuda(), (x.cuda(),))
+    by_target: dict[str, list[int]] = {}
+    for i, f in enumerate(faults):
+        by_target.setdefault(f.target, []).append(i)
+    for idx in by_target.values():
+        out = eng.run([faults[i] for i in idx])
+        assert out.device.type == "cuda"
+        ref = slow[idx]
+        finite = torch.isfinite(ref).reshape(len(ref), -1).all(1)
+        torch.testing.assert_close(out.cpu()[finite], ref[finite], rtol=1e-3, atol=1e-4)
