@@ -42,8 +42,8 @@ def test_spawned_world_merges_to_the_one_process_result(tmp_path: Path) -> None:
 
 def test_a_killed_worker_is_resumed_without_rerunning_finished_shards(tmp_path: Path) -> None:
     marker = str(tmp_path / "died")
-    # rank 1 runs shards 1, 3, 5, 7 (38 trials each, one forward per trial with the naive
-    # engine, plus the golden pass): its 50th forward is inside shard 3
+    # a shard is 37-38 trials, one forward each with the naive engine plus the golden pass:
+    # rank 1's 50th forward is inside the second shard it claims
     make = functools.partial(cm.dies_on_rank, 1, 50, marker)
     faults = cm.mixed_faults(make=make)
     camp = tmp_path / "camp"
@@ -52,13 +52,14 @@ def test_a_killed_worker_is_resumed_without_rerunning_finished_shards(tmp_path: 
         scale.run_sharded(make, faults, camp, CRITERIA, **kw)
     assert os.path.exists(marker)
     done = {p.name: os.stat(p).st_mtime_ns for p in camp.glob("shard-*.npz")}
-    assert "shard-00001.npz" in done and "shard-00003.npz" not in done
+    assert 0 < len(done) < 8
 
     res = scale.run_sharded(make, faults, camp, CRITERIA, **kw)
     ran = res.manifest["ran_shards"]
     assert ran == sorted(set(range(8)) - {int(n[6:11]) for n in done})
     assert {n: os.stat(camp / n).st_mtime_ns for n in done} == done  # not re-run
     assert not list(camp.glob(".*.tmp")), "a killed writer's temporary file outlived the resume"
+    assert not list((camp / ".claims").iterdir()), "claims outlived the run"
     ref = run_campaign(*make(), faults, CRITERIA, engine="naive")  # marker set: nobody dies
     assert res.table().equals(ref.table())
 
