@@ -18,7 +18,6 @@ at full resolution, for mining.
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
 from stalwart.diagnose.source import Source
 
@@ -48,7 +48,6 @@ Itemset = tuple[tuple[int, str], ...]
 
 _BATCH_ROWS = 1 << 20
 _DENSE_BINS = 1 << 22
-_IN_MEMORY_BYTES = 1 << 30
 _PAIR_CACHE_BYTES = 1 << 26
 _GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
 _CASE_VALUES = 32  # a CASE chain beats list_position up to about this many values
@@ -106,20 +105,31 @@ def _num(v: float) -> str:
 
 
 def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureGroups:
-    """GROUP BY every cleaned attribute over the failing rows only."""
+    """GROUP BY every cleaned attribute over the failing rows only, streamed from DuckDB in
+    batches that are dictionary-coded as they arrive: the groups' text values never sit in
+    memory all at once (at 100 M rows they are millions of rows of 20 strings)."""
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
-    table = src.sql(
+    reader = src.sql(
         f"SELECT {sel}, sum({target_sql})::DOUBLE AS t FROM {{src}} "
         f"WHERE ({target_sql}) > 0 GROUP BY ALL"
-    ).to_arrow_table()
-    codes = np.empty((table.num_rows, len(plan.columns)), dtype=np.int32)
-    values: list[list[str]] = []
-    for i in range(len(plan.columns)):
-        enc = pc.dictionary_encode(table.column(i)).combine_chunks()
-        codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
-        values.append([str(v) for v in enc.dictionary.to_pylist()])
-    t = table.column(len(plan.columns)).to_numpy().astype(np.float64)
-    return FailureGroups(plan.columns, codes, values, t)
+    ).to_arrow_reader(_BATCH_ROWS)
+    n_cols = len(plan.columns)
+    lookup: list[dict[str, int]] = [{} for _ in range(n_cols)]
+    parts: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    for batch in reader:
+        codes = np.empty((batch.num_rows, n_cols), dtype=np.int32)
+        for i in range(n_cols):
+            enc = pc.dictionary_encode(batch.column(i))
+            known = lookup[i]
+            ids = [known.setdefault(str(v), len(known)) for v in enc.dictionary.to_pylist()]
+            local = enc.indices.to_numpy(zero_copy_only=False)
+            codes[:, i] = np.asarray(ids, dtype=np.int32)[local]
+        parts.append(codes)
+        targets.append(batch.column(n_cols).to_numpy(zero_copy_only=False).astype(np.float64))
+    codes = np.concatenate(parts) if parts else np.zeros((0, n_cols), dtype=np.int32)
+    t = np.concatenate(targets) if targets else np.zeros(0)
+    return FailureGroups(plan.columns, codes, [list(d) for d in lookup], t)
 
 
 def aggregate(
@@ -129,7 +139,7 @@ def aggregate(
     *,
     target_sql: str,
     reference_sql: str,
-    in_memory_bytes: int = _IN_MEMORY_BYTES,
+    in_memory_bytes: int = IN_MEMORY_BYTES,
 ) -> Aggregate:
     """Code every attribute by ``values`` (the values frequent among failures, the rest 0) and
     attach each row's failure and total mass: held in memory as NumPy arrays when the coded rows
@@ -180,24 +190,6 @@ def aggregate(
     ).fetchall()[0]
     log.info("aggregated into %d groups (about %d distinct)", tot[2], distinct)
     return Aggregate(src, name, values, float(tot[0]), float(tot[1]), int(tot[2]))
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def in_memory_budget(memory_limit: str | None) -> int:
-    """Bytes the coded rows may take in NumPy: 1 GiB, or an eighth of DuckDB's ``memory_limit``
-    when one is set, since those arrays live outside DuckDB's buffer manager and the limit is
-    the user's word on how much memory the analysis may take."""
-    if not memory_limit:
-        return _IN_MEMORY_BYTES
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", memory_limit.lower())
-    if not m:
-        return _IN_MEMORY_BYTES
-    unit = _UNITS[m.group(2)]
-    if m.group(3):
-        unit = 1024 ** ("bkmgt".index(m.group(2)))
-    return min(_IN_MEMORY_BYTES, int(float(m.group(1)) * unit) // 8)
 
 
 def _row_bytes(n_columns: int) -> int:

@@ -20,13 +20,15 @@ per node.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
 __all__ = ["fpgrowth", "fpgrowth_rows"]
 
 _DENSE_TRIPLES = 1 << 22  # count triples in a dense array up to this many (32 MB)
+_NODE_CHUNK = 1 << 18  # nodes whose ancestors are held at once (x depth x 2 bytes)
+_TRIPLE_BUFFER = 1 << 20  # triple keys buffered (16 bytes each) before they are summed
 
 
 class _Tree:
@@ -157,6 +159,9 @@ def fpgrowth_rows(
 ) -> dict[tuple[int, ...], float]:
     """``fpgrowth`` for transactions given as a matrix, without a Python loop per transaction.
 
+    Memory stays a few bytes per matrix cell: items are counted and ranked column by column into
+    16-bit ranks (32-bit past 32,767 frequent items), never as 64-bit temporaries of the matrix.
+
     Args:
         items: transactions x slots, int: the items of each transaction, -1 in empty slots
             (each item at most once per transaction).
@@ -167,24 +172,31 @@ def fpgrowth_rows(
     Returns:
         item-set (items sorted ascending) -> supporting weight, as ``fpgrowth`` returns.
     """
-    items = np.asarray(items, dtype=np.int64)
+    items = np.asarray(items)
+    if not np.issubdtype(items.dtype, np.integer):
+        items = items.astype(np.int64)
     w = np.asarray(weights, dtype=np.float64)
     if items.ndim != 2 or len(items) != len(w):
         raise ValueError("one weight per transaction (row of items)")
     if max_len > 3:
         tx = [[i for i in row if i >= 0] for row in items.tolist()]
         return fpgrowth(tx, w.tolist(), min_weight=min_weight, max_len=max_len)
-    present = items >= 0
-    n_items = int(items.max()) + 1 if present.any() else 0
-    counts = np.bincount(
-        items[present], weights=np.broadcast_to(w[:, None], items.shape)[present], minlength=n_items
-    )
+    n_items = max(int(items.max()) + 1, 0) if items.size else 0
+    counts = np.zeros(n_items)
+    for j in range(items.shape[1]):
+        col = items[:, j]
+        m = col >= 0
+        counts += np.bincount(col[m], weights=w[m], minlength=n_items)
     frequent = np.flatnonzero(counts >= min_weight)
     order = frequent[np.lexsort((frequent, -counts[frequent]))]  # most frequent first
     k = len(order)
-    rank = np.full(n_items + 1, k, dtype=np.int64)  # slot n_items: the empty slot, ranked last
+    # slot n_items (also what -1, an empty slot, indexes): ranked last, as k
+    rank = np.full(n_items + 1, k, dtype=np.int16 if k < 2**15 - 1 else np.int32)
     rank[order] = np.arange(k)
-    ranked = np.sort(rank[np.where(present, items, n_items)], axis=1)
+    ranked = np.empty(items.shape, dtype=rank.dtype)
+    for j in range(items.shape[1]):
+        ranked[:, j] = rank[items[:, j]]
+    ranked.sort(axis=1)
     depth = int((ranked < k).sum(axis=1).max()) if len(ranked) else 0
     keep = (w > 0) & (ranked[:, 0] < k) if depth else np.zeros(len(w), dtype=bool)
     found = _mine_flat_rows(ranked[keep, :depth], w[keep], k, min_weight, max_len)
@@ -214,86 +226,137 @@ def _mine_flat_rows(
     out: dict[tuple[int, ...], float] = {}
     if len(rows) == 0 or rows.shape[1] == 0:
         return out
-    depth = rows.shape[1]
-    order = np.lexsort(rows.T[::-1])
-    rows, w = rows[order], w[order]
-    # node of row i at depth d: a new node wherever the prefix [0..d] changes
-    node_item, node_w, node_parent, node_depth = [], [], [], []
-    parent = np.full(len(rows), -1, dtype=np.int64)
-    changed = np.zeros(len(rows), dtype=bool)
-    changed[0] = True
-    next_id = 0
-    for d in range(depth):
-        col = rows[:, d]
-        changed = changed | np.concatenate(([True], col[1:] != col[:-1]))
-        present = col < k
-        start = changed & present
-        ids = np.cumsum(start) - 1 + next_id
-        n_new = int(start.sum())
-        nid = np.where(present, ids, -1)
-        node_item.append(col[start])
-        node_w.append(np.bincount(ids[present] - next_id, weights=w[present], minlength=n_new))
-        node_parent.append(parent[start])
-        node_depth.append(np.full(n_new, d))
-        parent = np.where(present, nid, parent)
-        next_id += n_new
-    item = np.concatenate(node_item)
-    weight = np.concatenate(node_w)
-    par = np.concatenate(node_parent)
-    dep = np.concatenate(node_depth)
-    single = np.bincount(item, weights=weight, minlength=k)
+    tree = _FlatTree(rows, w, k)
+    single = np.bincount(tree.item, weights=tree.weight, minlength=k)
     for i in np.flatnonzero(single >= min_weight).tolist():
         out[(i,)] = float(single[i])
     if max_len < 2:
         return out
-    # ancestors of every node, as items by depth (-1 below the node's own depth)
-    # the largest array of the walk (nodes x depth): ranks fit in 16 bits for any realistic k
-    anc = np.full((len(item), depth), -1, dtype=np.int16 if k < 2**15 else np.int32)
-    cur = par.copy()
-    for _ in range(depth):
-        ok = cur >= 0
-        if not ok.any():
-            break
-        anc[ok, dep[cur[ok]]] = item[cur[ok]]
-        cur = np.where(ok, par[np.maximum(cur, 0)], -1)
-    keep = single >= min_weight
     pair = np.zeros(k * k)
-    for d in range(depth):
-        a = anc[:, d]
-        m = a >= 0
-        pair += np.bincount(item[m] * k + a[m], weights=weight[m], minlength=k * k)
+    for item, weight, anc in tree.chunks():
+        for d in range(anc.shape[1]):
+            a = anc[:, d]
+            m = a >= 0
+            pair += np.bincount(item[m] * k + a[m], weights=weight[m], minlength=k * k)
     frequent_pair = pair >= min_weight
     for key in np.flatnonzero(frequent_pair).tolist():
         out[(key % k, key // k)] = float(pair[key])
     if max_len < 3 or not frequent_pair.any():
         return out
     # every (node, ancestor, older ancestor) triple whose pairs are frequent, weighted by the
-    # node; summed in one pass at the end
-    keys_parts: list[np.ndarray] = []
-    weight_parts: list[np.ndarray] = []
-    for q in range(depth):
-        y = anc[:, q]
-        m = (y >= 0) & frequent_pair[np.where(y >= 0, item * k + y, 0)]
-        if not m.any():
-            continue
-        xs, ys, ws = item[m], y[m], weight[m]
-        for lo in range(q):
-            z = anc[m, lo]
-            mm = (z >= 0) & frequent_pair[np.where(z >= 0, xs * k + z, 0)] & keep[np.maximum(z, 0)]
-            if not mm.any():
+    # node, summed in bounded buffers
+    sums = _TripleSums(k)
+    keep = single >= min_weight
+    for item, weight, anc in tree.chunks():
+        for q in range(anc.shape[1]):
+            y = anc[:, q]
+            m = (y >= 0) & frequent_pair[np.where(y >= 0, item * k + y, 0)]
+            if not m.any():
                 continue
-            keys_parts.append((xs[mm] * k + ys[mm]) * k + z[mm])
-            weight_parts.append(ws[mm])
-    if not keys_parts:
-        return out
-    keys, ws = np.concatenate(keys_parts), np.concatenate(weight_parts)
-    if k**3 <= _DENSE_TRIPLES:
-        sums = np.bincount(keys, weights=ws, minlength=k**3)
-        uk = np.arange(k**3)
-    else:
-        uk, inv = np.unique(keys, return_inverse=True)
-        sums = np.bincount(inv, weights=ws)
-    hit = sums >= min_weight
-    for key, val in zip(uk[hit].tolist(), sums[hit].tolist(), strict=True):
+            xs, ys, ws = item[m], y[m], weight[m]
+            for lo in range(q):
+                z = anc[m, lo]
+                mm = (
+                    (z >= 0)
+                    & frequent_pair[np.where(z >= 0, xs * k + z, 0)]
+                    & keep[np.maximum(z, 0)]
+                )
+                if mm.any():
+                    sums.add((xs[mm] * k + ys[mm]) * k + z[mm], ws[mm])
+    uk, totals = sums.result()
+    hit = totals >= min_weight
+    for key, val in zip(uk[hit].tolist(), totals[hit].tolist(), strict=True):
         out[(key % k, (key // k) % k, key // (k * k))] = val
     return out
+
+
+class _FlatTree:
+    """The FP-tree of sorted, padded rank paths, as flat arrays: a node wherever a prefix
+    changes (paths sorted lexicographically), with its item, weight, parent and depth.
+
+    The ancestors of the nodes (nodes x depth, the walk's largest array) are produced in chunks
+    of ``_NODE_CHUNK`` nodes, so memory stays bounded whatever the number of failing groups.
+    """
+
+    def __init__(self, rows: np.ndarray, w: np.ndarray, k: int) -> None:
+        depth = rows.shape[1]
+        order = np.lexsort(rows.T[::-1])
+        rows, w = rows[order], w[order]
+        index = np.int32 if len(rows) * depth < 2**31 else np.int64
+        items, weights, parents, depths = [], [], [], []
+        parent = np.full(len(rows), -1, dtype=index)
+        changed = np.zeros(len(rows), dtype=bool)
+        changed[0] = True
+        next_id = 0
+        for d in range(depth):
+            col = rows[:, d]
+            changed[1:] |= col[1:] != col[:-1]
+            present = col < k
+            start = changed & present
+            ids = (np.cumsum(start) - 1 + next_id).astype(index)
+            n_new = int(start.sum())
+            items.append(col[start])
+            weights.append(np.bincount(ids[present] - next_id, weights=w[present], minlength=n_new))
+            parents.append(parent[start])
+            depths.append(np.full(n_new, d, dtype=np.int16))
+            parent = np.where(present, ids, parent)
+            next_id += n_new
+        self.item = np.concatenate(items)
+        self.weight = np.concatenate(weights)
+        self.parent = np.concatenate(parents)
+        self.depth = np.concatenate(depths)
+        self.max_depth = depth
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(items as int64, weights, ancestors' items by depth, -1 below the node's own depth)
+        for each chunk of nodes."""
+        for lo in range(0, len(self.item), _NODE_CHUNK):
+            hi = min(lo + _NODE_CHUNK, len(self.item))
+            anc = np.full((hi - lo, self.max_depth), -1, dtype=self.item.dtype)
+            cur = self.parent[lo:hi].astype(np.int64)
+            for _ in range(self.max_depth):
+                ok = cur >= 0
+                if not ok.any():
+                    break
+                anc[ok, self.depth[cur[ok]]] = self.item[cur[ok]]
+                cur = np.where(ok, self.parent[np.maximum(cur, 0)], -1)
+            yield self.item[lo:hi].astype(np.int64), self.weight[lo:hi], anc
+
+
+class _TripleSums:
+    """Summed weights of triple keys, added in pieces and reduced every ``_TRIPLE_BUFFER``
+    entries: into a dense array of k^3 sums when that is small, else by sorting the keys."""
+
+    def __init__(self, k: int) -> None:
+        self.bins = k**3
+        self.dense = np.zeros(self.bins) if self.bins <= _DENSE_TRIPLES else None
+        self.keys: list[np.ndarray] = []
+        self.weights: list[np.ndarray] = []
+        self.buffered = 0
+
+    def add(self, keys: np.ndarray, weights: np.ndarray) -> None:
+        self.keys.append(keys)
+        self.weights.append(weights)
+        self.buffered += len(keys)
+        if self.buffered >= _TRIPLE_BUFFER:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        if not self.keys:
+            return
+        keys, ws = np.concatenate(self.keys), np.concatenate(self.weights)
+        if self.dense is not None:
+            self.dense += np.bincount(keys, weights=ws, minlength=self.bins)
+            self.keys, self.weights, self.buffered = [], [], 0
+            return
+        uk, inv = np.unique(keys, return_inverse=True)
+        self.keys, self.weights, self.buffered = [uk], [np.bincount(inv, weights=ws)], len(uk)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct keys and their summed weights."""
+        self._reduce()
+        if self.dense is not None:
+            return np.arange(self.bins), self.dense
+        if not self.keys:
+            return np.zeros(0, np.int64), np.zeros(0)
+        return self.keys[0], self.weights[0]

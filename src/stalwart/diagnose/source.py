@@ -34,6 +34,7 @@ from typing import Any
 import duckdb
 import fsspec
 
+from stalwart.diagnose.budget import duckdb_limit
 from stalwart.errors import ConfigError, require
 
 __all__ = ["Source", "open_source", "quote", "suggest"]
@@ -106,7 +107,7 @@ def _connect(
         temp_directory = tmp.name
     config: dict[str, Any] = {"temp_directory": temp_directory}
     if memory_limit:
-        config["memory_limit"] = memory_limit
+        config["memory_limit"] = duckdb_limit(memory_limit)
     if threads:
         config["threads"] = threads
     try:
