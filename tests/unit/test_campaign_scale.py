@@ -136,3 +136,22 @@ def test_missing_ray_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyP
     faults = sample_faults(model, 8, seed=0)
     with pytest.raises(MissingDependencyError, match=r"stalwart\[ray\]"):
         scale.run_sharded(cm.tiny, faults, tmp_path, backend="ray", workers=2)
+
+
+def test_module_entry_runs_resumes_and_refuses_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow.parquet as pq
+
+    from stalwart.vulnerability.scale.__main__ import main
+
+    args = ["tests.distributed.campaign_models:tiny", "--dir", str(tmp_path), "--trials", "40"]
+    assert main([*args, "--backend", "local", "--shards", "3", "-c", "top1"]) == 0
+    model, x = cm.tiny()
+    ref = run_campaign(model, x, sample_faults(model, 40, seed=0), "top1")
+    assert pq.read_table(tmp_path / "trials.parquet").equals(
+        ref.table().replace_schema_metadata(pq.read_schema(tmp_path / "trials.parquet").metadata)
+    )
+    assert (tmp_path / "pvf.json").exists() and "40 trials" in capsys.readouterr().err
+    assert main(["mlp", "--dir", str(tmp_path / "y"), "--backend", "local"]) == 2
+    assert "package.module:factory" in capsys.readouterr().err
