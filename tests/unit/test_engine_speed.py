@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart import inject, vulnerability
+from stalwart.errors import UnsupportedValueError
 from stalwart.vulnerability import FastEngine, sample_activation_faults, sample_faults
 from stalwart.vulnerability.activation_engine import pack_samples
 from stalwart.vulnerability.engine import edited_words
@@ -175,3 +176,38 @@ def test_engine_runs_on_cuda_and_matches_cpu_naive() -> None:
         ref = slow[idx]
         finite = torch.isfinite(ref).reshape(len(ref), -1).all(1)
         torch.testing.assert_close(out.cpu()[finite], ref[finite], rtol=1e-3, atol=1e-4)
+
+
+class Branchy(nn.Module):
+    """Control flow on a tensor's value: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.lin1 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.lin0(x))
+        if h.sum() > 0:
+            h = self.norm(h)
+        return self.head(torch.tanh(self.lin1(h)))
+
+
+@pytest.mark.parametrize("error", [EXPSIGN, None], ids=["expsign", "uniform"])
+def test_untraceable_model_runs_the_eager_engine_with_naive_outcomes(
+    error: inject.BitFlip | None,
+) -> None:
+    torch.manual_seed(2)
+    model, x = Branchy().eval(), torch.randn(30, 6)
+    eng = FastEngine(model, (x,))
+    assert eng.eager is not None
+    assert eng.eager.prefix("lin1") == ["lin0", "norm"]  # run once, before lin1 starts
+    faults = sample_faults(model, 40, per_tensor=True, seed=6, error=error)
+    crit = ["top1", "dev>0.01"]
+    fast = vulnerability.run_campaign(model, x, faults, crit)
+    slow = vulnerability.run_campaign(model, x, faults, crit, engine="naive")
+    _same(fast, slow)
+    with pytest.raises(UnsupportedValueError, match="cannot trace"):
+        FastEngine(model, (x,), eager=False)
