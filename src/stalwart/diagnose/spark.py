@@ -1,19 +1,18 @@
 """The same analyses with Apache Spark doing the heavy part (optional extra ``spark``).
 
-Spark reads the rows, cleans the attributes by the local engine's rules (``spark_clean``: ID-like
-columns dropped, many-valued numbers in quantile buckets, nulls as a value) and aggregates; only
-the aggregate reaches the driver (as Arrow), where the local engine mines, scores and selects as
-usual. Tables far larger than one machine's memory work as long as their distinct cleaned
-combinations fit, which is the point of the FDA paper's pre-aggregation.
+Spark reads the rows and aggregates them; only the aggregate reaches the driver (as Arrow),
+where the local engine mines, scores and selects as usual. Tables far larger than one machine's
+memory work as long as their aggregate fits, which is the point of the FDA paper's
+pre-aggregation.
 
-- ``analyze_spark`` (labelled events): GROUP BY every cleaned attribute and the label, summing
-  the weight; the driver runs ``analyze`` with the count as the weight.
-- ``localize_spark`` (KPI deviation): GROUP BY every attribute first (one row per leaf, its KPI
-  columns summed), then each leaf's deviation and reference masses exactly as ``target.py``
-  defines them, then GROUP BY the cleaned attributes summing the masses. The driver runs
-  ``localize`` on that table, with the masses written as a KPI whose masses are those sums:
-  additive: actual = target + reference, expected = reference; ratio: actual = (target,
-  reference), expected = (0, reference). So both engines score the same masses.
+- ``analyze_spark`` (labelled events): the attributes are cleaned in Spark by the local
+  engine's rules (``spark_clean``: ID-like columns dropped over the input's rows, many-valued
+  numbers in quantile buckets, nulls as a value), then GROUP BY every cleaned attribute and the
+  label, summing the weight; the driver runs ``analyze`` with the count as the weight.
+- ``localize_spark`` (KPI deviation): GROUP BY every attribute, summing the KPI columns: one
+  row per leaf, which is what ``localize`` searches. The leaves reach the driver as they are
+  (cleaning them is ``localize``'s own first step, on the same leaves the local engine would
+  see), so both engines give the same answer; Spark does the scan and the summing.
 
 Configuration is the ``DiagnoseOptions`` dataclass only, as for the local engine.
 """
@@ -24,8 +23,6 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
-
-import pyarrow.compute as pc
 
 from stalwart.diagnose.analyze import analyze, localize
 from stalwart.diagnose.options import DiagnoseOptions
@@ -40,12 +37,6 @@ __all__ = ["analyze_spark", "localize_spark"]
 log = logging.getLogger(__name__)
 
 _FAILED, _COUNT = "__stalwart_failed", "__stalwart_count"
-_TARGET, _REF, _ACTUAL, _ZERO = (
-    "__stalwart_target",
-    "__stalwart_reference",
-    "__stalwart_actual",
-    "__stalwart_zero",
-)
 
 
 def _pyspark() -> Any:
@@ -106,9 +97,10 @@ def analyze_spark(
         w.alias(_COUNT),
     )
     table = keyed.groupBy(*cleaned.columns, _FAILED).agg(F.sum(_COUNT).alias(_COUNT)).toArrow()
-    d = analyze(
-        table, _FAILED, weight=_COUNT, columns=cleaned.columns, options=_local(opts, cleaned)
-    )
+    # ID-like columns were decided over the input's rows: the aggregate has far fewer, so
+    # the rule must not run again there
+    local = _local(opts, cleaned.columns, id_share=1.0)
+    d = analyze(table, _FAILED, weight=_COUNT, columns=cleaned.columns, options=local)
     return _finish(d, cleaned, f"{cleaned.rows:,} rows into {table.num_rows:,}")
 
 
@@ -121,11 +113,14 @@ def localize_spark(
     spark: Any = None,
     options: DiagnoseOptions | None = None,
 ) -> Diagnosis:
-    """``localize`` with Spark for the scan, the leaves, the cleaning and the aggregation.
+    """``localize`` with Spark for the scan and the leaves.
+
+    Spark sums the KPI columns per leaf (GROUP BY every attribute: rows that share their
+    attribute values are one leaf, as ``localize`` defines it); only the leaves reach the
+    driver, where ``localize`` cleans (buckets, drops ID-like columns) and searches them.
 
     Args:
-        data: a Spark DataFrame, or a CSV, Parquet or JSON lines path Spark can read; rows
-            with the same attribute values are one leaf (their KPI columns are summed).
+        data: a Spark DataFrame, or a CSV, Parquet or JSON lines path Spark can read.
         actual: the actual value column (additive KPI), or its (numerator, denominator).
         expected: the forecast column, or its (numerator, denominator).
         columns: the attribute columns; all others but the KPI columns when omitted.
@@ -139,30 +134,13 @@ def localize_spark(
     df, opts = _start(data, spark, options)
     kpi = _kpi_columns(list(df.columns), actual, expected)
     attrs = _attributes(list(df.columns), columns, set(kpi), opts)
-    sums = [
-        F.sum(F.coalesce(F.col(_q(c)).cast("double"), F.lit(0.0))).alias(f"__k{i}")
-        for i, c in enumerate(kpi)
-    ]
-    leaves = df.groupBy(*(F.col(_q(c)) for c in attrs)).agg(*sums).persist()
-    try:
-        target, reference = _masses(leaves, len(kpi) == 4, F)
-        cleaned = _cleaned(leaves, attrs, opts, F)
-        table = (
-            leaves.select(*cleaned.exprs, target.alias(_TARGET), reference.alias(_REF))
-            .groupBy(*cleaned.columns)
-            .agg(F.sum(_TARGET).alias(_TARGET), F.sum(_REF).alias(_REF))
-            .toArrow()
-        )
-    finally:
-        leaves.unpersist()
-    local = _local(opts, cleaned)
-    if len(kpi) == 4:
-        table = table.append_column(_ZERO, pc.multiply(table[_REF], 0.0))
-        d = localize(table, (_TARGET, _REF), (_ZERO, _REF), columns=cleaned.columns, options=local)
-    else:
-        table = table.append_column(_ACTUAL, pc.add(table[_TARGET], table[_REF]))
-        d = localize(table, _ACTUAL, _REF, columns=cleaned.columns, options=local)
-    return _finish(d, cleaned, f"{cleaned.rows:,} leaves into {table.num_rows:,} groups")
+    sums = [F.sum(F.col(_q(c)).cast("double")).alias(c) for c in kpi]
+    table = df.groupBy(*(F.col(_q(c)) for c in attrs)).agg(*sums).toArrow()
+    if table.num_rows == 0:
+        raise ConfigError("the input has no rows; nothing to analyse")
+    d = localize(table, actual, expected, columns=attrs, options=_local(opts, attrs))
+    d.notes.append(f"spark summed the KPI into {table.num_rows:,} leaves")
+    return d
 
 
 def _kpi_columns(
@@ -183,25 +161,7 @@ def _kpi_columns(
     for c, what in cols:
         if c not in names:
             raise ConfigError(f"{what}: no column {c!r}.{suggest(c, names)}")
-    return [c for c, _ in cols]
-
-
-def _masses(leaves: Any, ratio: bool, F: Any) -> tuple[Any, Any]:
-    """Each leaf's deviation (target) and reference mass, as ``target.kpi_masses`` defines them."""
-    if not ratio:
-        a, e = F.col("__k0"), F.col("__k1")
-        total = leaves.agg(F.sum(a - e)).collect()[0][0] or 0.0
-        s = 1.0 if total >= 0 else -1.0
-        return F.greatest(F.lit(s) * (a - e), F.lit(0.0)), F.greatest(e, F.lit(0.0))
-    an, ad, en, ed = (F.col(f"__k{i}") for i in range(4))
-    row = leaves.agg(F.sum(an), F.sum(ad), F.sum(en), F.sum(ed)).collect()[0]
-    tot_an, tot_ad, tot_en, tot_ed = (float(v or 0.0) for v in row)
-    if tot_ad <= 0 or tot_ed <= 0:
-        raise ConfigError("the KPI's denominators sum to zero; nothing to compare")
-    overall = tot_en / tot_ed
-    s = 1.0 if tot_an / tot_ad >= overall else -1.0
-    own = F.when(ed > 0, en / ed).otherwise(F.lit(overall))
-    return F.greatest(F.lit(s) * (an - ad * own), F.lit(0.0)), F.greatest(ad, F.lit(0.0))
+    return list(dict.fromkeys(c for c, _ in cols))
 
 
 def _label(df: Any, label: str, F: Any) -> tuple[Any, set[str]]:
@@ -245,15 +205,14 @@ def _cleaned(df: Any, attrs: list[str], opts: DiagnoseOptions, F: Any) -> SparkC
     return cleaned
 
 
-def _local(opts: DiagnoseOptions, cleaned: SparkCleaning) -> DiagnoseOptions:
-    """The options of the local engine on Spark's aggregate: ID-like columns were decided over
-    the input's rows already (the aggregate has far fewer, so the rule must not run twice), and
-    names of columns the aggregate lacks are left out."""
-    kept = set(cleaned.columns)
+def _local(opts: DiagnoseOptions, columns: list[str], **changes: Any) -> DiagnoseOptions:
+    """The options of the local engine on Spark's aggregate, which holds only ``columns``:
+    names of columns it lacks are left out."""
+    kept = set(columns)
     levels = [tuple(c for c in h if c in kept) for h in opts.hierarchies]
     return dataclasses.replace(
         opts,
-        id_share=1.0,
+        **changes,
         exclude=(),
         keep=tuple(c for c in opts.keep if c in kept),
         hierarchies=tuple(h for h in levels if len(h) >= 2),
