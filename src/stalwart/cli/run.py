@@ -15,39 +15,59 @@ from stalwart.cli.conventions import JSON_HELP, emit_json
 __all__ = ["register", "run"]
 
 
+_Script = Annotated[
+    Path, typer.Argument(help="The worker script (it builds a stalwart.elastic.Job).")
+]
+_Args = Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")]
+_Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Workers to start.")]
+_MinSize = Annotated[int, typer.Option("--min-size", min=1, help="Fewest members to train with.")]
+_MaxRestarts = Annotated[
+    int, typer.Option("--max-restarts", min=0, help="Replacement workers to start at most.")
+]
+_Events = Annotated[
+    Path | None, typer.Option(help="Folder for the workers' event files (default: a temp folder).")
+]
+_Timeout = Annotated[
+    float, typer.Option(min=0.1, help="Timeout of each membership epoch's gloo group, seconds.")
+]
+_HangTimeout = Annotated[
+    float,
+    typer.Option(
+        min=0.0, help="Kill and replace a worker silent (no heartbeat) this long, s; 0: off."
+    ),
+]
+_Straggler = Annotated[
+    float, typer.Option(min=0.0, help="Report a member this many times slower than the others.")
+]
+_Rdzv = Annotated[
+    str | None,
+    typer.Option(
+        "--rdzv",
+        help="HOST:PORT where the launchers of several nodes meet; the first to bind it hosts "
+        "the job (--nproc is per node).",
+    ),
+]
+_Nnodes = Annotated[
+    str, typer.Option("--nnodes", help="MIN:MAX nodes with --rdzv; the first epoch waits for MIN.")
+]
+_Json = Annotated[
+    bool, typer.Option("--json", help=JSON_HELP + " (the workers' stdout goes to stderr)")
+]
+
+
 def run(
-    script: Annotated[
-        Path, typer.Argument(help="The worker script (it builds a stalwart.elastic.Job).")
-    ],
-    args: Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")] = None,
-    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Workers to start.")] = 1,
-    min_size: Annotated[
-        int, typer.Option("--min-size", min=1, help="Fewest members to train with.")
-    ] = 1,
-    max_restarts: Annotated[
-        int, typer.Option("--max-restarts", min=0, help="Replacement workers to start at most.")
-    ] = 3,
-    events: Annotated[
-        Path | None,
-        typer.Option(help="Folder for the workers' event files (default: a temp folder)."),
-    ] = None,
-    timeout: Annotated[
-        float, typer.Option(min=0.1, help="Timeout of each membership epoch's gloo group, seconds.")
-    ] = 10.0,
-    hang_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0.0, help="Kill and replace a worker silent (no heartbeat) this long, s; 0: off."
-        ),
-    ] = 5.0,
-    straggler_factor: Annotated[
-        float,
-        typer.Option(min=0.0, help="Report a member this many times slower than the others."),
-    ] = 2.0,
-    as_json: Annotated[
-        bool,
-        typer.Option("--json", help=JSON_HELP + " (the workers' stdout goes to stderr)"),
-    ] = False,
+    script: _Script,
+    args: _Args = None,
+    nproc: _Nproc = 1,
+    min_size: _MinSize = 1,
+    max_restarts: _MaxRestarts = 3,
+    events: _Events = None,
+    timeout: _Timeout = 10.0,
+    hang_timeout: _HangTimeout = 5.0,
+    straggler_factor: _Straggler = 2.0,
+    rdzv: _Rdzv = None,
+    nnodes: _Nnodes = "1",
+    as_json: _Json = False,
 ) -> None:
     """Start N workers around a coordinator; replace dead ones; survivors never restart."""
     from stalwart.elastic import launch  # torch is imported only when a job runs
@@ -56,11 +76,45 @@ def run(
         script, args or [], nproc=nproc, min_size=min(min_size, nproc),
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
         hang_s=hang_timeout, straggler_factor=straggler_factor,
-        stdout=2 if as_json else None,
+        stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes,
     )  # fmt: skip
     if as_json:
         emit_json(summary_json(result))
         raise typer.Exit(result.exit_code)
+    console = Console()
+    console.print(_summary_table(result))
+    if result.recoveries:
+        console.print(_recovery_table(result.recoveries))
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+def summary_json(result: Any) -> dict[str, Any]:
+    """``stalwart run --json``'s document: outcome, summary, recoveries, hangs, stragglers.
+
+    Keys: ``exit_code``, ``ok``, ``restarts``, ``coordinator_rehosts``, ``wall_s``,
+    ``events_dir``, ``summary`` (:class:`~stalwart.elastic.JobSummary` fields, ``goodput`` a
+    share in [0, 1]), ``final_digests_equal``, ``recoveries`` (one object per dead worker),
+    ``hung`` (worker id to seconds of silence) and ``stragglers``.
+    """
+    summary = dataclasses.asdict(result.summary)
+    return {
+        "exit_code": result.exit_code,
+        "ok": result.exit_code == 0,
+        "restarts": result.restarts,
+        "coordinator_rehosts": result.rehosts,
+        "wall_s": round(result.wall_s, 3),
+        "events_dir": str(result.events_dir),
+        "summary": summary,
+        "final_digests_equal": len(set(summary["final_digests"].values())) <= 1,
+        "recoveries": [dataclasses.asdict(r) for r in result.recoveries],
+        "hung": {str(w): s for w, s in sorted(result.hung.items())},
+        "stragglers": result.stragglers,
+    }
+
+
+def _summary_table(result: Any) -> Table:
+    """The ``stalwart run`` summary as a two-column table."""
     s = result.summary
     table = Table(title="stalwart run", show_header=False)
     digests = set(s.final_digests.values())
@@ -69,6 +123,7 @@ def run(
         ("final step", s.final_step),
         ("workers started", s.workers),
         ("restarts", result.restarts),
+        ("coordinator re-hosted", result.rehosts),
         ("faults detected", s.faults),
         ("steps discarded (most on one worker)", s.discarded_steps),
         ("heals (state received)", s.heals),
@@ -81,35 +136,7 @@ def run(
         ("events", str(result.events_dir)),
     ):
         table.add_row(name, str(value))
-    console = Console()
-    console.print(table)
-    if result.recoveries:
-        console.print(_recovery_table(result.recoveries))
-    if result.exit_code:
-        raise typer.Exit(result.exit_code)
-
-
-def summary_json(result: Any) -> dict[str, Any]:
-    """``stalwart run --json``'s document: outcome, summary, recoveries, hangs, stragglers.
-
-    Keys: ``exit_code``, ``ok``, ``restarts``, ``wall_s``, ``events_dir``, ``summary``
-    (:class:`~stalwart.elastic.JobSummary` fields, ``goodput`` a share in [0, 1]),
-    ``final_digests_equal``, ``recoveries`` (one object per dead worker), ``hung`` (worker id
-    to seconds of silence) and ``stragglers``.
-    """
-    summary = dataclasses.asdict(result.summary)
-    return {
-        "exit_code": result.exit_code,
-        "ok": result.exit_code == 0,
-        "restarts": result.restarts,
-        "wall_s": round(result.wall_s, 3),
-        "events_dir": str(result.events_dir),
-        "summary": summary,
-        "final_digests_equal": len(set(summary["final_digests"].values())) <= 1,
-        "recoveries": [dataclasses.asdict(r) for r in result.recoveries],
-        "hung": {str(w): s for w, s in sorted(result.hung.items())},
-        "stragglers": result.stragglers,
-    }
+    return table
 
 
 def _hung(hung: dict[int, float]) -> str:

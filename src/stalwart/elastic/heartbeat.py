@@ -16,6 +16,10 @@ but never enter the collective).
 
 If the launcher itself was not scheduled for a while (a busy machine), nobody is blamed for the
 gap: the watch restarts every worker's silence from the moment it runs again.
+
+When the store fails (its host died), the thread waits for a re-hosted coordinator's address
+in ``STALWART_ELASTIC_STORE_FILE`` and beats there; a new watch does not judge a worker until
+its first beat on the new store.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Iterable
 
 from torch.distributed import Store, TCPStore
 
-from stalwart.elastic.protocol import WorkerEnv, keys
+from stalwart.elastic.protocol import WorkerEnv, keys, read_address
 
 __all__ = ["BEATS_PER_TIMEOUT", "Heartbeat", "HeartbeatWatch"]
 
@@ -49,12 +53,11 @@ class Heartbeat:
         self.interval_s = max(env.hang_s / BEATS_PER_TIMEOUT, 0.02)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._env, self._address = env, (env.host, env.port)
         if env.hang_s <= 0:
             return
         # A store client of its own: the training thread's client is not shared across threads.
-        self._store: Store = TCPStore(
-            env.host, env.port, is_master=False, timeout=env.timeout, wait_for_workers=False
-        )
+        self._store: Store = self._connect(self._address)
         self._store.add(self.key, 1)  # the first beat, before the worker joins anything
         self._thread = threading.Thread(target=self._run, name="stalwart-heartbeat", daemon=True)
         self._thread.start()
@@ -63,13 +66,32 @@ class Heartbeat:
         # (SIGABRT) while unwinding C++ frames, turning a clean exit into a crash.
         atexit.register(self.stop)
 
+    def _connect(self, address: tuple[str, int]) -> Store:
+        return TCPStore(address[0], address[1], is_master=False, timeout=self._env.timeout,
+                        wait_for_workers=False)  # fmt: skip
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(self.key, 1)
-            except RuntimeError as e:  # the coordinator is gone: nobody is listening
-                log.warning("heartbeat stopped: %s", e)
-                return
+            except RuntimeError as e:  # the coordinator is gone: beat at its successor
+                log.warning("heartbeat: the coordinator failed (%s); waiting for a new one", e)
+                if not self._follow():
+                    return
+
+    def _follow(self) -> bool:
+        """Connect to a re-hosted coordinator once its address appears; False when stopped."""
+        while not self._stop.wait(self.interval_s):
+            address = read_address(self._env.store_file)
+            if address is None or address == self._address:
+                continue
+            try:
+                self._store = self._connect(address)
+            except RuntimeError:
+                continue
+            self._address = address
+            return True
+        return False
 
     def stop(self) -> None:
         """Stop beating, and wait for the thread to end (it ends after its current beat)."""

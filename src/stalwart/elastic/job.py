@@ -245,12 +245,8 @@ class Job:
     def _change_flag(self) -> float:
         """1.0 when this member sees a newer epoch published (checked by rank 0 only)."""
         if self._membership is None or self.rank != 0:
-            return 0.0
-        try:
-            return 1.0 if self._membership.latest_epoch() > self.epoch else 0.0
-        except RuntimeError as e:  # the coordinator is gone: train on in this epoch
-            log.warning("cannot read the coordinator's epoch: %s", e)
-            return 0.0
+            return 0.0  # a lost coordinator: followed, or DistributedError (membership.py)
+        return 1.0 if self._membership.latest_epoch() > self.epoch else 0.0
 
     def commit(self, apply: Callable[[], Any]) -> Any:
         """Reduce gradients and buffers, then ``apply()`` if every member voted; else discard."""

@@ -13,6 +13,14 @@ either every listed member builds it or none does:
 So a member never builds a group that another member abandoned (which would cost a full gloo
 timeout), and a member that dies before arriving only costs the time until the coordinator
 publishes the next epoch.
+
+**Coordinator loss.** A store call that fails on the connection (the store's host died) makes
+the worker look for a re-hosted coordinator: ``stalwart run`` writes the store's address to
+``STALWART_ELASTIC_STORE_FILE``, and a launcher that re-hosts the store writes the new one
+there after publishing the next epoch on it. The worker connects to it, announces itself again
+and carries on (the epoch change heals nobody's state away: members keep their memory, and
+parity is checked as after any change). When no new address appears within the epoch timeout,
+it raises :class:`~stalwart.errors.DistributedError` saying that the coordinator is gone.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from stalwart.elastic.heartbeat import Heartbeat
-from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys
+from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys, read_address
 from stalwart.errors import DistributedError
 
 __all__ = ["Epoch", "Membership"]
@@ -69,11 +77,54 @@ class Membership:
     def __init__(self, env: WorkerEnv, min_size: int) -> None:
         self.env = env
         self.wid = env.worker_id
-        self.store: Store = TCPStore(
-            env.host, env.port, is_master=False, timeout=env.timeout, wait_for_workers=False
-        )
+        self.min_size = min_size
+        self.address = (env.host, env.port)
+        self.moves = 0  # re-hosted coordinators followed
+        self.store: Store = self._connect(self.address)
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
-        self.store.set(keys.ready(self.wid), encode({"pid": os.getpid(), "min_size": min_size}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        self._announce()
+
+    def _connect(self, address: tuple[str, int]) -> Store:
+        host, port = address
+        return TCPStore(host, port, is_master=False, timeout=self.env.timeout,
+                        wait_for_workers=False)  # fmt: skip
+
+    def _announce(self) -> None:
+        record = encode({"pid": os.getpid(), "min_size": self.min_size})
+        self.store.set(keys.ready(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+
+    def follow_coordinator(self, err: BaseException) -> None:
+        """The store failed with ``err``: connect to a re-hosted coordinator if one appears.
+
+        Waits up to the epoch timeout for a new address in ``env.store_file``.
+
+        Raises:
+            DistributedError: none appeared: the coordinator (the launcher or its host) is gone.
+        """
+        log.warning("worker %d: the coordinator at %s:%d failed (%s); looking for a new one",
+                    self.wid, *self.address, err)  # fmt: skip
+        deadline = time.monotonic() + self.env.timeout_s
+        while time.monotonic() < deadline:
+            address = read_address(self.env.store_file)
+            if address is not None and address != self.address:
+                try:
+                    self.store = self._connect(address)
+                    self._announce()
+                except RuntimeError:  # not up yet, or gone again: keep looking
+                    time.sleep(_POLL_S)
+                    continue
+                self.address, self.moves = address, self.moves + 1
+                log.warning("worker %d: following the coordinator to %s:%d", self.wid, *address)
+                return
+            time.sleep(10 * _POLL_S)
+        where = f" in {self.env.store_file}" if self.env.store_file else ""
+        raise DistributedError(
+            f"worker {self.wid}: the coordinator at {self.address[0]}:{self.address[1]} is gone "
+            f"({err}) and no re-hosted coordinator was announced{where} within "
+            f"{self.env.timeout_s:.0f} s: the `stalwart run` launcher or its host died. This "
+            "member stops; run the job again with `stalwart run`, resuming from your last "
+            "checkpoint"
+        ) from err
 
     def publish_stats(self, window: dict[str, object]) -> None:
         """Publish a step-time window for the launcher's straggler check (one store write)."""
@@ -84,9 +135,13 @@ class Membership:
 
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""
-        if not self.store.check([keys.EPOCH]):
-            return 0
-        return int(self.store.get(keys.EPOCH))
+        while True:
+            try:
+                if not self.store.check([keys.EPOCH]):
+                    return 0
+                return int(self.store.get(keys.EPOCH))
+            except RuntimeError as e:  # DistNetworkError: the store's host is gone
+                self.follow_coordinator(e)
 
     def report_fault(self, epoch: int) -> None:
         """Tell the coordinator that a collective of ``epoch`` failed here."""
@@ -97,7 +152,12 @@ class Membership:
 
     def finish(self, step: int, epoch: int) -> None:
         """Record that this worker finished at ``step``, agreed with the members of ``epoch``."""
-        self.store.set(keys.done(self.wid), encode({"step": step, "epoch": epoch}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        record = encode({"step": step, "epoch": epoch})
+        try:
+            self.store.set(keys.done(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        except RuntimeError as e:
+            self.follow_coordinator(e)
+            self.store.set(keys.done(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
 
     def join(self, after: int, deadline_s: float) -> Epoch:
         """Join the first epoch newer than ``after`` that lists this worker and forms.
@@ -108,10 +168,16 @@ class Membership:
         deadline = time.monotonic() + deadline_s
         floor = after
         while time.monotonic() < deadline:
-            number = self._wait_newer(floor, deadline)
-            members = tuple(decode(self.store.get(keys.members(number))))
-            floor = number
-            if self.wid not in members or not self._arrive(number, len(members), deadline):
+            try:
+                number = self._wait_newer(floor, deadline)
+                members = tuple(decode(self.store.get(keys.members(number))))
+                floor = number
+                if self.wid not in members or not self._arrive(number, len(members), deadline):
+                    continue
+            except RuntimeError as e:
+                if isinstance(e, DistributedError):
+                    raise
+                self.follow_coordinator(e)  # then look for the next epoch on the new store
                 continue
             rank = members.index(self.wid)
             try:

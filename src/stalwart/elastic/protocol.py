@@ -14,6 +14,8 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
     coord/done/{wid}               JSON {"step", "epoch"}: worker wid finished and agreed
     coord/beat/{wid}               counter: worker wid's heartbeats (a daemon thread adds 1)
     coord/stats/{wid}              JSON: worker wid's latest step-time window (see stats.py)
+    coord/next_wid, coord/nodes, coord/exit/{wid}, coord/kill/{wid}, coord/final
+                                   several nodes' launchers (see nodes.py)
 
 Environment of a worker started by ``stalwart run`` (read in one place, :func:`from_env`):
 
@@ -22,6 +24,9 @@ Environment of a worker started by ``stalwart run`` (read in one place, :func:`f
     STALWART_ELASTIC_EVENTS    folder for the per-worker JSON-lines event files
     STALWART_ELASTIC_TIMEOUT_S timeout of each epoch's gloo group (seconds, default 10)
     STALWART_ELASTIC_HANG_S    hang timeout: heartbeats are sent 5 times per it (default 5)
+    STALWART_ELASTIC_STORE_FILE file holding the coordinator's current ``host:port``: after the
+                               store is lost, a worker reconnects to the address written
+                               there (a re-hosted coordinator), see :mod:`membership`
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ __all__ = [
     "ENV_EVENTS",
     "ENV_HANG",
     "ENV_STORE",
+    "ENV_STORE_FILE",
     "ENV_TIMEOUT",
     "ENV_WORKER",
     "WorkerEnv",
     "from_env",
     "keys",
+    "read_address",
+    "write_address",
 ]
 
 ENV_STORE = "STALWART_ELASTIC_STORE"
@@ -52,6 +60,7 @@ ENV_WORKER = "STALWART_ELASTIC_WORKER"
 ENV_EVENTS = "STALWART_ELASTIC_EVENTS"
 ENV_TIMEOUT = "STALWART_ELASTIC_TIMEOUT_S"
 ENV_HANG = "STALWART_ELASTIC_HANG_S"
+ENV_STORE_FILE = "STALWART_ELASTIC_STORE_FILE"
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_HANG_S = 5.0
@@ -61,6 +70,19 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     """Names of the coordinator's keys (see the module docstring)."""
 
     EPOCH = "coord/epoch"
+    NEXT_WID = "coord/next_wid"
+    NODES = "coord/nodes"
+    FINAL = "coord/final"
+
+    @staticmethod
+    def exit(wid: int) -> str:
+        """Worker ``wid``'s exit status, written by the launcher that reaped it."""
+        return f"coord/exit/{wid}"
+
+    @staticmethod
+    def kill(wid: int) -> str:
+        """Set by the host to have worker ``wid``'s launcher SIGKILL it."""
+        return f"coord/kill/{wid}"
 
     @staticmethod
     def members(epoch: int) -> str:
@@ -129,6 +151,7 @@ class WorkerEnv:
         events_dir: folder for event files, or None to keep no events.
         timeout_s: timeout of each epoch's gloo group, in seconds.
         hang_s: the launcher's hang timeout (heartbeats go 5 times per it; 0: none sent).
+        store_file: where a re-hosted coordinator's address appears (None: no fail-over).
     """
 
     host: str
@@ -137,6 +160,7 @@ class WorkerEnv:
     events_dir: Path | None
     timeout_s: float
     hang_s: float = DEFAULT_HANG_S
+    store_file: Path | None = None
 
     @property
     def timeout(self) -> timedelta:
@@ -174,4 +198,23 @@ def from_env(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
         events_dir=Path(events) if events else None,
         timeout_s=timeout_s,
         hang_s=hang_s,
+        store_file=Path(env[ENV_STORE_FILE]) if env.get(ENV_STORE_FILE) else None,
     )
+
+
+def write_address(path: Path, address: str) -> None:
+    """Publish the coordinator's ``host:port`` in ``path`` atomically (write, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(address)
+    os.replace(tmp, path)
+
+
+def read_address(path: Path | None) -> tuple[str, int] | None:
+    """The ``(host, port)`` written by :func:`write_address`; None when absent or unreadable."""
+    if path is None:
+        return None
+    try:
+        host, _, port = path.read_text().strip().rpartition(":")
+        return host or "127.0.0.1", int(port)
+    except (OSError, ValueError):
+        return None

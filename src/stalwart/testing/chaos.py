@@ -20,7 +20,17 @@ Two more kinds of fault, in user space (``tc netem`` is not available on these m
 * :class:`Delay`: the worker sleeps ``delay_s`` before entering the all-reduce at every step
   of a range: a slow link or a slow host, which the launcher reports as a straggler.
 
-:meth:`KillSchedule.mixed` draws a seeded mix of all four (kill, stop, raise, delay).
+Two faults of the job's plumbing:
+
+* :class:`LoseCoordinator`: at a step boundary the worker sends SIGUSR1 to its parent, the
+  ``stalwart run`` launcher, which drops the coordinator's store and re-hosts it on a new port
+  (see :mod:`stalwart.elastic.launcher`): every worker's store connection breaks under it.
+* :class:`Drop`: the worker never enters the all-reduce of a step (it blocks forever, its
+  heartbeats still going): a collective that never completes. The others' all-reduce times
+  out after the epoch's gloo timeout, they discard the step, the member that never arrives at
+  the next epoch is taken for hung and replaced.
+
+:meth:`KillSchedule.mixed` draws a seeded mix of kill, stop, raise and delay.
 
 Faults name the *original* worker id; a replacement gets a fresh id and is not hit again.
 
@@ -44,7 +54,17 @@ from typing import Any, Protocol
 
 from stalwart.errors import ConfigError, StalwartError
 
-__all__ = ["ENV_CHAOS", "Delay", "InjectedFault", "Kill", "KillSchedule", "Raise", "install"]
+__all__ = [
+    "ENV_CHAOS",
+    "Delay",
+    "Drop",
+    "InjectedFault",
+    "Kill",
+    "KillSchedule",
+    "LoseCoordinator",
+    "Raise",
+    "install",
+]
 
 ENV_CHAOS = "STALWART_CHAOS"
 # The worker id ``stalwart run`` gives each process (stalwart.elastic.protocol.ENV_WORKER;
@@ -132,6 +152,32 @@ class Delay:
         return self.start <= step and (self.stop is None or step < self.stop)
 
 
+@dataclass(frozen=True)
+class LoseCoordinator:
+    """Worker ``worker`` makes the launcher re-host the coordinator at ``step`` (SIGUSR1).
+
+    Attributes:
+        step: the step boundary at which the store is lost.
+        worker: the worker that asks (any live one; its parent must be the launcher).
+    """
+
+    step: int
+    worker: int = 0
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Worker ``worker`` never enters the all-reduce of ``step``: it blocks there for good.
+
+    Attributes:
+        worker: the worker id.
+        step: the step whose collective it drops.
+    """
+
+    worker: int
+    step: int
+
+
 _KINDS = ("kill", "stop", "raise", "delay")
 
 
@@ -142,6 +188,8 @@ class KillSchedule:
     kills: tuple[Kill, ...] = ()
     raises: tuple[Raise, ...] = ()
     delays: tuple[Delay, ...] = ()
+    coordinator_losses: tuple[LoseCoordinator, ...] = ()
+    drops: tuple[Drop, ...] = ()
 
     @classmethod
     def seeded(cls, seed: int, *, workers: int, steps: range, count: int = 1,
@@ -197,6 +245,8 @@ class KillSchedule:
             "kills": self.kills,
             "raises": self.raises,
             "delays": self.delays,
+            "coordinator_losses": self.coordinator_losses,
+            "drops": self.drops,
         }
         return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
 
@@ -214,6 +264,8 @@ class KillSchedule:
             tuple(Kill(**k) for k in data.get("kills", ())),
             tuple(Raise(**r) for r in data.get("raises", ())),
             tuple(Delay(**d) for d in data.get("delays", ())),
+            tuple(LoseCoordinator(**c) for c in data.get("coordinator_losses", ())),
+            tuple(Drop(**d) for d in data.get("drops", ())),
         )
 
 
@@ -244,7 +296,9 @@ def install(
     kills = [k for k in schedule.kills if k.worker == worker]
     raises = [r for r in schedule.raises if r.worker == worker]
     delays = [d for d in schedule.delays if d.worker == worker]
-    if not (kills or raises or delays):
+    losses = {c.step for c in schedule.coordinator_losses if c.worker == worker}
+    drops = {d.step for d in schedule.drops if d.worker == worker}
+    if not (kills or raises or delays or losses or drops):
         return
 
     def listener(event: str, step: int) -> None:
@@ -259,5 +313,10 @@ def install(
         for r in raises:
             if r.step == step and r.where == where:
                 raise InjectedFault(f"chaos: worker {worker} raises at step {step} ({where})")
+        if where == "boundary" and step in losses:
+            losses.discard(step)  # once, even if the step is attempted again
+            os.kill(os.getppid(), signal.SIGUSR1)
+        if where == "collective" and step in drops:
+            threading.Event().wait()  # never returns: the collective is never entered
 
     job.add_listener(listener)

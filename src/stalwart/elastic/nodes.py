@@ -1,0 +1,225 @@
+"""Several nodes, one job: a launcher per node meets the others at a rendezvous endpoint.
+
+``stalwart run --rdzv HOST:PORT --nnodes MIN:MAX --nproc N script.py`` on every node. The first
+launcher that binds ``HOST:PORT`` hosts the coordinator's store there and supervises the job
+(:mod:`stalwart.elastic.launcher`): it alone publishes membership epochs. Every other launcher is
+an *agent*: it starts its node's workers, replaces the ones that die (its own
+``--max-restarts``), and tells the host through the store what it cannot see from afar:
+
+    coord/next_wid        counter: worker ids are allocated here, unique across nodes
+    coord/nodes           counter: launchers that joined (an agent past MAX is refused)
+    coord/exit/{wid}      exit status of a worker, written by the launcher that reaped it
+    coord/kill/{wid}      the host asks the worker's launcher to SIGKILL it (hung, absent)
+    coord/final           JSON list: the members of the final epoch (agents stop the others)
+
+Workers of every node connect to the same store and join the same epochs; gloo groups connect
+them directly. A node *leaves* when its launcher has no workers left (they died and its restarts
+ran out) or when it dies with them: the survivors' collectives fail on the closed connections
+at once, and the host takes the silent workers for dead after the hang timeout (no heartbeat)
+and publishes the next epoch without them. A node *joins* by starting a launcher with the same
+``--rdzv``: its workers announce themselves and the host adds them at the next step boundary,
+where they heal from a live member.
+
+The first epoch waits for ``MIN`` nodes' workers (``MIN * N``, nodes being alike) or the start
+grace. The host's death ends the job for everyone (no other launcher re-hosts the store; see
+``docs/elastic.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import Store, TCPStore
+
+from stalwart.elastic.coordinator import Coordinator
+from stalwart.elastic.events import EventLog
+from stalwart.elastic.protocol import ENV_STORE, ENV_STORE_FILE, ENV_WORKER, decode, encode, keys
+from stalwart.elastic.recovery import LAUNCHER_LOG
+from stalwart.errors import ConfigError, DistributedError
+
+__all__ = ["RdzvCoordinator", "parse_nnodes", "rendezvous", "run_agent", "worker_views"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+_TERM_GRACE_S = 5.0
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"MIN:MAX"`` or ``"N"`` as ``(min, max)``.
+
+    Raises:
+        ConfigError: not numbers, or not 1 <= MIN <= MAX.
+    """
+    lo, _, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ConfigError(f"--nnodes {text!r}: write MIN:MAX (or N) with 1 <= MIN <= MAX")
+    return bounds
+
+
+class RdzvCoordinator(Coordinator):
+    """The coordinator's store bound to the rendezvous ``host:port`` (the host node)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
+        self.epoch = 0
+        self.members: tuple[int, ...] = ()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the rendezvous endpoint."""
+        return f"{self.host}:{self.store.port}"
+
+
+def rendezvous(address: str, max_nodes: int) -> tuple[RdzvCoordinator | None, Store, int]:
+    """Meet at ``address``: host the store if the port is free, else join as an agent.
+
+    Returns:
+        ``(coordinator, store, node)``: the coordinator when this launcher hosts the job (None
+        for an agent), a store client, and this node's number (0 for the first).
+
+    Raises:
+        ConfigError: ``address`` is not ``HOST:PORT``, or the job already has ``max_nodes``.
+    """
+    host, _, port_text = address.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ConfigError(f"--rdzv {address!r}: write HOST:PORT (e.g. 10.0.0.1:29400)")
+    port = int(port_text)
+    coord: RdzvCoordinator | None = None
+    try:
+        coord = RdzvCoordinator(host, port)
+        store: Store = coord.store
+    except RuntimeError:  # the port is taken: another launcher hosts the job
+        store = TCPStore(host, port, is_master=False, wait_for_workers=False)
+    node = int(store.add(keys.NODES, 1)) - 1
+    if node >= max_nodes:
+        raise ConfigError(
+            f"the job at {address} already has {max_nodes} nodes (--nnodes MIN:{max_nodes}); "
+            "raise MAX on every launcher to add more"
+        )
+    return coord, store, node
+
+
+def new_wid(store: Store) -> int:
+    """A worker id no launcher of the job has given out."""
+    return int(store.add(keys.NEXT_WID, 1)) - 1
+
+
+def worker_views(store: Store, local: set[int], known: set[int]) -> tuple[set[int], dict[int, int]]:
+    """The host's view of other nodes' workers: all their ids, and the exits reported so far.
+
+    Args:
+        store: the coordinator's store.
+        local: ids of the host's own workers.
+        known: ids whose exit the host already knows (not read again).
+    """
+    remote = set(range(int(store.add(keys.NEXT_WID, 0)))) - local
+    exits = {
+        w: int(store.get(keys.exit(w)))
+        for w in remote - known
+        if store.check([keys.exit(w)])
+    }  # fmt: skip
+    return remote, exits
+
+
+def run_agent(
+    cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Store,
+    stdout: int | None, rdzv: str, folder: Path,
+) -> tuple[int, int]:  # fmt: skip
+    """An agent node: start, reap, replace and stop its workers; report to the host.
+
+    Its ``spawned``/``exited`` lines go to ``folder``'s launcher log (appended: the nodes may
+    share one folder).
+
+    Returns:
+        ``(exit code, restarts)``: 0 when each of its workers in the final epoch exited
+        cleanly; 1 when the node left the job (no workers left) or lost the host.
+    """
+    env = dict(env, **{ENV_STORE: rdzv})
+    env.pop(ENV_STORE_FILE, None)
+    events = EventLog(folder, -1, name=LAUNCHER_LOG)
+    try:
+        return _agent_loop(cmd, nproc, max_restarts, env, store, stdout, events)
+    finally:
+        events.close()
+
+
+def _agent_loop(
+    cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Store,
+    stdout: int | None, events: EventLog,
+) -> tuple[int, int]:  # fmt: skip
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    codes: dict[int, int] = {}
+    restarts = 0
+    final: list[int] | None = None
+
+    def spawn(replaces: int | None = None) -> None:
+        wid = new_wid(store)
+        events.write("spawned", wid=wid, replaces=replaces)
+        procs[wid] = subprocess.Popen(cmd, env=dict(env, **{ENV_WORKER: str(wid)}), stdout=stdout)
+
+    for _ in range(nproc):
+        spawn()
+    try:
+        while any(w not in codes for w in procs):
+            for wid, p in list(procs.items()):
+                if wid in codes:
+                    continue
+                if p.poll() is None and store.check([keys.kill(wid)]):
+                    p.kill()  # the host took it for hung
+                if p.poll() is None:
+                    continue
+                p.wait()
+                codes[wid] = p.returncode
+                store.set(keys.exit(wid), str(p.returncode))
+                events.write("exited", wid=wid, rc=p.returncode,
+                             stopped=final is not None and wid not in final)  # fmt: skip
+                if p.returncode != 0 and final is None and restarts < max_restarts:
+                    restarts += 1
+                    spawn(replaces=wid)
+            if final is None and store.check([keys.FINAL]):
+                final = decode(store.get(keys.FINAL))
+                for wid in set(procs) - set(final) - set(codes):
+                    procs[wid].terminate()  # a joiner the job no longer needs
+            time.sleep(_POLL_S)
+    except RuntimeError as e:  # DistNetworkError: the host launcher is gone
+        log.error("the job's host launcher is gone (%s); stopping this node's workers", e)
+        final = None
+    finally:
+        _stop(procs)
+    ok = final is not None and all(codes.get(w) == 0 for w in procs if w in final)
+    return (0 if ok else 1), restarts
+
+
+def _stop(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(_TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def publish_final(store: Store, members: Any) -> None:
+    """Tell the agents which workers make up the final epoch."""
+    store.set(keys.FINAL, encode(list(members)))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+
+
+def ask_kill(store: Store, wid: int) -> None:
+    """Ask worker ``wid``'s launcher to SIGKILL it; nobody may be left to (a dead node)."""
+    try:
+        store.set(keys.kill(wid), "1")
+    except RuntimeError as e:
+        raise DistributedError(f"cannot reach the store to stop worker {wid}: {e}") from e
