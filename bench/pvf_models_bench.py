@@ -295,7 +295,10 @@ def variant(name: str, kind: str, bits: str, n: int) -> tuple[Any, ...]:
     error = EXPSIGN if bits == "expsign" else None
     if kind == "quant":
         model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-        faults = vulnerability.sample_faults(model.eval(), n, targets="*.weight", seed=1)
+        qlinear = [torch.ao.nn.quantized.dynamic.Linear]
+        faults = vulnerability.sample_faults(
+            model.eval(), n, targets="*.weight", module_types=qlinear, seed=1
+        )
     elif kind == "weight":
         faults = vulnerability.sample_faults(
             model, n, targets="*.weight", module_types=[nn.Linear, nn.Conv2d], seed=1, error=error
