@@ -47,6 +47,7 @@ Itemset = tuple[tuple[int, str], ...]
 """An item-set: (column index, value) pairs sorted by column index."""
 
 _BATCH_ROWS = 1 << 20
+_STREAM_ROWS = 1 << 24  # inputs with more rows stream their failing groups from DuckDB
 _DENSE_BINS = 1 << 22
 _PAIR_CACHE_BYTES = 1 << 26
 _GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
@@ -105,14 +106,21 @@ def _num(v: float) -> str:
 
 
 def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureGroups:
-    """GROUP BY every cleaned attribute over the failing rows only, streamed from DuckDB in
-    batches that are dictionary-coded as they arrive: the groups' text values never sit in
-    memory all at once (at 100 M rows they are millions of rows of 20 strings)."""
+    """GROUP BY every cleaned attribute over the failing rows only, dictionary-coded batch by
+    batch; past ``_STREAM_ROWS`` input rows the batches stream from DuckDB, so the groups'
+    text values never sit in memory all at once (at 100 M rows: millions of rows of 20
+    strings)."""
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
-    reader = src.sql(
+    rel = src.sql(
         f"SELECT {sel}, sum({target_sql})::DOUBLE AS t FROM {{src}} "
         f"WHERE ({target_sql}) > 0 GROUP BY ALL"
-    ).to_arrow_reader(_BATCH_ROWS)
+    )
+    # a materialized result is faster while small: stream only large inputs
+    reader = (
+        rel.to_arrow_table().to_batches()
+        if plan.rows <= _STREAM_ROWS
+        else rel.to_arrow_reader(_BATCH_ROWS)
+    )
     n_cols = len(plan.columns)
     lookup: list[dict[str, int]] = [{} for _ in range(n_cols)]
     parts: list[np.ndarray] = []
