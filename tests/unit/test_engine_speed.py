@@ -211,3 +211,19 @@ def test_untraceable_model_runs_the_eager_engine_with_naive_outcomes(
     _same(fast, slow)
     with pytest.raises(UnsupportedValueError, match="cannot trace"):
         FastEngine(model, (x,), eager=False)
+
+
+@pytest.mark.parametrize("module", ["engine", "delta", "activation_engine", "eager_engine"])
+def test_engine_tensors_follow_the_model_device(module: str) -> None:
+    """Without a GPU here, check the source: every tensor the engine makes is put on the
+    device of the tensor it works with, and nothing leaves for NumPy on the hot path."""
+    import importlib
+    import inspect
+    import re
+
+    src = inspect.getsource(importlib.import_module(f"stalwart.vulnerability.{module}"))
+    made = re.findall(r"torch\.(?:tensor|arange|empty|zeros|ones|full)\((.*)", src)
+    assert made, module
+    for line in made:
+        assert "device=" in line or ".to(dev)" in line, f"{module}: {line}"
+    assert ".numpy()" not in src
