@@ -4,7 +4,8 @@
 syncs every ``--h`` inner steps; ``--mode async`` uses the buffered asynchronous outer step.
 Every (step, rank) draws fresh rows; the held-out loss is measured on a fixed set. A slow
 worker comes from the chaos harness (``STALWART_CHAOS`` with a ``Delay``). Writes
-``final-{worker}.pt`` with the digest, steps, held-out loss and bytes sent.
+``final-{worker}.pt`` with the digest, steps, held-out loss, bytes sent and received, the
+training loop's seconds and (``--trace``) the held-out loss at every outer step.
 
 Usage: diloco_worker.py --mode ddp|diloco|async --outer N --h H [--k K --staleness S] --out DIR
 """
@@ -51,20 +52,31 @@ def held_out(model: nn.Module) -> float:
         return float(F.mse_loss(model(x), y))
 
 
+def _trace(trace: list[tuple[float, int, float]], t0: float, step: int, model: nn.Module) -> None:
+    if not trace or trace[-1][1] != step:
+        trace.append((time.perf_counter() - t0, step, held_out(model)))
+
+
 def run_ddp(a: argparse.Namespace) -> dict[str, object]:
     model, opt = model_and_inner(a.lr)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt, rng=False), verify_every=0)
     chaos.install(job)
     optimizer = job.optimizer(opt)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trace: list[tuple[float, int, float]] = []
+    t0 = time.perf_counter()
     while job.step < a.outer * a.h:
         optimizer.zero_grad()
         x, y = batch(job.step, job.rank)
         F.mse_loss(model(x), y).backward()
+        time.sleep(a.compute_s)  # modelled compute (the slow worker adds a chaos Delay)
         optimizer.step()
+        if a.trace and job.step % a.h == 0:
+            _trace(trace, t0, job.step // a.h, model)
+    loop_s = time.perf_counter() - t0
     job.close()
     return {"digest": job.digest(), "steps": job.step, "loss": held_out(model),
-            "bytes": params * job.step}  # fmt: skip
+            "bytes": params * job.step, "loop_s": loop_s, "trace": trace}  # fmt: skip
 
 
 def run_diloco(a: argparse.Namespace) -> dict[str, object]:
@@ -75,14 +87,21 @@ def run_diloco(a: argparse.Namespace) -> dict[str, object]:
     outer = Nesterov(lr=a.outer_lr, momentum=a.outer_momentum)
     d = DiLoCo(model, inner, h=a.h, outer=outer, mode=mode, verify_every=0)
     chaos.install(d)
+    trace: list[tuple[float, int, float]] = []
+    t0 = time.perf_counter()
     while d.outer_step < a.outer:
         inner.zero_grad()
         x, y = batch(d.inner_steps, d.rank if mode is None else d.job.members[d.rank])
         F.mse_loss(model(x), y).backward()
+        time.sleep(a.compute_s)
         d.step()
+        if a.trace:
+            _trace(trace, t0, d.outer_step, d.global_model)
+    loop_s = time.perf_counter() - t0
     d.close(a.outer)
     return {"digest": d.job.digest(), "steps": d.outer_step, "inner": d.inner_steps,
-            "loss": held_out(d.global_model), "bytes": d.bytes_sent}  # fmt: skip
+            "loss": held_out(d.global_model), "bytes": d.bytes_sent,
+            "received": d.bytes_received, "loop_s": loop_s, "trace": trace}  # fmt: skip
 
 
 def main() -> None:
@@ -96,6 +115,8 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--fixed-h", action="store_true", help="async: no compute-aware H")
+    parser.add_argument("--compute-s", type=float, default=0.0, help="modelled s per step")
+    parser.add_argument("--trace", action="store_true", help="held-out loss per outer step")
     parser.add_argument("--out", type=Path, required=True)
     a = parser.parse_args()
     torch.set_num_threads(1)

@@ -177,7 +177,9 @@ class AsyncOuter:
         if v == 0 or (v == self.version and not force):
             self.version = max(self.version, v)
             return None
-        rec: dict[str, Any] = _loads(self.store.get(f"diloco/r{v}"))
+        raw = self.store.get(f"diloco/r{v}")
+        self.d.bytes_received += len(raw)
+        rec: dict[str, Any] = _loads(raw)
         with torch.no_grad():
             for g, t in zip(self.d._global, rec["params"], strict=True):
                 g.copy_(t)

@@ -121,6 +121,7 @@ class DiLoCo:
         self._in_phase = 0
         self._phase_t0 = time.perf_counter()
         self.bytes_sent = 0  # pseudo-gradient bytes this member contributed
+        self.bytes_received = 0  # the averaged result (async: the versions read from the store)
         self._async = AsyncOuter(self, mode) if mode is not None else None
         if self._async is not None:
             self._async.start()
@@ -178,6 +179,7 @@ class DiLoCo:
             self._async.report(deltas, self._in_phase, seconds)
         else:
             self._sync(deltas)
+            self.bytes_received = self.bytes_sent  # an all-reduce: as much back as sent
         self._adopt_global()
 
     def pseudo_gradient(self) -> list[torch.Tensor]:

@@ -1,0 +1,123 @@
+"""DiLoCo against data parallelism, and buffered async DiLoCo against sync with a straggler.
+
+Three ``stalwart run`` workers of ``tests/distributed/diloco_worker.py`` (a generated
+regression task, fresh rows per (step, rank), AdamW inner optimizer). Per-step compute is
+*modelled* by a sleep of ``--compute-s`` on every worker, so the figures do not depend on how
+busy this shared 2-core box is; the straggler is worker 2 with a chaos ``Delay`` of the same
+length per step (2x slower).
+
+1. No straggler, equal samples: ``ddp`` (one all-reduce per step) against ``diloco``
+   (``--h`` inner steps per outer step, Nesterov 0.7/0.9): bytes contributed per sample, wall
+   time per sample, held-out loss.
+2. Worker 2 slowed 2x: ``ddp``, synchronous ``diloco`` and ``async`` (``Buffered(k=2,
+   staleness=2)``, compute-aware H, outer momentum 0.5): wall time until the held-out loss
+   is under the target (1.1x the median final loss of synchronous DiLoCo in the same
+   scenario), from the per-outer-step traces.
+
+Contenders are interleaved in every repeat; medians and ranges over ``--repeats``.
+
+    nice -n 10 .venv/bin/python bench/diloco_bench.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.testing import Delay, KillSchedule
+
+WORKER = Path(__file__).resolve().parents[1] / "tests" / "distributed" / "diloco_worker.py"
+ROWS = 16  # rows per inner step and worker (diloco_worker.batch)
+
+
+def run(mode: str, a: argparse.Namespace, *, slow: bool, outer: int) -> list[dict[str, Any]]:
+    """One ``stalwart run`` of 3 workers; their final records."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("STALWART_ELASTIC_STORE", None)
+    if slow:
+        env.update(KillSchedule(delays=(Delay(worker=2, delay_s=a.compute_s),)).to_env())
+    extra = {"ddp": [], "diloco": [], "async": ["--k", "2", "--staleness", "2",
+                                                "--outer-momentum", "0.5"]}[mode]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", "0",
+               "--timeout", "120", str(WORKER), "--mode", mode, "--outer", str(outer),
+               "--h", str(a.h), "--compute-s", str(a.compute_s), "--trace", "--out", tmp,
+               *extra]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"{mode} failed:\n{done.stderr[-3000:]}")
+        return [torch.load(p) for p in sorted(Path(tmp).glob("final-*.pt"))]
+
+
+def summary(finals: list[dict[str, Any]], h: int) -> dict[str, float]:
+    """Per-run figures: samples, bytes and seconds per sample, final loss."""
+    inner = [f.get("inner", f["steps"]) for f in finals]
+    samples = sum(inner) * ROWS
+    wall = max(f["loop_s"] for f in finals)
+    sent = sum(f["bytes"] for f in finals)
+    return {"samples": samples, "bytes_per_sample": sent / samples, "wall": wall,
+            "us_per_sample": 1e6 * wall / samples, "loss": finals[0]["loss"]}  # fmt: skip
+
+
+def time_to(finals: list[dict[str, Any]], target: float) -> float:
+    """The first time any worker saw the global model under ``target`` (inf: never)."""
+    hits = [t for f in finals for t, _, loss in f["trace"] if loss <= target]
+    return min(hits) if hits else float("inf")
+
+
+def _fmt(values: list[float], spec: str = ".3g") -> str:
+    return f"{statistics.median(values):{spec}} [{min(values):{spec}}-{max(values):{spec}}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--h", type=int, default=50)
+    p.add_argument("--outer", type=int, default=10)
+    p.add_argument("--compute-s", type=float, default=0.004)
+    a = p.parse_args()
+    plain: dict[str, list[dict[str, float]]] = {"ddp": [], "diloco": []}
+    slow: dict[str, list[list[dict[str, Any]]]] = {"ddp": [], "diloco": [], "async": []}
+    for _ in range(a.repeats):
+        for mode in plain:
+            plain[mode].append(summary(run(mode, a, slow=False, outer=a.outer), a.h))
+        for mode in slow:
+            outer = a.outer * 2 if mode == "async" else a.outer  # runs on until past the target
+            slow[mode].append(run(mode, a, slow=True, outer=outer))
+    print("| no straggler | bytes sent / sample | wall µs / sample | held-out loss |")
+    print("|---|---|---|---|")
+    for mode, rows in plain.items():
+        print(
+            f"| {mode} | {_fmt([r['bytes_per_sample'] for r in rows])} | "
+            f"{_fmt([r['us_per_sample'] for r in rows])} | {_fmt([r['loss'] for r in rows])} |"
+        )
+    ratio = [d["bytes_per_sample"] / s["bytes_per_sample"]
+             for d, s in zip(plain["ddp"], plain["diloco"], strict=True)]  # fmt: skip
+    print(f"\nddp / diloco bytes per sample: {_fmt(ratio)}")
+    target = 1.1 * statistics.median(summary(f, a.h)["loss"] for f in slow["diloco"])
+    print(f"\n| worker 2 slowed 2x | wall s to loss <= {target:.4f} | final loss | run wall s |")
+    print("|---|---|---|---|")
+    times = {m: [time_to(f, target) for f in runs] for m, runs in slow.items()}
+    for mode, runs in slow.items():
+        sums = [summary(f, a.h) for f in runs]
+        print(
+            f"| {mode} | {_fmt(times[mode])} | {_fmt([s['loss'] for s in sums])} | "
+            f"{_fmt([s['wall'] for s in sums])} |"
+        )
+    speed = [s / t for s, t in zip(times["diloco"], times["async"], strict=True)]
+    print(
+        f"\nsync diloco / async time to target: {_fmt(speed, '.2f')}  "
+        f"({a.repeats} repeats, H={a.h}, {a.outer} outer steps, modelled {a.compute_s} s/step)"
+    )
+
+
+if __name__ == "__main__":
+    main()
