@@ -127,7 +127,8 @@ def test_weights_and_assignment() -> None:
     _, weights = combine([b, stale], 4, 10)
     assert weights[1] == pytest.approx(2**-0.5 / (1 + 2**-0.5))
     assert assign_h({0: 0.01, 1: 0.01, 2: 0.02}, 10, 1) == {0: 10, 1: 10, 2: 5}
-    assert assign_h({0: 0.01, 2: 1.0}, 10, 2) == {0: 10, 2: 2}
+    assert assign_h({0: 0.01, 1: 0.011, 2: 1.0}, 10, 2) == {0: 10, 1: 10, 2: 2}
+    assert assign_h({0: 0.009, 1: 0.01, 2: 0.011}, 10, 1) == {0: 10, 1: 10, 2: 9}
     assert Buffered().k_for(3) == 2 and Buffered(k=5).k_for(3) == 3 and Buffered().k_for(1) == 1
     with pytest.raises(ConfigError):
         Buffered(staleness=-1)

@@ -36,8 +36,8 @@ whichever members arrived.
 
 **Compute-aware H** (after FedCompass): every member publishes its seconds per inner step
 ``r_i`` at each report (``diloco/rate/{wid}``, dropped or not); the aggregator assigns
-``H_i = clamp(round(H · r_min / r_i), h_min, H)``, so each member's phase takes about the
-fastest member's ``H``-step time and they report together.
+``H_i = clamp(round(H · r_med / r_i), h_min, H)`` (``r_med``: the median member's), so each
+member's phase takes about the median member's ``H``-step time and they report together.
 
 **Membership.** ``k`` follows the published members, so a departed member never blocks a
 buffer (a member that died between its ticket and its post costs the aggregator one store
@@ -48,7 +48,9 @@ phases), after which every member adopts the newest version again.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncOuter", "Buffered", "combine"]
 
 _KEEP = 16  # versions kept on the store
-_POLL_S = 0.005
+_WAIT = timedelta(seconds=0.05)  # between membership and buffer checks while waiting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,11 +118,15 @@ def combine(
 
 
 def assign_h(rates: dict[int, float], h: int, h_min: int) -> dict[int, int]:
-    """Inner steps per worker so that each phase takes about the fastest worker's ``h`` steps."""
+    """Inner steps per worker so that each phase takes about ``h`` steps of the median worker.
+
+    Reference is the median rate, not the fastest, so that timing noise among equally fast
+    members does not cut their phases (a member at or under the median keeps ``h``).
+    """
     if not rates:
         return {}
-    fastest = min(rates.values())
-    return {w: max(h_min, min(h, round(h * fastest / max(r, 1e-12)))) for w, r in rates.items()}
+    typical = statistics.median(rates.values())
+    return {w: max(h_min, min(h, round(h * typical / max(r, 1e-12)))) for w, r in rates.items()}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -257,7 +263,10 @@ class AsyncOuter:
                     f"{self._timeout_s:.0f} s; fewer than k members are reporting (raise "
                     "--timeout, or lower Buffered(k=...))"
                 )
-            time.sleep(_POLL_S)
+            # blocks on the store until the next version is posted; after _WAIT without it,
+            # check membership and the buffer again
+            with contextlib.suppress(RuntimeError):
+                self.store.wait([f"diloco/r{base + 1}"], _WAIT)
 
     def finish(self, outer_steps: int | None) -> None:
         """Wait for version ``outer_steps`` (default: the newest) and adopt exactly it."""
