@@ -162,7 +162,9 @@ def _analyse(
     opts = DiagnoseOptions(**kw)
     if kpi:
         if engine == "spark":
-            raise ConfigError("the spark engine analyses labelled events; drop --engine spark")
+            from stalwart.diagnose.spark import localize_spark
+
+            return localize_spark(data, actual, expected, columns=columns, options=opts)
         return localize(
             data, actual, expected, columns=columns, options=opts, skip_bad_lines=skip_bad_lines
         )

@@ -4,8 +4,10 @@ module (starting Spark dominates the time)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,9 +95,9 @@ def test_events_with_numeric_buckets_match_local(spark: Any) -> None:
 def _leaves(ratio: bool) -> pa.Table:
     rng = np.random.default_rng(11)
     dims = {"dc": 4, "svc": 6, "os": 3, "ver": 5}
-    grid = np.stack(
-        np.meshgrid(*(np.arange(k) for k in dims.values()), indexing="ij"), -1
-    ).reshape(-1, len(dims))
+    grid = np.stack(np.meshgrid(*(np.arange(k) for k in dims.values()), indexing="ij"), -1).reshape(
+        -1, len(dims)
+    )
     cols: dict[str, Any] = {n: [f"{n}{v}" for v in grid[:, i]] for i, n in enumerate(dims)}
     hit = (grid[:, 0] == 1) & (grid[:, 1] == 2)  # dc1 & svc2
     hit2 = grid[:, 3] == 4  # ver4
@@ -148,3 +150,21 @@ def test_options_are_the_dataclass_only(spark: Any) -> None:
         localize_spark(frame, "latency_ms", ("zone", "kind"))
     with pytest.raises(ConfigError, match="Did you mean 'latency_ms'"):
         localize_spark(frame, "latency", "latency_ms")
+
+
+def test_cli_kpi_mode_runs_on_spark(spark: Any, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from stalwart.cli.main import app
+
+    table = _leaves(ratio=False)
+    path = tmp_path / "leaves.parquet"
+    pq.write_table(table, path)
+    args = ["rca", str(path), "--actual", "revenue", "--expected", "forecast", "--json"]
+    got = CliRunner().invoke(app, [*args, "--engine", "spark"], env={"NO_COLOR": "1"})
+    want = CliRunner().invoke(app, args, env={"NO_COLOR": "1"})
+    assert got.exit_code == 0, got.output
+    found = json.loads(got.stdout)["findings"]
+    assert found
+    assert [f["items"] for f in found] == [f["items"] for f in json.loads(want.stdout)["findings"]]
