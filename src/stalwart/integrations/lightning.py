@@ -149,7 +149,7 @@ def install_loader() -> None:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     load._stalwart = True  # type: ignore[attr-defined]
-    cloud_io._load = saving.pl_load = torch_io.pl_load = load  # type: ignore[assignment]
+    cloud_io._load = saving.pl_load = torch_io.pl_load = load
 
 
 def _is_pointer(path: str | os.PathLike[str]) -> bool:
