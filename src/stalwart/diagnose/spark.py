@@ -89,14 +89,17 @@ def analyze_spark(
     if weight is not None and weight not in names:
         raise ConfigError(f"weight: no column {weight!r}.{suggest(weight, names)}")
     attrs = _attributes(names, columns, used | {weight}, opts)
-    w = F.lit(1.0) if weight is None else F.coalesce(F.col(_q(weight)).cast("double"), F.lit(0.0))
+    w = F.lit(1.0)
+    if weight is not None:  # as the local engine reads a weight: a count, never negative
+        w = F.greatest(F.coalesce(F.col(_q(weight)).cast("double"), F.lit(0.0)), F.lit(0.0))
     cleaned = _cleaned(df, attrs, opts, F)
     keyed = df.select(
         *cleaned.exprs,
         F.coalesce(cond.cast("boolean"), F.lit(False)).alias(_FAILED),
         w.alias(_COUNT),
     )
-    table = keyed.groupBy(*cleaned.columns, _FAILED).agg(F.sum(_COUNT).alias(_COUNT)).toArrow()
+    keys = [F.col(_q(c)) for c in cleaned.columns]  # quoted: a dot in a name is no field
+    table = keyed.groupBy(*keys, _FAILED).agg(F.sum(_COUNT).alias(_COUNT)).toArrow()
     # ID-like columns were decided over the input's rows: the aggregate has far fewer, so
     # the rule must not run again there
     local = _local(opts, cleaned.columns, id_share=1.0)

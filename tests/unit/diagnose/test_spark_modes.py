@@ -64,7 +64,7 @@ def _events(n: int = 6000) -> pa.Table:
     return pa.table(
         {
             "request": [f"req-{i}" for i in range(n)],  # ID-like: dropped by both engines
-            "zone": zone,
+            "net.zone": zone,  # a dot in a name: no struct field for Spark
             "kind": kind,
             "latency_ms": pa.array(latency, mask=nulls),
             "failed": failed,
