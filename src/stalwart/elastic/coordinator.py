@@ -7,10 +7,13 @@ a failed collective, or a ready newcomer is waiting. Workers only ever follow pu
 epochs (see :mod:`stalwart.elastic.membership`), so there is no election and no consensus
 beyond the store's atomic ``add`` and ``compare_set``.
 
-If the launcher's host dies, the store dies with it: members keep training in their current
+If the store fails while the launcher lives (or on SIGUSR1, a fail-over drill), the launcher
+re-hosts it on a new port and publishes the address in ``coordinator.addr``; members and their
+heartbeats follow it and rejoin from their own memory (:mod:`stalwart.elastic.launcher`). If
+the launcher's host dies, the store dies with it: members keep training in their current
 epoch (their gloo groups do not use the store once built) until the next membership change,
-whose join then times out with a :class:`~stalwart.errors.DistributedError`. Failing over to
-a survivor is not implemented.
+whose join then times out with a :class:`~stalwart.errors.DistributedError` telling the user
+to rerun from the last checkpoint; moving the store to a surviving host is not implemented.
 
 A hung member (SIGSTOP, a stuck host) stops its heartbeats; the launcher kills it after the
 hang timeout (:mod:`stalwart.elastic.heartbeat`), which also fails the survivors' pending
