@@ -227,3 +227,18 @@ def test_engine_tensors_follow_the_model_device(module: str) -> None:
     for line in made:
         assert "device=" in line or ".to(dev)" in line, f"{module}: {line}"
     assert ".numpy()" not in src
+
+
+def test_quantized_targets_match_naive_and_leave_the_model_exact() -> None:
+    torch.manual_seed(3)
+    float_model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)).eval()
+    model = torch.ao.quantization.quantize_dynamic(float_model, {nn.Linear}, dtype=torch.qint8)
+    model.eval()
+    x = torch.randn(40, 12)
+    before = [m._weight_bias()[0].int_repr().clone() for m in (model[0], model[2])]
+    faults = sample_faults(model, 30, per_tensor=True, seed=7)  # values, scale, zero point
+    fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
+    slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
+    _same(fast, slow)
+    after = [m._weight_bias()[0].int_repr() for m in (model[0], model[2])]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -88,9 +88,12 @@ class QuantizedSlot:
             return q.q_per_channel_zero_points().to(torch.int64).clone().contiguous()
         return torch.tensor([q.q_zero_point()], dtype=torch.int64)
 
-    def rebuild(self, part: str, new: torch.Tensor) -> torch.Tensor:
-        """The tensor with ``part`` replaced by ``new`` (a :meth:`component`-shaped tensor)."""
-        q = self.get()
+    def rebuild(
+        self, part: str, new: torch.Tensor, original: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tensor with ``part`` replaced by ``new`` (a :meth:`component`-shaped tensor);
+        ``original``: the current tensor when the caller holds it (saves unpacking it)."""
+        q = self.get() if original is None else original
         if not q.is_quantized:
             return new
         values = new if part == "values" else q.int_repr()
