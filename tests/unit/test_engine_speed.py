@@ -242,3 +242,15 @@ def test_quantized_targets_match_naive_and_leave_the_model_exact() -> None:
     _same(fast, slow)
     after = [m._weight_bias()[0].int_repr() for m in (model[0], model[2])]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_untraceable_quantized_model_matches_naive() -> None:
+    torch.manual_seed(4)
+    model = torch.ao.quantization.quantize_dynamic(Branchy().eval(), {nn.Linear}, torch.qint8)
+    model.eval()
+    x = torch.randn(30, 6)
+    assert FastEngine(model, (x,)).eager is not None
+    faults = sample_faults(model, 20, per_tensor=True, seed=8, targets="lin*")
+    fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
+    slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
+    _same(fast, slow)
