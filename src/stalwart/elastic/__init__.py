@@ -50,6 +50,7 @@ from stalwart.elastic.job import Job
 from stalwart.elastic.launcher import LaunchResult, launch
 from stalwart.elastic.optimizer import ElasticOptimizer
 from stalwart.elastic.recovery import Recovery, recoveries
+from stalwart.elastic.sharded import ShardedState
 
 __all__ = [
     "Buffered",
@@ -64,5 +65,6 @@ __all__ = [
     "Recovery",
     "read_events",
     "recoveries",
+    "ShardedState",
     "summarize",
 ]
