@@ -21,7 +21,7 @@ from stalwart.diagnose.aggregate import (
 )
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
 from stalwart.diagnose.fpgrowth import fpgrowth_rows
-from stalwart.diagnose.kpi_localize import localize_kpi
+from stalwart.diagnose.kpi_localize import localize_frame, localize_kpi
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
 from stalwart.diagnose.score import (
@@ -102,11 +102,13 @@ def localize(
     One row per leaf (a full combination of attribute values; rows that share them are summed)
     with its actual and expected value: single columns for an additive KPI (counts, revenue),
     or (numerator, denominator) pairs for a ratio KPI (success rate = successes / requests).
-    The search (``kpi_search``) finds causes of any depth, several at once, and returns its
-    best explanation with a ``confidence`` whenever a leaf deviates beyond the forecast noise.
-    The ``kpi_*`` fields of ``options`` set it. See ``analyze`` for the other arguments.
+    The search (``kpi_search``, set by the ``kpi_*`` options) finds causes of any depth, several
+    at once, and answers with a ``confidence`` whenever the total deviates. A pandas frame of
+    plain text attributes skips DuckDB. See ``analyze`` for the other arguments.
     """
     opts = options or DiagnoseOptions()
+    if (d := localize_frame(data, actual, expected, columns, opts)) is not None:
+        return d
     with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
         masses = kpi_masses(src, actual, expected)
         attrs = _attributes(src, masses, columns, opts)

@@ -9,19 +9,22 @@ must reach it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
 from stalwart.diagnose.clean import plan_cleaning
-from stalwart.diagnose.kpi_search import KpiLeaves, Localized, SearchParams, kpi_leaves, search
+from stalwart.diagnose.kpi_search import KpiLeaves, Localized, SearchParams, search
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding
 from stalwart.diagnose.source import Source, quote
 from stalwart.diagnose.target import Masses
 
-__all__ = ["localize_kpi"]
+__all__ = ["kpi_leaves", "localize_frame", "localize_kpi", "params"]
+
+_TINY = 1e-12
 
 
 def localize_kpi(
@@ -52,39 +55,94 @@ def localize_kpi(
         return Diagnosis([], mode, 0.0, 0.0, 0, (), message=msg, **kw)
     kpi = [actual] if isinstance(actual, str) else list(actual)
     kpi += [expected] if isinstance(expected, str) else list(expected)
-    leaves, k, values = _leaves(src, plan.exprs, kpi)
-    prepared = time.perf_counter()
+    codes, values, k = _leaves(src, plan.exprs, kpi)
+    d = _from_arrays(codes, values, k, plan.columns, opts)
+    d.cleaning, d.notes = kw["cleaning"], kw["notes"] + d.notes
+    spent = time.perf_counter() - start - d.timings_s["search"]
+    d.timings_s = {"prepare": round(spent, 4), **d.timings_s}
+    return d
+
+
+def kpi_leaves(
+    codes: np.ndarray,
+    cards: tuple[int, ...],
+    actual: tuple[np.ndarray, ...],
+    expected: tuple[np.ndarray, ...],
+) -> KpiLeaves:
+    """Leaves of an additive KPI (``actual=(v,)``) or a ratio KPI (``(num, den)`` pairs).
+
+    A ratio leaf's value is num / den (0 without a denominator); its explanatory power is
+    Adtributor's for derived measures: the change it alone would make to the overall ratio.
+    """
+    if len(actual) == 1:
+        v, f = (np.asarray(x[0], dtype=np.float64) for x in (actual, expected))
+        total = float(v.sum() - f.sum())
+        ep = (v - f) / total if abs(total) > _TINY else np.zeros_like(v)
+        return KpiLeaves(codes, cards, v, f, ep, 1.0 if total >= 0 else -1.0)
+    an, ad = (np.asarray(x, dtype=np.float64) for x in actual)
+    en, ed = (np.asarray(x, dtype=np.float64) for x in expected)
+    v = np.divide(an, ad, out=np.zeros_like(an), where=ad != 0)
+    f = np.divide(en, ed, out=np.zeros_like(en), where=ed != 0)
+    fa, fb = float(en.sum()), float(ed.sum())
+    num = (an - en) * fb - (ad - ed) * fa
+    den = fb * (fb + ad - ed)
+    ep = np.divide(num, den, out=np.zeros_like(num), where=np.abs(den) > _TINY)
+    s = float(ep.sum())
+    ep = ep / s if abs(s) > _TINY else np.zeros_like(ep)
+    return KpiLeaves(codes, cards, v, f, ep, 1.0 if s >= 0 else -1.0, True)
+
+
+def _from_arrays(
+    codes: np.ndarray,
+    values: list[list[str]],
+    k: list[np.ndarray],
+    columns: tuple[str, ...],
+    opts: DiagnoseOptions,
+) -> Diagnosis:
+    """Search the leaves (rows sharing every attribute value summed first) and report."""
+    start = time.perf_counter()
+    cards = tuple(max(len(v), 1) for v in values)
+    key = np.zeros(len(codes), dtype=np.int64)
+    for i, n in enumerate(cards):
+        key = key * n + codes[:, i]
+    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    if len(uniq) < len(codes):
+        codes = codes[first]
+        k = [np.bincount(inv.ravel(), weights=x, minlength=len(uniq)) for x in k]
+    half = len(k) // 2
+    leaves = kpi_leaves(codes, cards, tuple(k[:half]), tuple(k[half:]))
     found = search(leaves, params(opts))
-    done = time.perf_counter()
-    kw["timings_s"] = {"prepare": round(prepared - start, 4), "search": round(done - prepared, 4)}
-    findings = _findings(found, leaves, k, plan.columns, values)
+    mode = "kpi-additive" if half == 1 else "kpi-ratio"
+    notes = []
     if found.fallback:
-        kw["notes"].append(
+        notes.append(
             "no element passed the risk bar (kpi_risk): the best-scoring one is shown, with "
             "its low confidence"
         )
-    total_t, total_r = _masses(k, np.ones(len(leaves.codes), dtype=bool))
+    findings = _findings(found, leaves, k, columns, values)
+    total_t, total_r = _masses(k, np.ones(len(codes), dtype=bool))
     none = "nothing found: no leaf moved away from its forecast the way the total did"
     return Diagnosis(
         findings,
         mode,
         total_t,
         total_r,
-        len(leaves.codes),
-        plan.columns,
+        len(codes),
+        columns,
         candidates=len(found.causes),
         covered=float(min(1.0, sum(max(c.ep, 0.0) for c in found.causes))),
         message="" if findings else none,
         confidence=found.confidence,
-        **kw,
+        notes=notes,
+        timings_s={"search": round(time.perf_counter() - start, 4)},
     )
 
 
 def _leaves(
     src: Source, exprs: tuple[str, ...], kpi: list[str]
-) -> tuple[KpiLeaves, list[np.ndarray], list[list[str]]]:
-    """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): the
-    leaves, the KPI sums per leaf, and each attribute's values by code."""
+) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
+    """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): codes,
+    each attribute's values by code, and the KPI sums."""
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
     sums = ", ".join(
         f"sum(coalesce(CAST({quote(c)} AS DOUBLE), 0)) AS k{i}" for i, c in enumerate(kpi)
@@ -98,9 +156,7 @@ def _leaves(
         codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
         values.append([str(v) for v in enc.dictionary.to_pylist()])
     k = [table.column(n_attr + i).to_numpy().astype(np.float64) for i in range(len(kpi))]
-    half = len(k) // 2
-    cards = tuple(max(len(v), 1) for v in values)
-    return kpi_leaves(codes, cards, tuple(k[:half]), tuple(k[half:])), k, values
+    return codes, values, k
 
 
 def params(opts: DiagnoseOptions) -> SearchParams:
@@ -111,6 +167,8 @@ def params(opts: DiagnoseOptions) -> SearchParams:
         trim=opts.kpi_trim,
         max_depth=opts.kpi_max_depth,
         max_causes=opts.max_findings,
+        merge=opts.kpi_merge,
+        merge_ratio=opts.kpi_merge_ratio,
     )
 
 
@@ -156,3 +214,46 @@ def _findings(
             )
         )
     return out
+
+
+def localize_frame(
+    data: Any,
+    actual: str | tuple[str, str],
+    expected: str | tuple[str, str],
+    columns: Sequence[str] | None,
+    opts: DiagnoseOptions,
+) -> Diagnosis | None:
+    """``localize`` on a pandas DataFrame of plain text attributes without DuckDB, when the
+    cleaning would change nothing (no nulls, 2 to ``max_values`` distinct values per column,
+    no ``exclude``/``keep``/``hierarchies``); ``None`` for the general path."""
+    if type(data).__module__.split(".")[0] != "pandas" or not hasattr(data, "columns"):
+        return None
+    import pandas  # the caller's own data is a pandas frame
+
+    kpi = [actual] if isinstance(actual, str) else list(actual)
+    kpi += [expected] if isinstance(expected, str) else list(expected)
+    names = [str(c) for c in data.columns]
+    attrs = list(columns) if columns else [c for c in names if c not in kpi]
+    if opts.exclude or opts.keep or opts.hierarchies or len(set(names)) != len(names):
+        return None
+    if not attrs or not set(attrs + kpi) <= set(names) or set(attrs) & set(kpi):
+        return None
+    limit = min(opts.max_values, opts.id_min_distinct)
+    codes = np.empty((len(data), len(attrs)), dtype=np.int64)
+    values: list[list[str]] = []
+    for i, c in enumerate(attrs):
+        col = data[c]
+        text = pandas.api.types.is_string_dtype(col) or isinstance(
+            col.dtype, pandas.CategoricalDtype
+        )
+        if not text or col.isna().any():
+            return None
+        code, uniq = pandas.factorize(col)
+        if not 2 <= len(uniq) <= limit or not all(isinstance(v, str) for v in uniq):
+            return None
+        codes[:, i], values = code, [*values, list(uniq)]
+    try:
+        k = [np.nan_to_num(np.asarray(data[c], dtype=np.float64)) for c in kpi]
+    except (TypeError, ValueError):
+        return None  # the general path says which column is wrong
+    return _from_arrays(codes, values, k, tuple(attrs), opts)

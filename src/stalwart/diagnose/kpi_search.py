@@ -32,7 +32,7 @@ import numpy as np
 
 from stalwart.diagnose.score import finding_confidence, overall_confidence
 
-__all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "kpi_leaves", "search"]
+__all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "search"]
 
 _TINY = 1e-12
 
@@ -50,6 +50,7 @@ class KpiLeaves:
     ep: np.ndarray
     direction: float
     """+1 when the KPI's total is above its forecast, -1 below (the deviation to explain)."""
+    ratio: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class SearchParams:
     min_ep: float = 0.02
     prior: float = 1.0
     balance_prior: float = 3.0
+    merge: float = 0.6
+    merge_ratio: float = 0.5
     trim: int = 5
     max_depth: int | None = None
     max_causes: int = 10
@@ -89,35 +92,6 @@ class Localized:
     cutoff: float
     abnormal: int
     fallback: bool
-
-
-def kpi_leaves(
-    codes: np.ndarray,
-    cards: tuple[int, ...],
-    actual: tuple[np.ndarray, ...],
-    expected: tuple[np.ndarray, ...],
-) -> KpiLeaves:
-    """Leaves of an additive KPI (``actual=(v,)``) or a ratio KPI (``(num, den)`` pairs).
-
-    A ratio leaf's value is num / den (0 without a denominator); its explanatory power is
-    Adtributor's for derived measures: the change it alone would make to the overall ratio.
-    """
-    if len(actual) == 1:
-        v, f = (np.asarray(x[0], dtype=np.float64) for x in (actual, expected))
-        total = float(v.sum() - f.sum())
-        ep = (v - f) / total if abs(total) > _TINY else np.zeros_like(v)
-        return KpiLeaves(codes, cards, v, f, ep, 1.0 if total >= 0 else -1.0)
-    an, ad = (np.asarray(x, dtype=np.float64) for x in actual)
-    en, ed = (np.asarray(x, dtype=np.float64) for x in expected)
-    v = np.divide(an, ad, out=np.zeros_like(an), where=ad != 0)
-    f = np.divide(en, ed, out=np.zeros_like(en), where=ed != 0)
-    fa, fb = float(en.sum()), float(ed.sum())
-    num = (an - en) * fb - (ad - ed) * fa
-    den = fb * (fb + ad - ed)
-    ep = np.divide(num, den, out=np.zeros_like(num), where=np.abs(den) > _TINY)
-    s = float(ep.sum())
-    ep = ep / s if abs(s) > _TINY else np.zeros_like(ep)
-    return KpiLeaves(codes, cards, v, f, ep, 1.0 if s >= 0 else -1.0)
 
 
 def _deviation(real: np.ndarray, predict: np.ndarray) -> np.ndarray:
@@ -289,17 +263,29 @@ def _fallback(st: _State, picks: list[_Pick]) -> _Pick | None:
     return best
 
 
-def _cause(st: _State, pick: _Pick, total_ep: float) -> tuple[Cause, np.ndarray]:
-    cub, e = pick.cuboid, pick.element
-    mask = cub.ids == e
-    row = st.codes[int(np.argmax(mask))]
-    misfit = float(cub.misfit[e])
-    if not np.isfinite(misfit):  # a fallback: its fit was never needed, work it out now
-        misfit = float(_misfit(st, cub.ids, len(cub.ep), mask)[e])
-    purity = float(cub.purity[e])
-    cause = Cause(
-        items=tuple((c, int(row[c])) for c in cub.cols),
-        ep=float(cub.ep[e]) / total_ep,
+def _mask(st: _State, items: tuple[tuple[int, int], ...]) -> np.ndarray:
+    mask = np.ones(len(st.codes), dtype=bool)
+    for c, v in items:
+        mask &= st.codes[:, c] == v
+    return mask
+
+
+def _describe(
+    st: _State, items: tuple[tuple[int, int], ...], total_ep: float, p: SearchParams
+) -> Cause:
+    """The scores of one element over the leaves of ``st``."""
+    mask = np.ones(len(st.codes), dtype=bool)
+    for c, v in items:
+        mask &= st.codes[:, c] == v
+    w_ab, w_all = float(st.w_abnormal[mask].sum()), float(st.w_all[mask].sum())
+    moved, count = float(st.moved[mask].sum()), float(np.abs(st.moved[mask]).sum())
+    purity = w_ab / (w_all + p.prior)
+    if w_ab > 0:
+        purity = max(purity, moved / (count + p.balance_prior))
+    misfit = float(_misfit(st, np.zeros(len(mask), dtype=np.int64), 1, mask)[0])
+    return Cause(
+        items=items,
+        ep=float(st.ep[mask].sum()) / total_ep,
         purity=purity,
         misfit=misfit,
         confidence=finding_confidence(purity, misfit),
@@ -307,7 +293,50 @@ def _cause(st: _State, pick: _Pick, total_ep: float) -> tuple[Cause, np.ndarray]
         predict=float(st.predict[mask].sum()),
         leaves=int(mask.sum()),
     )
-    return cause, mask
+
+
+def _cause(st: _State, pick: _Pick, total_ep: float, p: SearchParams) -> tuple[Cause, np.ndarray]:
+    cub, e = pick.cuboid, pick.element
+    mask = cub.ids == e
+    row = st.codes[int(np.argmax(mask))]
+    return _describe(st, tuple((c, int(row[c])) for c in cub.cols), total_ep, p), mask
+
+
+def _generalize(
+    st: _State, causes: list[Cause], total_ep: float, p: SearchParams, ratio: bool
+) -> list[Cause]:
+    """Succinctness (Adtributor): the causes under one ancestor element become that ancestor
+    when it explains at least as much and the rest of its leaves moved the same way too, their
+    balance (moved the deviation's way minus against, over all) reaching ``merge`` (``merge_ratio``
+    for a ratio KPI, whose small leaves are noisy and fail the bar one by one); noise around a
+    true deeper cause moves both ways alike."""
+    merge = p.merge_ratio if ratio else p.merge
+    out = list(causes)
+    for cause in causes:
+        if cause in out:
+            out = _merge_up(st, cause, out, total_ep, p, merge)
+    return out
+
+
+def _merge_up(
+    st: _State, cause: Cause, out: list[Cause], total_ep: float, p: SearchParams, merge: float
+) -> list[Cause]:
+    for size in range(1, len(cause.items)):
+        best: tuple[Cause, list[Cause]] | None = None
+        for sub in itertools.combinations(cause.items, size):
+            under = [c for c in out if set(sub) <= set(c.items)]
+            rest = _mask(st, sub) & ~np.logical_or.reduce([_mask(st, c.items) for c in under])
+            moved = st.moved[rest]
+            if moved.sum() / (np.abs(moved).sum() + p.balance_prior) < merge:
+                continue
+            parent = _describe(st, sub, total_ep, p)
+            if parent.ep >= sum(c.ep for c in under) > 0 and (
+                best is None or parent.ep > best[0].ep
+            ):
+                best = (parent, under)
+        if best is not None:
+            return [c for c in out if c not in best[1]] + [best[0]]
+    return out
 
 
 def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
@@ -342,14 +371,15 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
                 break
         if found is None:
             break
-        cause, mask = _cause(st, found, total_ep)
+        cause, mask = _cause(st, found, total_ep, p)
         causes.append(cause)
         st = st.keep(~mask)
     pick = None if causes else _fallback(first, fallback)
     if pick is not None:
-        cause = _cause(first, pick, total_ep)[0]
+        cause = _cause(first, pick, total_ep, p)[0]
         conf = overall_confidence([cause.ep], [cause.confidence])
         return Localized([cause], conf, cut, n_abnormal, True)
+    causes = _generalize(first, causes, total_ep, p, leaves.ratio)
     return Localized(
         causes,
         overall_confidence([c.ep for c in causes], [c.confidence for c in causes]),

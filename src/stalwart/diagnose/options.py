@@ -54,6 +54,12 @@ class DiagnoseOptions:
     the extreme on the side opposite the anomaly (outliers trimmed)."""
     kpi_max_depth: int | None = None
     """KPI mode: most attributes in one cause; every attribute when omitted."""
+    kpi_merge: float = 0.6
+    """KPI mode, additive KPI: causes under one ancestor merge into it when it explains as much
+    and the rest of its leaves moved the deviation's way with at least this balance (0..1)."""
+    kpi_merge_ratio: float = 0.5
+    """KPI mode, ratio KPI: the same merge bar (a ratio's small leaves are noisy, so a broad
+    cause's leaves fail the risk bar one by one more often)."""
     id_share: float = 0.02
     """A column whose distinct values exceed this share of the rows (and ``id_min_distinct``) is
     ID-like and dropped, as in the FDA paper's variability filter."""
@@ -101,6 +107,8 @@ class DiagnoseOptions:
         check(self.kpi_risk <= 1.0, "kpi_risk", "a number <= 1")
         check(0.0 <= self.kpi_min_ep < 1.0, "kpi_min_ep", "a share in [0, 1)")
         check(self.kpi_trim >= 0, "kpi_trim", "0 or more")
+        check(self.kpi_merge > 0, "kpi_merge", "a balance in (0, 1] (above 1: never merge)")
+        check(self.kpi_merge_ratio > 0, "kpi_merge_ratio", "a balance in (0, 1]")
         check(
             self.kpi_max_depth is None or self.kpi_max_depth >= 1,
             "kpi_max_depth",

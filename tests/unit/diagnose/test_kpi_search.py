@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from stalwart.diagnose import DiagnoseOptions, localize
-from stalwart.diagnose.kpi_search import SearchParams, kpi_leaves, search
+from stalwart.diagnose.kpi_localize import kpi_leaves
+from stalwart.diagnose.kpi_search import SearchParams, search
 
 DIMS = {"a": 6, "b": 5, "c": 4, "d": 3}
 
