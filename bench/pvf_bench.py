@@ -28,47 +28,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from stalwart import inject, models, protect, vulnerability
+from stalwart import models, protect, vulnerability
 from stalwart.protect.evaluate import split_inputs
 
 
 def pytorchfi_loop(
     model: nn.Module, x: torch.Tensor, faults: vulnerability.FaultList
 ) -> np.ndarray:
-    """One fault per declare_weight_fi (deep copy inside PyTorchFI), one forward each."""
-    from pytorchfi.core import fault_injection
+    """One fault per declare_weight_fi (deep copy inside PyTorchFI), one forward each
+    (``pvf_models_bench.pfi_weight``, judged by top-1 with NaN/Inf as a failure)."""
+    from pvf_models_bench import pfi_weight
 
     logging.getLogger().setLevel(logging.WARNING)
-    layers = [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    pfi = fault_injection(
-        model,
-        x.shape[0],
-        input_shape=list(x.shape[1:]),
-        layer_types=[nn.Conv2d, nn.Linear],
-        use_cuda=False,
-    )
-    golden = model(x).argmax(-1)
-    params = dict(model.named_parameters())
-    failed = np.zeros(len(faults), bool)
-    for i, f in enumerate(faults):
-        w = params[f.target]
-        flat = w.detach().reshape(-1).clone()
-        raw = flat.view(torch.int32)
-        raw[f.index] ^= inject.bits.signed_mask(f.mask, inject.layout_of(w.dtype))
-        value = float(flat[f.index])
-        idx = list(np.unravel_index(f.index, tuple(w.shape))) + [None] * (4 - w.dim())
-        faulty = pfi.declare_weight_fi(
-            layer_num=[layers.index(f.target.rpartition(".")[0])],
-            k=[int(idx[0])],
-            dim1=[int(idx[1])],
-            dim2=[None if idx[2] is None else int(idx[2])],
-            dim3=[None if idx[3] is None else int(idx[3])],
-            value=[value],
-        )
-        with torch.no_grad():
-            out = faulty(x)
-        failed[i] = bool(((out.argmax(-1) != golden) | ~torch.isfinite(out).all(-1)).any())
-    return failed
+    top1 = vulnerability.criterion("top1")
+    with torch.no_grad():
+        golden = model(x)
+    return pfi_weight(model, (x,), faults, lambda out: top1.judge(golden, out))
 
 
 def throughput(name: str, n: int, repeats: int) -> dict:
