@@ -162,6 +162,7 @@ class ShardedState:
         self._protected = _Protected()
         self._eg: ErasureGroup | None = None
         self._epoch = -1
+        self._valid = False  # this member's state is the job's (False: a newcomer, until healed)
         self._state = {"replicated": job.state, "shard": shard}
         self._on_epoch()
         job.add_listener(self._listen)
@@ -182,6 +183,11 @@ class ShardedState:
     # -- listening to the job ---------------------------------------------------------------
 
     def _listen(self, event: str, step: int) -> None:
+        if event == "collective-enter" and self.job.epoch != self._epoch:
+            raise ConfigError(
+                "the job changed epoch inside optimizer.step() (no zero_grad() at the step "
+                "boundary): sharded state heals at zero_grad(); call it at every step"
+            )
         if event == "step-begin":
             if self.job.epoch != self._epoch:
                 self._on_epoch()
@@ -230,25 +236,37 @@ class ShardedState:
         return [o.tolist() for o in out]
 
     def _on_epoch(self) -> None:
-        """At the first boundary of an epoch: settle slots, rebuild lost shards, protect."""
-        while self.job.elastic and self.job.size < self.n:
-            self.job.refresh()  # wait for replacements: a shard is missing
-        try:
-            rows = self._gather([self.slot, self.n, *self._protected.steps()])
-        except RuntimeError as e:
-            self.job._fault(e)
-            return  # the next boundary joins the next epoch and comes back here
+        """At the first boundary of an epoch: settle slots, rebuild lost shards, protect.
+
+        A member failing meanwhile is a fault: everyone joins the next epoch and starts over
+        (a newcomer whose rebuild did not finish is still counted as lost).
+        """
+        while True:
+            while self.job.elastic and self.job.size < self.n:
+                self.job.refresh()  # wait for replacements: a shard is missing
+            try:
+                self._settle()
+            except (RuntimeError, DistributedError) as e:  # a member died during the heal
+                log.warning("epoch %d: healing sharded state failed: %s", self.job.epoch, e)
+                self.job._fault(e)
+            if not self.job._needs_reconfigure:
+                return
+            self.job._reconfigure()
+
+    def _settle(self) -> None:
+        valid = int(self._valid)
+        rows = self._gather([self.slot, self.n, valid, *self._protected.steps()])
         self.n = max(r[1] for r in rows)
         slots = assign_slots([r[0] for r in rows], self.n)
-        newcomers = [slots[i] for i, r in enumerate(rows) if r[0] < 0]
-        fresh = all(r[2] < 0 for r in rows)
+        lost = sorted(slots[i] for i, r in enumerate(rows) if not r[2])
         self.slot = slots[self.job.rank]
-        self._epoch = self.job.epoch
         self._make_group()
-        if fresh:
+        self._epoch = self.job.epoch
+        if all(r[3] < 0 for r in rows):  # nothing protected yet: the job's start
+            self._valid = True
             self.protect()
-        elif newcomers:
-            self._heal(rows, sorted(newcomers))
+        elif lost:
+            self._heal([r for r in rows if r[2]], lost)
 
     def _make_group(self) -> None:
         """The erasure group: a gloo group in which this member's rank is its slot."""
@@ -267,7 +285,10 @@ class ShardedState:
         self._eg = ErasureGroup(self.k, self.m, codec=self.codec)
 
     def _heal(self, rows: list[list[int]], lost: list[int]) -> None:
-        """Rebuild the lost slots' snapshots and take every member back to their step."""
+        """Rebuild the lost slots' snapshots and take every member back to their step.
+
+        ``rows``: the valid members' (slot, n, 1, newest protected step, previous one).
+        """
         t0 = time.perf_counter()
         over = lost_beyond_tolerance(lost, self.n, self.k, self.m)
         if over:
@@ -277,7 +298,7 @@ class ShardedState:
                 "job and restore every member from the durable checkpoint (stalwart.checkpoint)",
                 damaged=over,
             )
-        target = min(r[2] for r in rows if r[0] >= 0)
+        target = min(r[3] for r in rows)
         mine = None if self.slot in lost else self._protected.at(target)
         if self.slot not in lost and mine is None:
             raise CorruptCheckpointError(
@@ -291,6 +312,7 @@ class ShardedState:
         if rebuilt is not None:  # a newcomer: its rebuilt snapshot lives in buffer set 0
             self._protected.newest = self._protected.previous = None
         snap.restore_into(self._state)
+        self._valid = True
         self.job._step = target
         self.job._check_parity("shard-heal")
         self.job._mark_boundary()
