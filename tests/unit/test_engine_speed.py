@@ -254,3 +254,42 @@ def test_untraceable_quantized_model_matches_naive() -> None:
     fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
     slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
     _same(fast, slow)
+
+
+class Scale(nn.Module):
+    """Reads another module's weight directly (kept in a list: not a submodule)."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.other = [other]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.other[0].weight.sum()
+
+
+class Peeking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+        self.scale = Scale(self.head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.scale(torch.relu(self.lin0(x)))
+        if h.sum() > 0:  # untraceable
+            h = h + 1
+        return self.head(h)
+
+
+def test_eager_engine_falls_back_when_an_earlier_module_reads_the_weight() -> None:
+    torch.manual_seed(5)
+    model, x = Peeking().eval(), torch.randn(30, 6)
+    faults = sample_faults(model, 30, seed=9, error=EXPSIGN, targets="*.weight")
+    eng = FastEngine(model, (x,))
+    for target in ("lin0.weight", "head.weight"):
+        eng.run([f for f in faults if f.target == target])
+    assert eng.eager is not None
+    assert eng.eager.checked == {"lin0.weight": True, "head.weight": False}
+    fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
+    slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
+    _same(fast, slow)
