@@ -56,36 +56,40 @@ def dlrm_pvf(trials: int, n_inputs: int) -> tuple[str, dict[str, Any]]:
     ref = models.load("dlrm")
     x = tuple(t[:n_inputs] for t in ref.inputs)
     comps = {"top MLP": "top.*", "bottom MLP": "bottom.*", "embeddings": "emb.*"}
-    faults = vulnerability.sample_faults(ref.model, trials, seed=0, per_tensor=True)
-    res = vulnerability.run_campaign(ref.model, x, faults, ["decision", "ctr>0.01"])
+    reps = {}
+    for name, pattern in comps.items():
+        # uniform over the component's fault sites (elements x bits): D/N is its PVF
+        faults = vulnerability.sample_faults(ref.model, trials, targets=pattern, seed=0)
+        res = vulnerability.run_campaign(ref.model, x, faults, ["decision", "ctr>0.01"])
+        reps[name] = vulnerability.estimate(res, "all")
     rows, data = [], {}
     for crit in ("decision", "ctr>0.01"):
-        rep = vulnerability.estimate(res, "component", components=comps)
-        for r in rep.rows:
-            if r.criterion != crit:
-                continue
-            data[(crit, r.group)] = r
+        for name, rep in reps.items():
+            r = next(r for r in rep.rows if r.criterion == crit)
+            data[(crit, name)] = r
             rows.append(
-                f"| {crit} | {r.group} | {r.trials} | {r.pvf:.3f} [{r.low:.3f}, {r.high:.3f}] "
+                f"| {crit} | {name} | {r.trials} | {r.pvf:.3f} [{r.low:.3f}, {r.high:.3f}] "
                 f"| {r.rate:.2e} [{max(r.rate_low, 0):.2e}, {r.rate_high:.2e}] |"
             )
     top, emb = data[("decision", "top MLP")], data[("decision", "embeddings")]
     bottom = data[("decision", "bottom MLP")]
     agree = top.rate > emb.rate and top.rate_low > emb.rate_high
+    sep = top.rate_low > bottom.rate_high
+    head = "**Agrees**" if agree and sep else "**Partly agrees**" if agree else "**Does not agree**"
     verdict = (
-        f"**Agrees** per inference: the top MLP's decision-flip rate ({top.rate:.1e}) is "
+        f"{head} per inference: the top MLP's decision-flip rate ({top.rate:.1e}) is "
         f"{top.rate / max(emb.rate, 1e-12):.0f}x the embeddings' ({emb.rate:.1e}), intervals "
         "apart"
         if agree
-        else "**Does not clearly agree** per inference at this sample size: the top MLP's and "
-        "the embeddings' intervals overlap"
+        else f"{head} per inference at this sample size: the top MLP's and the embeddings' "
+        "intervals overlap"
     )
-    sep = top.rate_low > bottom.rate_high
     verdict += (
         "; the top MLP is also above the bottom MLP."
         if sep
-        else f"; the top MLP is not separated from the bottom MLP ({bottom.rate:.1e}), whose "
-        "interval overlaps it."
+        else f"; but the top MLP is not separated from the bottom MLP ({bottom.rate:.1e}), "
+        "whose interval overlaps it, so 'the most vulnerable component' is not reproduced on "
+        "this mini-DLRM (its bottom MLP feeds every interaction)."
     )
     inverted = [
         c
@@ -114,7 +118,7 @@ def dlrm_pvf(trials: int, n_inputs: int) -> tuple[str, dict[str, Any]]:
             *rows,
         ]
     )
-    return md + "\n\n" + verdict, {"top": top.rate, "emb": emb.rate, "agree": agree}
+    return md + "\n\n" + verdict, {"agree": agree, "inputs": n_inputs}
 
 
 # -- 2. Bit-position profiles: fp32, bf16, fp8 ----------------------------------------------
@@ -330,6 +334,74 @@ def _gcn_ber(ref: models.ReferenceModel, target: str, rate: float, seed: int) ->
     return float((out.argmax(-1) == ref.labels).float().mean())
 
 
+# -- 5. What each protection costs and recovers (held-out inputs) ---------------------------
+
+
+def protection_costs(trials: int, repeats: int) -> tuple[str, dict[str, Any]]:
+    ref = models.load("dlrm")
+    m = ref.model
+    split = protect.split_inputs(ref.inputs, ref.labels, 0.5, seed=0)
+    cal, ev = split.calibration, split.evaluation
+    faults = vulnerability.sample_faults(m, trials, seed=5, error=inject.BitFlip(field="exponent"))
+    ps = [
+        protect.ActivationClipping(m, cal),
+        protect.ABFT(m, cal),
+        protect.SelectiveBitProtection(),
+        protect.ShadowBitProtection(m),
+        protect.ParameterScrubber(m),
+    ]
+    res = protect.evaluate(m, ev, faults, ps, "decision", repeats=repeats)
+    size = sum(p.numel() * p.element_size() for p in m.parameters())
+    lines, data = [], {}
+    for r in res:
+        extra = r.cost.get("extra_bytes", 0.0) + r.cost.get("clean_copy_bytes", 0.0)
+        extra += r.cost.get("good_copy_bytes", 0.0)
+        time_s = (
+            "n/a (modelled)"
+            if r.overhead != r.overhead
+            else f"{r.overhead:+.0%} ({r.overhead_s * 1e3:+.2f} ms)"
+        )
+        lo, hi = vulnerability.wilson(r.fixed, max(r.baseline_failures, 1))
+        data[r.name] = r
+        lines.append(
+            f"| {r.name} | {r.basis} | {r.failures} | {r.recovered:.0%} [{lo:.0%}, {hi:.0%}] "
+            f"| {r.p_value:.1e} | {time_s} | {extra:,.0f} ({extra / size:.0%}) "
+            f"| {r.false_alarm_rate:.2%} |"
+        )
+    base = res[0].baseline_failures
+    md = "\n".join(
+        [
+            f"`dlrm`, {trials} single flips of exponent bits replayed (paired) on the "
+            f"{len(split.evaluation_index)} held-out scored inputs, criterion `decision`: "
+            f"{base} of them flip at least one decision unprotected. Clipping bounds and ABFT "
+            f"thresholds come from the other {len(split.calibration_index)} inputs. Runtime: "
+            f"median CPU time of {repeats} forwards interleaved with unprotected ones (1 thread; "
+            "the machine is shared, so expect noise); bytes: everything the protection keeps "
+            f"(checksums, shadow, clean copy), against the model's {size:,} bytes.",
+            "",
+            "| protection | basis | failures left | recovered (fixed / unprotected) [95 %] "
+            "| McNemar p | runtime per forward | extra bytes (of model) | false alarms, clean "
+            "held-out inputs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *lines,
+        ]
+    )
+    return md, {"abft": data["abft"], "n": len(split.evaluation_index)}
+
+
+def _cost_verdict(d: dict[str, Any]) -> str:
+    a = d["abft"]
+    det = a.fixed / max(a.baseline_failures, 1)
+    return (
+        f"ABFT here repairs {det:.0%} of the failing exponent flips with "
+        f"{a.false_alarm_rate:.1%} false alarms on {d['n']} clean held-out inputs, against "
+        "Li et al.'s > 95 % / 99 % detection with < 10 % false positives: "
+        + ("consistent" if det >= 0.95 and a.false_alarm_rate < 0.10 else "**not reproduced**")
+        + ". Its runtime overhead is not comparable: ours is a Python hook per module on a "
+        "tiny model (launch-bound), theirs fused kernels on production-size GEMMs."
+    )
+
+
 # -- the page -------------------------------------------------------------------------------
 
 
@@ -338,6 +410,7 @@ def figures(out: Path, profiles: dict[str, Any], ber: dict[str, Any]) -> list[st
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig_dir = out / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -352,6 +425,7 @@ def figures(out: Path, profiles: dict[str, Any], ber: dict[str, Any]) -> list[st
         ]
         ax.bar(bits, pv, color=colors, yerr=err, capsize=1)
         ax.set_title(name, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("bit (red sign, blue exponent)", fontsize=8)
     axes[0].set_ylabel("PVF (top-1)")
     fig.tight_layout()
@@ -381,21 +455,22 @@ def main() -> None:
     q = a.quick
     t0 = time.perf_counter()
     cmd = "nice -n 10 .venv/bin/python bench/evidence.py" + (" --quick" if q else "")
-    s1, d1 = dlrm_pvf(8 if q else 300, 256 if q else 2048)  # faults per tensor (18)
+    s1, d1 = dlrm_pvf(40 if q else 1800, 256 if q else 2048)  # faults per component
     s2, profiles, d2 = bit_profiles(2 if q else 80)
     rates = [1e-4, 1e-3] if q else [1e-5, 1e-4, 1e-3]
     s3, d3 = clip_recovery(rates, 2 if q else 20)
     s4, d4 = gnn(20 if q else 1500, [1e-4, 1e-3], 2 if q else 20)
+    s5, d5 = protection_costs(10 if q else 300, 3 if q else 15)
     figs = figures(a.out, profiles, d3)
     took = time.perf_counter() - t0
-    page = render(cmd, took, q, (s1, d1), (s2, d2), (s3, d3), (s4, d4), figs)
+    page = render(cmd, took, q, (s1, d1), (s2, d2), (s3, d3), (s4, d4), (s5, d5), figs)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "evidence.md").write_text(page)
     print(f"wrote {a.out / 'evidence.md'} in {took:.0f} s")
 
 
 def render(cmd: str, took: float, quick: bool, *sections: Any) -> str:
-    (s1, _), (s2, d2), (s3, d3), (s4, d4), figs = sections
+    (s1, d1), (s2, d2), (s3, d3), (s4, d4), (s5, d5), figs = sections
     fp32, bf16 = d2["fp32"], d2["bf16"]
     fp8 = d2["fp8 e4m3 (weights)"]
     return "\n".join(
@@ -416,8 +491,9 @@ def render(cmd: str, took: float, quick: bool, *sections: Any) -> str:
             '> Paper: "top-MLP layers are the most vulnerable parameter component, while '
             'embedding tables exhibit comparatively lower vulnerability"',
             "",
-            "Ours: mini-DLRM (`dlrm`), fp32 single bit flips, stratified per tensor and "
-            "recombined by population (elements x bits); `decision` = the click decision "
+            "Ours: mini-DLRM (`dlrm`), fp32 single bit flips drawn uniformly over each "
+            "component's fault sites (elements x bits), judged on "
+            f"{d1['inputs']} inputs; `decision` = the click decision "
             "(CTR vs 0.5) flips, `ctr>0.01` = the CTR moves by more than 1 point.",
             "",
             s1,
@@ -462,6 +538,16 @@ def render(cmd: str, took: float, quick: bool, *sections: Any) -> str:
             s4,
             "",
             _gnn_verdict(d4),
+            "",
+            "## 5. What each protection costs and recovers, on held-out inputs",
+            "",
+            '> Li et al., arXiv 2103.00130 (Facebook), as the brief reports it: "quantized-GEMM '
+            "detection > 95 % at < 20 % overhead; EmbeddingBag 99 % detection of "
+            'significant-bit flips with < 10 % false positives and < 26 % overhead."',
+            "",
+            s5,
+            "",
+            _cost_verdict(d5),
             "",
         ]
     )
