@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.diagnose.kpi_sums import ElementSums
 from stalwart.diagnose.score import finding_confidence, overall_confidence
 
 __all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "search"]
@@ -124,6 +125,8 @@ class _State:
     moved: np.ndarray
     """+1 for a leaf moved the anomaly's way, -1 against it, 0 unmoved."""
     nonzero: np.ndarray
+    index: np.ndarray
+    """Each live leaf's position among all leaves."""
 
     def keep(self, mask: np.ndarray) -> _State:
         return _State(*(getattr(self, k)[mask] for k in self.__dataclass_fields__))
@@ -147,25 +150,18 @@ def _prepare(leaves: KpiLeaves, trim: int, *, noise: bool = True) -> tuple[_Stat
     nonzero = ((leaves.real != 0) & (leaves.predict != 0)).astype(np.float64)
     codes = np.ascontiguousarray(leaves.codes, dtype=np.int64)
     state = _State(
-        codes, leaves.real, leaves.predict, ep, dev, w_ab, w_ab + w_no, np.sign(x), nonzero
+        codes,
+        leaves.real,
+        leaves.predict,
+        ep,
+        dev,
+        w_ab,
+        w_ab + w_no,
+        np.sign(x),
+        nonzero,
+        np.arange(len(codes)),
     )
     return state, sign * cut
-
-
-def _element_ids(
-    codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]
-) -> tuple[np.ndarray, int]:
-    """Each leaf's element in a cuboid, as dense-ish ids, and how many ids there are."""
-    key = codes[:, cols[0]].copy()
-    size = cards[cols[0]]
-    for c in cols[1:]:
-        key *= cards[c]
-        key += codes[:, c]
-        size *= cards[c]
-    if size <= 4 * len(codes) + 1024:
-        return key, size
-    uniq, inv = np.unique(key, return_inverse=True)
-    return inv.ravel(), len(uniq)
 
 
 @dataclass(frozen=True)
@@ -184,22 +180,14 @@ class _Cuboid:
 
 
 def _score(
-    st: _State, cols: tuple[int, ...], cards: tuple[int, ...], p: SearchParams, floor: float
+    st: _State, cols: tuple[int, ...], sums: ElementSums, p: SearchParams, floor: float
 ) -> _Cuboid:
-    ids, n = _element_ids(st.codes, cols, cards)
-
-    def total(w: np.ndarray, where: np.ndarray | None = None) -> np.ndarray:
-        if where is None:
-            return np.bincount(ids, weights=w, minlength=n)
-        return np.bincount(ids[where], weights=w[where], minlength=n)
-
-    ep, w_ab = total(st.ep), total(st.w_abnormal)
+    ids, n, (ep, w_ab, w_all, moved, count) = sums.get(st, cols)
     # Purity: RiskLoc's weighted share of abnormal leaves, or, for a broad cause whose leaves
     # moved less than the noise extreme but all the same way, the balance of leaves moved the
     # anomaly's way over those moved against it (noise moves as many each way: balance ~ 0).
-    moved, count = total(st.moved), total(np.abs(st.moved))
-    purity = w_ab / (total(st.w_all) + p.prior)
-    purity = np.where(w_ab > 0, np.maximum(purity, moved / (count + p.balance_prior)), 0.0)
+    purity = w_ab / (w_all + p.prior)
+    purity = np.where(w_ab > 1e-9, np.maximum(purity, moved / (count + p.balance_prior)), 0.0)
     misfit = np.full(n, np.inf)
     want = (ep > floor) & (purity >= p.risk)
     if want.any():
@@ -231,14 +219,14 @@ class _Pick:
 
 
 def _layer(
-    st: _State, cards: tuple[int, ...], layer: int, floor: float, p: SearchParams
+    st: _State, sums: ElementSums, layer: int, floor: float, p: SearchParams
 ) -> tuple[_Pick | None, list[_Pick]]:
     """The element with the most explanatory power that passes the risk bar in this layer, and
     each cuboid's best element by explanatory power times purity (fallback candidates)."""
     best: _Pick | None = None
     fallback: list[_Pick] = []
-    for cols in itertools.combinations(range(len(cards)), layer):
-        cub = _score(st, cols, cards, p, best.score if best else floor)
+    for cols in itertools.combinations(range(len(sums.cards)), layer):
+        cub = _score(st, cols, sums, p, best.score if best else floor)
         ok = cub.risk >= p.risk
         if ok.any():
             e = int(np.argmax(np.where(ok, cub.ep, -np.inf)))
@@ -361,11 +349,11 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     depth = min(p.max_depth or len(leaves.cards), len(leaves.cards))
     causes: list[Cause] = []
     fallback: list[_Pick] = []
-    first = st
+    first, sums = st, ElementSums(st, leaves.cards)
     while len(causes) < p.max_causes and st.abnormal_ep() >= floor:
         found = None
         for layer in range(1, depth + 1):
-            found, fb = _layer(st, leaves.cards, layer, floor, p)
+            found, fb = _layer(st, sums, layer, floor, p)
             fallback += fb if not causes else []
             if found is not None:
                 break
@@ -373,6 +361,7 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
             break
         cause, mask = _cause(st, found, total_ep, p)
         causes.append(cause)
+        sums.remove(st, mask)
         st = st.keep(~mask)
     pick = None if causes else _fallback(first, fallback)
     if pick is not None:
