@@ -10,7 +10,7 @@ the slot's data, so its final bytes must equal an uninterrupted run's bit for bi
 Writes ``<out>/log-w<wid>.jsonl`` (one line per protect: step, slot, shard digest; one per
 heal) and ``<out>/final-w<wid>.pt``.
 
-Usage: sharded_worker.py --steps N --out DIR [--k 3 --m 1] [--every 1]
+Usage: sharded_worker.py --steps N --out DIR [--k 3 --m 1] [--every 1] [--table-mib MIB]
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def expert_batch(step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.cos(x[:, :4] * (slot + 1))
 
 
-def _expert() -> nn.Module:
+def _expert(table_mib: int = 0) -> nn.Module:
     g = torch.Generator().manual_seed(7)  # the same start on every slot; training sets apart
     expert = nn.Linear(8, 4)
+    expert.register_buffer("table", torch.ones(table_mib * (1 << 18)))  # bulk, for the bench
     with torch.no_grad():
         for p in expert.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -64,13 +65,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--table-mib", type=int, default=0, help="bulk added to each shard")
     a = parser.parse_args()
     wid = os.environ.get("STALWART_ELASTIC_WORKER", "single")
     a.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    expert = _expert()
+    expert = _expert(a.table_mib)
     eopt = torch.optim.SGD(expert.parameters(), lr=0.05, momentum=0.9)
     shard = stalwart.TrainingState(model=expert, optimizer=eopt, rng=False)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), min_size=4, verify_every=5)

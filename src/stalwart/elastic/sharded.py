@@ -317,7 +317,8 @@ class ShardedState:
         self.job._check_parity("shard-heal")
         self.job._mark_boundary()
         self.heals += 1
+        rebuild_s = self._eg.last_rebuild.total_s if self._eg.last_rebuild else 0.0
         self.last_heal = {"step": target, "lost": lost, "rebuilt": rebuilt is not None,
-                          "seconds": time.perf_counter() - t0}  # fmt: skip
+                          "seconds": time.perf_counter() - t0, "rebuild_s": rebuild_s}  # fmt: skip
         self.job._events.write("shard-healed", **self.last_heal, slot=self.slot)
         self.protect()
