@@ -147,6 +147,11 @@ DRIVER = r"""
 import json, signal, sys, time
 from utils.run_utils import read_dataframe, run_method
 from utils.evaluation import root_cause_postprocessing
+from utils.argument_parser import get_input_arguments
+
+def defaults(method):  # the method's defaults, from riskloc's own command line parser
+    sys.argv = ["run.py", method]
+    return get_input_arguments()[2]
 
 class Timeout(Exception):
     pass
@@ -163,7 +168,8 @@ for case in job["cases"]:
         start = time.time()
         signal.alarm(job["timeout"])
         try:
-            found = run_method(df.copy(), [df_a, df_b], attributes, method, {}, rs, False)
+            args = defaults(method)
+            found = run_method(df.copy(), [df_a, df_b], attributes, method, args, rs, False)
             preds = [str(p) for p in root_cause_postprocessing(found, method)]
             status = "ok"
         except Timeout:

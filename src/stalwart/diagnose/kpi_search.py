@@ -58,7 +58,7 @@ class KpiLeaves:
 class SearchParams:
     """The search's knobs (``DiagnoseOptions.kpi_*`` fields)."""
 
-    risk: float = 0.5
+    risk: float = 0.4
     min_ep: float = 0.02
     prior: float = 1.0
     balance_prior: float = 3.0

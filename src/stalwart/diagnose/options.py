@@ -43,7 +43,7 @@ class DiagnoseOptions:
     min_gain: float = 0.02
     """Labelled events: selection stops when the next finding would explain less than this
     share of the failures (they include a background rate spread over every row)."""
-    kpi_risk: float = 0.5
+    kpi_risk: float = 0.4
     """KPI mode: an element is a cause when its risk (purity of deviating leaves minus the
     misfit of the ripple effect) reaches this; see ``kpi_search``."""
     kpi_min_ep: float = 0.02
