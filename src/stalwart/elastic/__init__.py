@@ -37,6 +37,9 @@ How it holds together:
   a heartbeat thread per worker; the launcher kills a worker silent for the hang timeout
   (which also fails the survivors' pending collective) and reports a member persistently
   slower than the others.
+* **Sharded state** (:mod:`~stalwart.elastic.sharded`): state only one member holds is
+  protected by erasure-coded pieces on its peers; a replacement takes over the dead member's
+  slot and rebuilds it from the survivors' memory, and every member returns to that step.
 
 Replicated state means replicated RNG: every member must draw the same random numbers
 (seed them alike); per-member randomness belongs in the data function of (step, rank, size).
