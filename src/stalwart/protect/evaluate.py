@@ -150,8 +150,8 @@ class ProtectionResult:
     recovered: float
     """Share of the unprotected failures that the protection removed (net of broken)."""
     overhead: float
-    """Median CPU time of a forward with the protection over without, minus 1 (0.1 =
-    +10 %); NaN for a modelled protection (nothing of it runs to be timed)."""
+    """Median CPU time of a forward (one thread) with the protection over without, minus 1
+    (0.1 = +10 %); NaN for a modelled protection (nothing of it runs to be timed)."""
     cost: dict[str, float] = field(default_factory=dict)
     method: str = "measured"
     """How the result was obtained (measured on the faulty model, and how)."""
@@ -251,12 +251,17 @@ def _replay(
     extra = p.scrub if hasattr(p, "scrub") else None
     prot: list[float] = []
     plain: list[float] = []
-    # CPU time of this process, interleaved: on a shared machine, wall time mostly measures
-    # the scheduler; CPU time measures the work (with several intra-op threads, their sum).
-    for _ in range(repeats):
-        with p.attach(model):
-            prot.append(forward_time(model, inputs, 1, extra, clock=time.process_time))
-        plain.append(forward_time(model, inputs, 1, clock=time.process_time))
+    # CPU time of this thread, with one intra-op thread, interleaved: on a shared machine
+    # wall time mostly measures the scheduler, and process time counts other threads too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            with p.attach(model):
+                prot.append(forward_time(model, inputs, 1, extra, clock=time.thread_time))
+            plain.append(forward_time(model, inputs, 1, clock=time.thread_time))
+    finally:
+        torch.set_num_threads(threads)
     return after, statistics.median(prot), statistics.median(plain)
 
 
