@@ -1,7 +1,7 @@
 """The seeds' findings reproduced with stalwart: writes docs/evidence.md (and two figures).
 
-    nice -n 10 .venv/bin/python bench/evidence.py            # the page (~10 min, 2 cores)
-    .venv/bin/python bench/evidence.py --quick --out /tmp/e  # smoke test (~30 s)
+    nice -n 10 .venv/bin/python bench/evidence.py            # the page (1-6 min, 2 shared cores)
+    .venv/bin/python bench/evidence.py --quick --out /tmp/e  # smoke test (10-30 s)
 
 Four findings and what each protection costs, each with intervals, the command and the
 paper's claim quoted from ../shared/research/fault_injection.md side by side:
