@@ -194,10 +194,13 @@ class AsyncOuter:
                 b.copy_(t)
         self.d.outer.load_state_dict(rec["outer"])
         self.version = v
-        self.assigned_h = rec["assign"].get(self.wid, self.d.h)
-        if not self.mode.compute_aware:
-            self.assigned_h = self.d.h
+        self._take_assignment(rec)
         return rec
+
+    def _take_assignment(self, rec: dict[str, Any]) -> None:
+        """This member's inner steps for its next phase, from a version's record."""
+        mine = rec["assign"].get(self.wid, self.d.h)
+        self.assigned_h = mine if self.mode.compute_aware else self.d.h
 
     def _member_ids(self) -> list[int]:
         epoch = self.membership.latest_epoch()
@@ -236,7 +239,7 @@ class AsyncOuter:
             self._follow_membership()
             v = self.latest()
             if v - base > self.mode.staleness:
-                self._event("diloco-dropped", base=base, version=v)
+                self._event("diloco-dropped", base=base, version=v, h=h_done)
                 self.adopt(v)
                 return
             ticket = self.store.add(f"diloco/b{v}/n", 1)
@@ -342,6 +345,7 @@ class AsyncOuter:
         self.store.set(f"diloco/r{v + 1}", _dumps(rec))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         self.store.set("diloco/version", str(v + 1))
         self.version = v + 1
+        self._take_assignment(rec)  # the aggregator adopts its own version without reading it
         self._event("diloco-aggregate", version=v + 1, used=used, dropped=rec["dropped"],
                     assign=rec["assign"], members=self._members())  # fmt: skip
         self._forget(v + 1 - _KEEP)
