@@ -9,6 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from stalwart.cli import pvf as pvf_cli
+from stalwart.vulnerability import scale
 
 
 def _app() -> typer.Typer:
@@ -66,3 +67,26 @@ def test_pvf_cli_json_and_errors() -> None:
         res = runner.invoke(_app(), args)
         assert res.exit_code == 2, (args, res.output)
         assert msg in res.output and "Traceback" not in res.output
+
+
+def _report(*args: str) -> dict:
+    res = CliRunner().invoke(_app(), ["pvf", "gcn", "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_pvf_cli_workers_equal_one_process(tmp_path) -> None:
+    assert tuple(b.value for b in pvf_cli.Backend) == scale.BACKENDS
+    # two rounds (the interval is not narrow enough after the first): stratified by layer
+    args = ["--trials", "40", "--by", "layer", "-c", "top1", "-c", "deviation"]
+    args += ["--margin", "0.15"]
+    one = _report(*args)
+    extra = ["--workers", "2", "--backend", "local", "--campaign-dir", str(tmp_path)]
+    for _ in ("run", "resume"):  # the second call finds every shard on disk
+        many = _report(*args, *extra)
+        assert many["groups"] == one["groups"] and many["overall"] == one["overall"]
+        assert many["manifest"]["trials"] == one["manifest"]["trials"] > 40
+        assert many["manifest"]["model_hash"] == one["manifest"]["model_hash"]
+    assert many["manifest"]["backend"] == "local" and many["manifest"]["workers"] == 2
+    assert many["manifest"]["ran_shards"] == []
+    assert (tmp_path / "round-0").is_dir() and (tmp_path / "round-1").is_dir()

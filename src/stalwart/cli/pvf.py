@@ -3,14 +3,22 @@
 MODEL_SPEC is a reference model name (``digits-cnn``, ``mlp``, ``dlrm``, ``gcn``,
 ``transformer``) or ``package.module:factory``, where ``factory()`` returns a
 :class:`stalwart.models.ReferenceModel` or a tuple ``(model, inputs[, labels])``.
-Exit codes as for every command (:mod:`stalwart.cli.conventions`): 0 on success, 2 on bad
-input (one red line on stderr, never a traceback); choices are checked before any work.
+``--workers N`` shards the campaign over N processes (``--backend torch``, the default),
+Ray actors (``ray``) or runs the shards one after another here (``local``) through
+:mod:`stalwart.vulnerability.scale`; the report equals the one-process one. With
+``--campaign-dir`` the finished shards are kept there, and the same command after a crash
+re-runs only the missing ones. Exit codes as for every command
+(:mod:`stalwart.cli.conventions`): 0 on success, 2 on bad input (one red line on stderr,
+never a traceback); choices are checked before any work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import importlib
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -83,6 +91,14 @@ class Engine(str, enum.Enum):
     copy = "copy"
 
 
+class Backend(str, enum.Enum):
+    """``--backend``: where the shards of a ``--workers`` campaign run."""
+
+    local = "local"
+    torch = "torch"
+    ray = "ray"
+
+
 def check_criteria(names: list[str]) -> None:
     """Reject a misspelt criterion before the model is built (which may mean training it)."""
     from stalwart.vulnerability.criteria import criterion
@@ -153,17 +169,23 @@ def pvf_command(
     out: Annotated[
         Path | None, typer.Option(help="Write trials.parquet/csv, pvf.json, report.html here.")
     ] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Shard the trials over N workers.")] = 1,
+    backend: Annotated[
+        Backend, typer.Option(help="Where the shards run (with --workers or --campaign-dir).")
+    ] = Backend["torch"],
+    campaign_dir: Annotated[
+        Path | None,
+        typer.Option(help="Keep finished shards here; rerun to resume (implies sharding)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""
     from stalwart import vulnerability as vuln
-    from stalwart.vulnerability.report import write_outputs
 
     with handled():
         check_criteria(criterion or [])
         ref = load_spec(model_spec, dtype.value)
         crits = criterion or [ref.criteria[0]]
-        labels = ref.labels if len(ref.labels) else None
         stop: vuln.StoppingRule = (
             vuln.FixedTrials(trials) if margin is None else vuln.UntilWidth(margin, trials=trials)
         )
@@ -177,16 +199,100 @@ def pvf_command(
             interval=vuln.Interval(interval.value),
             engine=vuln.Engine(engine.value),
         )
-        report = vuln.pvf(
-            ref.model, ref.inputs, crits, options, labels=labels, progress=not as_json
-        )
-        if as_json:
-            emit_json(report.to_dict())
-        else:
-            _print(Console(), report, model_spec)
-        if out is not None:
-            paths = write_outputs(report, out, title=f"PVF of {model_spec}")
-            Console(stderr=as_json).print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        shards = Sharding(workers, backend.value, campaign_dir)
+        report = _estimate(ref, (model_spec, dtype.value), crits, options, shards, not as_json)
+        _emit(report, model_spec, as_json, out)
+
+
+def _estimate(
+    ref: Any, spec: tuple[str, str], crits: list[str], opts: Any, shards: Sharding, show: bool
+) -> Any:
+    """The PVF report: in this process, or sharded when workers or a directory are asked for."""
+    from stalwart import vulnerability as vuln
+
+    if shards.workers > 1 or shards.directory is not None:
+        factory = functools.partial(_reference, *spec)
+        return sharded_pvf(ref, factory, crits, opts, shards, show)
+    labels = ref.labels if len(ref.labels) else None
+    return vuln.pvf(ref.model, ref.inputs, crits, opts, labels=labels, progress=show)
+
+
+def _emit(report: Any, spec: str, as_json: bool, out: Path | None) -> None:
+    from stalwart.vulnerability.report import write_outputs
+
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        _print(Console(), report, spec)
+    if out is not None:
+        paths = write_outputs(report, out, title=f"PVF of {spec}")
+        Console(stderr=as_json).print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def _reference(spec: str, dtype: str) -> Any:
+    """The model factory every worker calls (module level, so a partial of it pickles)."""
+    return load_spec(spec, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How a ``--workers`` campaign is spread out."""
+
+    workers: int
+    backend: str
+    directory: Path | None
+    """Where the shards live (None: a temporary directory, removed afterwards)."""
+
+
+def sharded_pvf(
+    ref: Any, factory: Any, crits: list[str], opts: Any, shards: Sharding, progress: bool
+) -> Any:
+    """:func:`stalwart.vulnerability.pvf`, each round run by :func:`~stalwart.vulnerability.
+    scale.run_sharded`: the same faults (seeds, stopping rounds), so the same report."""
+    from stalwart import vulnerability as vuln
+    from stalwart.inject import BitFlip, error_model
+    from stalwart.vulnerability import scale
+    from stalwart.vulnerability.pvf import _draw, _per_round
+
+    labels = ref.labels if len(ref.labels) else None
+    # built here too: the criteria are checked and the faults drawn before any worker starts
+    kw = {"engine": opts.engine.value, "independent_samples": opts.independent_samples}
+    campaign = vuln.Campaign(ref.model, ref.inputs, crits, labels=labels, **kw)
+    per_round, targets = _per_round(ref.model, opts), opts.targets
+    error = error_model(opts.error) if opts.error is not None else BitFlip()
+    with tempfile.TemporaryDirectory(prefix="stalwart-pvf-") as tmp:
+        root = shards.directory or Path(tmp)
+        rnd = 0
+        while True:
+            faults = _draw(campaign, opts, per_round, targets, error, rnd)
+            part = scale.run_sharded(
+                factory,
+                faults,
+                root / f"round-{rnd}",
+                crits,
+                workers=shards.workers,
+                backend=shards.backend,
+                progress=progress,
+                **kw,
+            )
+            result = part if campaign.result is None else campaign.result.extend(part)
+            campaign.result = result
+            report = vuln.estimate(
+                result,
+                opts.by,
+                confidence=opts.confidence,
+                method=opts.interval.value,
+                components=opts.components,
+            )
+            wide = opts.stop.next_round(report, len(result))
+            if not wide:
+                return report
+            rnd += 1
+            if opts.by == "tensor":
+                targets = wide
+            elif opts.by == "bit" and isinstance(error, BitFlip) and error.bit is None:
+                bits = [int(b) for b in wide if b.lstrip("-").isdigit() and int(b) >= 0]
+                error = dataclasses.replace(error, bits=bits)
 
 
 def _print(console: Console, report: Any, spec: str) -> None:
