@@ -5,26 +5,8 @@ checkpoints (:class:`Checkpointer`, :class:`TrainingState`, options and retentio
 and the exception tree (:mod:`stalwart.errors`).
 """
 
-from stalwart.checkpoint import (
-    AnyOf,
-    Checkpointer,
-    CheckpointEvent,
-    CheckpointOptions,
-    EveryNSeconds,
-    EveryNSteps,
-    KeepAll,
-    KeepBest,
-    KeepEvery,
-    KeepLast,
-    LoadResult,
-    PendingSave,
-    PreemptionGuard,
-    RecoveryReport,
-    SaveResult,
-    Tier,
-    TieredCheckpointer,
-    TrainingState,
-)
+from typing import TYPE_CHECKING
+
 from stalwart.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -32,6 +14,28 @@ from stalwart.errors import (
     StalwartError,
     StateMismatchError,
 )
+
+if TYPE_CHECKING:
+    from stalwart.checkpoint import (
+        AnyOf,
+        Checkpointer,
+        CheckpointEvent,
+        CheckpointOptions,
+        EveryNSeconds,
+        EveryNSteps,
+        KeepAll,
+        KeepBest,
+        KeepEvery,
+        KeepLast,
+        LoadResult,
+        PendingSave,
+        PreemptionGuard,
+        RecoveryReport,
+        SaveResult,
+        Tier,
+        TieredCheckpointer,
+        TrainingState,
+    )
 
 __version__ = "0.1.0"
 
@@ -63,10 +67,43 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """``stalwart.elastic`` is imported on first use, so ``import stalwart`` stays light."""
-    if name == "elastic":
-        import importlib
+_CHECKPOINT = frozenset(
+    (
+        "AnyOf",
+        "CheckpointEvent",
+        "CheckpointOptions",
+        "Checkpointer",
+        "EveryNSeconds",
+        "EveryNSteps",
+        "KeepAll",
+        "KeepBest",
+        "KeepEvery",
+        "KeepLast",
+        "LoadResult",
+        "PendingSave",
+        "PreemptionGuard",
+        "RecoveryReport",
+        "SaveResult",
+        "Tier",
+        "TieredCheckpointer",
+        "TrainingState",
+    )
+)
 
+
+def __getattr__(name: str) -> object:
+    """Checkpoint names and ``stalwart.elastic`` are imported on first use, so ``import stalwart``
+    (and ``import stalwart.diagnose``, which needs no torch) stays light."""
+    import importlib
+
+    if name in _CHECKPOINT:
+        value = getattr(importlib.import_module("stalwart.checkpoint"), name)
+        globals()[name] = value
+        return value
+    if name == "elastic":
         return importlib.import_module("stalwart.elastic")
     raise AttributeError(f"module 'stalwart' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
