@@ -151,7 +151,7 @@ from utils.argument_parser import get_input_arguments
 
 def defaults(method):  # the method's defaults, from riskloc's own command line parser
     sys.argv = ["run.py", method]
-    return get_input_arguments()[2]
+    return get_input_arguments()[3]
 
 class Timeout(Exception):
     pass
