@@ -135,19 +135,25 @@ def _kill_in_backward(model: torch.nn.Module, mark: Path) -> None:
     next(model.parameters()).register_hook(die)
 
 
-def _lighthouse(min_replicas: int) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
+def _lighthouse(min_replicas: int, tries: int = 3) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
+    """Start ``torchft_lighthouse`` on a free port (a new port if another process took it)."""
     exe = Path(sys.executable).with_name("torchft_lighthouse")
     port = _free_port()
     proc = subprocess.Popen([str(exe), "--min_replicas", str(min_replicas), "--quorum_tick_ms",
                              "100", "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    for _ in range(100):  # wait until it listens
+    for _ in range(400):  # wait until it listens
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return proc, f"http://127.0.0.1:{port}"
+        if proc.poll() is not None:
+            break
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("torchft_lighthouse did not start listening within 5 s")
+    proc.wait()
+    if tries > 1:
+        return _lighthouse(min_replicas, tries - 1)
+    raise RuntimeError("torchft_lighthouse did not listen within 20 s on 3 ports; run it by hand")
 
 
 def _spawn(replica: int, total: int, out: Path, lh: str, extra: list[str]) -> subprocess.Popen:  # type: ignore[type-arg]
@@ -254,7 +260,6 @@ def _kill_cycle(seed: int, a: argparse.Namespace, tmp: Path) -> dict:  # type: i
     out["lost_steps"] = sum(not row[1] for row in s0)
     out["survivors_commit_s"] = min(row[3] for row in s0 if row[1] and row[3] > t_kill) - t_kill
     out["rejoin_s"] = min(row[3] for row in res[2]["log"] if row[1]) - res[2]["launch"]
-    out["healed_from_step"] = res[2]["log"][0][0]
     out["bitwise_equal"] = len({r["digest"] for r in res}) == 1
     return out
 
@@ -263,7 +268,7 @@ def kills(a: argparse.Namespace) -> None:
     """``a.kills`` seeded kill/replace cycles of torchft; one JSON line each, then totals."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(a.kills):
+        for seed in range(a.first_seed, a.first_seed + a.kills):
             c = _kill_cycle(seed, a, Path(tmp))
             print(json.dumps(c), flush=True)
             rows.append(c)
@@ -285,6 +290,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2, help="workers (healthy runs)")
     p.add_argument("--verify-every", type=int, default=50, help="stalwart's digest period")
     p.add_argument("--kills", type=int, default=0, help="torchft kill/replace cycles instead")
+    p.add_argument("--first-seed", type=int, default=0, help="kill cycles: first seed")
     p.add_argument("--kill-total", type=int, default=60, help="steps per kill cycle")
     p.add_argument("--step-sleep", type=float, default=0.02, help="kill cycles: sleep per step")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
