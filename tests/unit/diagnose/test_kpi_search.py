@@ -102,6 +102,17 @@ def test_an_anomalous_input_always_gets_an_answer_with_a_confidence(seed: int) -
     assert all(0.0 <= f.confidence <= 1.0 for f in d.findings)
 
 
+@pytest.mark.parametrize("seed", [2, 6])
+def test_a_broad_cause_whose_leaves_stay_inside_heavy_noise_is_found(seed: int) -> None:
+    # Noise of 30%: the cause's leaves (down 40%) mostly lie inside the noise extremes; the
+    # balance of its many leaves moved one way still marks it (balance_leaves).
+    cols, forecast, actual = _cube(seed, noise=0.3)
+    hit = _hit(cols, a="a3")
+    actual[hit] = forecast[hit] * 0.6
+    d = localize(_table(cols, actual, forecast), "actual", "forecast")
+    assert (("a", "a3"),) in _found(d)
+
+
 def test_no_deviation_means_no_finding_and_says_why() -> None:
     cols, forecast, _ = _cube(7)
     d = localize(_table(cols, forecast.copy(), forecast), "actual", "forecast")
