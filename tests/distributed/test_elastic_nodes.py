@@ -20,7 +20,7 @@ from stalwart.elastic.nodes import parse_nnodes, rendezvous
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
 
-from .test_elastic import STEPS, WORKER, _env, _finals, _launcher_log
+from .test_elastic import STEPS, WORKER, _env, _finals
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,7 +49,8 @@ def test_a_second_node_joins_and_leaves_the_running_job(tmp_path: Path) -> None:
     port = _free_port()
     host = _node(tmp_path, port, 2, env=_env())
     try:
-        while sum(e["kind"] == "spawned" for e in _launcher_log_or_empty(tmp_path)) < 2:
+        # the second node joins a running job: wait until node A's two workers formed an epoch
+        while not _reconfigured(tmp_path, 0):
             assert host.poll() is None, host.communicate()[1][-3000:]
             time.sleep(0.05)
         chaos = KillSchedule((Kill(worker=2, step=12),))
@@ -75,8 +76,12 @@ def test_a_second_node_joins_and_leaves_the_running_job(tmp_path: Path) -> None:
     assert {f["step"] for f in finals.values()} == {STEPS}
 
 
-def _launcher_log_or_empty(tmp: Path) -> list[dict[str, object]]:
-    return _launcher_log(tmp / "events") if (tmp / "events" / "launcher.jsonl").exists() else []
+def _reconfigured(tmp: Path, wid: int) -> bool:
+    try:
+        lines = read_events(tmp / "events").get(wid, [])
+    except (OSError, ValueError):  # the file is being written
+        return False
+    return any(e["kind"] == "reconfigured" for e in lines)
 
 
 def test_rendezvous_hosts_once_and_refuses_nodes_past_max() -> None:
