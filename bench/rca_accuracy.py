@@ -55,7 +55,12 @@ RECIPES = {
     ],
     "H": ["--dims", "10", "5", "250", "20", "8", "12"],
 }
-SEEDS = {"train": {"S": 7301, "L": 7302, "H": 7303}, "test": {"S": 7311, "L": 7312, "H": 7313}}
+SEEDS = {
+    "train": {"S": 7301, "L": 7302, "H": 7303},
+    "test": {"S": 7311, "L": 7312, "H": 7313},
+    # a second held-out draw, run once after the second tuning round had seen `test` results
+    "fresh": {"S": 7321, "L": 7322, "H": 7323},
+}
 PEERS = ("riskloc", "autoroot", "squeeze", "adtributor", "robustspot", "hotspot")
 SIDE_PACKAGES = ("numpy", "pandas", "scipy", "kneed", "loguru", "pyyaml")
 
@@ -122,14 +127,14 @@ def synthetic_cases(directory: Path, set_name: str, limit: int) -> list[Case]:
     return out
 
 
-def rs_cases(data: Path, half: str, limit: int) -> list[Case]:
+def rs_cases(data: Path, half: str, limit: int, skip: int = 0) -> list[Case]:
     """RS incidents sorted by file name; A takes the even places, B the odd."""
     labels = {str(c["data"]): c for c in read_labels(data / "anomaly.yaml")}
     names = sorted(n for n in labels if (data / f"{n}.csv").exists())
     chosen = names[0::2] if half == "A" else names[1::2]
     return [
         Case(f"RS-{half}", data, n, True, frozenset(truth(labels[n]["cause"])))
-        for n in chosen[:limit]
+        for n in chosen[skip : skip + limit]
     ]
 
 
@@ -309,7 +314,8 @@ def build_sets(args: argparse.Namespace, split: str, code: Path, python: Path) -
         directory = generated(code, python, args.cache, recipe, seed, n[recipe])
         cases += synthetic_cases(directory, f"{recipe}-{split}", n[recipe])
     if args.rs_cases > 0 and args.rs.exists():
-        cases += rs_cases(args.rs, "A" if split == "train" else "B", args.rs_cases)
+        half = "A" if split == "train" else "B"
+        cases += rs_cases(args.rs, half, args.rs_cases, args.rs_skip)
     return cases
 
 
@@ -399,7 +405,8 @@ def main() -> None:
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stalwart-bench",
     )
     ap.add_argument("--rs", type=Path, default=RS_DATA, help="RobustSpot RS incidents")
-    ap.add_argument("--split", choices=("train", "test", "both"), default="test")
+    ap.add_argument("--split", choices=("train", "test", "fresh", "both"), default="test")
+    ap.add_argument("--rs-skip", type=int, default=0, help="skip this many RS cases of the half")
     ap.add_argument("--quick", action="store_true", help="3 cases per set, RiskLoc only")
     ap.add_argument("--tune", action="store_true", help="grid over the kpi_* options (train)")
     ap.add_argument("--peers", default=",".join(PEERS[:5]), help="comma list of " + ",".join(PEERS))
