@@ -5,7 +5,10 @@ data seed, so this script is its own worker (``--worker``): the same MLP, SGD an
 ``stalwart.elastic.Job`` loop, with step ``s``'s global batch drawn from a generator seeded
 ``1000 + s + 100_000 * seed`` (seed 0 is exactly the tests' data). After each *committed*
 step every member appends the loss of that step's full global batch under the parameters it
-trained from (replicated, so every member logs the same number) to ``loss-<worker>.jsonl``.
+trained from (replicated, so every member logs the same number), and the loss on a fixed
+evaluation batch (256 rows, the same for every seed) under the parameters just committed, to
+``loss-<worker>.jsonl``. The training-batch loss is dominated by which batch a step draws; the
+evaluation loss shows the trend. Both are compared.
 
 For every data seed the bench runs, interleaved, under ``stalwart run --nproc 3``:
 
@@ -20,7 +23,7 @@ It prints per seed the largest |faulty - fault-free| over committed steps, the b
 there, the largest ratio of the two over all steps (< 1: within noise), the final losses, and
 how many replacements started from step 0 because no live member held the state.
 
-    nice -n 10 .venv/bin/python bench/elastic_loss_curve.py --seeds 4 --steps 30 --plot /tmp/lc.png
+    nice -n 10 .venv/bin/python bench/elastic_loss_curve.py --seeds 4 --steps 40 --plot /tmp/lc.png
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 GLOBAL_BATCH = 12  # as in the tests' worker: divisible by every membership size 1..4
+NAMES = {"loss": "the step's training batch, parameters before its update",
+         "eval": "fixed evaluation batch, parameters after the committed step"}  # fmt: skip
+_g = torch.Generator().manual_seed(7)
+_x = torch.randn(256, 8, generator=_g)
+EVAL = (_x, torch.sin(_x.sum(dim=1, keepdim=True)))
 
 
 def _batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +89,9 @@ def worker(seed: int, steps: int, out: Path, step_sleep: float, hold: set[int]) 
             time.sleep(step_sleep)
             optimizer.step()
             if job.step == step + 1:  # committed (a discarded step leaves job.step alone)
-                log.write(json.dumps({"step": step, "loss": full}) + "\n")
+                with torch.no_grad():
+                    ev = F.mse_loss(net(EVAL[0]), EVAL[1]).item()
+                log.write(json.dumps({"step": step, "loss": full, "eval": ev}) + "\n")
                 log.flush()
     job.close()
 
@@ -118,11 +128,12 @@ def run_job(seed: int, a: argparse.Namespace, faulty: bool) -> dict:  # type: ig
         t0 = time.monotonic()
         done = subprocess.run(cmd, env=env, capture_output=True, timeout=300)
         wall = time.monotonic() - t0
-        seen: dict[int, set[float]] = {}
+        seen: dict[str, dict[int, set[float]]] = {"loss": {}, "eval": {}}
         for path in out.glob("loss-*.jsonl"):
             for line in path.read_text().splitlines():
                 e = json.loads(line)
-                seen.setdefault(e["step"], set()).add(e["loss"])
+                for key, by_step in seen.items():
+                    by_step.setdefault(e["step"], set()).add(e[key])
         rec = recoveries(ev)
         scratch = sum(  # a replacement that committed without ever receiving state
             any(e["kind"] == "step" for e in ls)
@@ -133,26 +144,27 @@ def run_job(seed: int, a: argparse.Namespace, faulty: bool) -> dict:  # type: ig
     if done.returncode != 0:
         sys.stderr.write(done.stdout.decode()[-2000:] + done.stderr.decode()[-2000:])
     return {"rc": done.returncode, "wall_s": wall, "faults": str(sched) if sched else "",
-            "curve": {s: min(v) for s, v in sorted(seen.items())},
-            "disagree": sum(len(v) > 1 for v in seen.values()),
+            "loss": {s: min(v) for s, v in sorted(seen["loss"].items())},
+            "eval": {s: min(v) for s, v in sorted(seen["eval"].items())},
+            "disagree": sum(len(v) > 1 for by in seen.values() for v in by.values()),
             "recoveries": len(rec), "lost": sum(r.lost_steps or 0 for r in rec),
             "from_scratch": scratch}  # fmt: skip
 
 
-def compare(clean: dict[int, dict], faulty: dict[int, dict], steps: int) -> list[dict]:  # type: ignore[type-arg]
+def compare(clean: dict[int, dict], faulty: dict[int, dict], steps: int, key: str) -> list[dict]:  # type: ignore[type-arg]
     """Per seed: largest |faulty - clean| over committed steps against the band across seeds."""
-    band = {s: [c["curve"][s] for c in clean.values() if s in c["curve"]] for s in range(steps)}
+    band = {s: [c[key][s] for c in clean.values() if s in c[key]] for s in range(steps)}
     rows = []
     for seed, f in faulty.items():
-        c = clean[seed]["curve"]
-        common = [s for s in range(steps) if s in c and s in f["curve"]]
-        diffs = {s: abs(f["curve"][s] - c[s]) for s in common}
+        c, fc = clean[seed][key], f[key]
+        common = [s for s in range(steps) if s in c and s in fc]
+        diffs = {s: abs(fc[s] - c[s]) for s in common}
         worst = max(diffs, key=diffs.__getitem__) if diffs else -1
         ratio = max((diffs[s] / (max(band[s]) - min(band[s])) for s in common), default=0.0)
         rows.append({"seed": seed, "steps": len(common), "max_abs_diff": diffs.get(worst, 0.0),
                      "at_step": worst, "band_there": max(band[worst]) - min(band[worst])
                      if worst >= 0 else 0.0, "ratio": ratio,
-                     "final_clean": c.get(steps - 1), "final_faulty": f["curve"].get(steps - 1),
+                     "final_clean": c.get(steps - 1), "final_faulty": fc.get(steps - 1),
                      "recoveries": f["recoveries"], "lost": f["lost"],
                      "disagree": f["disagree"] + clean[seed]["disagree"],
                      "from_scratch": f["from_scratch"]})  # fmt: skip
@@ -169,18 +181,19 @@ def plot(path: Path, clean: dict[int, dict], faulty: dict[int, dict]) -> None:  
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, seed in enumerate(clean):
         col = f"C{i}"
-        c, f = clean[seed]["curve"], faulty[seed]["curve"]
+        c, f = clean[seed]["eval"], faulty[seed]["eval"]
         ax.plot(list(c), list(c.values()), color=col, label=f"seed {seed} fault-free")
         ax.plot(list(f), list(f.values()), "x--", color=col, ms=4, label=f"seed {seed} faults")
-    ax.set(xlabel="committed step", ylabel="loss (global batch)", yscale="log")
+    ax.set(xlabel="committed step", ylabel="eval loss after the step")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def report(rows: list[dict], clean: dict[int, dict], steps: int) -> None:  # type: ignore[type-arg]
-    """Print the markdown table and the band summary."""
-    print("\n| seed | steps | max abs(faulty - clean) | at step | band width there "
+def report(rows: list[dict], clean: dict[int, dict], steps: int, key: str) -> None:  # type: ignore[type-arg]
+    """Print the markdown table and the band summary for ``key`` (``loss`` or ``eval``)."""
+    print(f"\n{key}: {NAMES[key]}")
+    print("| seed | steps | max abs(faulty - clean) | at step | band width there "
           "| max (abs diff / band width) | final clean | final faulty | recoveries "
           "| lost steps | replacements from step 0 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -191,7 +204,7 @@ def report(rows: list[dict], clean: dict[int, dict], steps: int) -> None:  # typ
               f"| {r['from_scratch']} |")  # fmt: skip
     widths = []
     for s in range(steps):
-        v = [c["curve"][s] for c in clean.values() if s in c["curve"]]
+        v = [c[key][s] for c in clean.values() if s in c[key]]
         if len(v) > 1:
             widths.append(max(v) - min(v))
     if widths:
@@ -204,7 +217,7 @@ def report(rows: list[dict], clean: dict[int, dict], steps: int) -> None:  # typ
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--hang-timeout", type=float, default=2.0)
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the curves here")
@@ -224,9 +237,10 @@ def main() -> None:
             r = run_job(seed, a, f)
             (faulty if f else clean)[seed] = r
             print(f"seed {seed} {'faults' if f else 'clean '}: rc {r['rc']}, "
-                  f"{len(r['curve'])} committed steps, {r['wall_s']:.1f} s {r['faults']}",
+                  f"{len(r['loss'])} committed steps, {r['wall_s']:.1f} s {r['faults']}",
                   flush=True)  # fmt: skip
-    report(compare(clean, faulty, a.steps), clean, a.steps)
+    for key in NAMES:
+        report(compare(clean, faulty, a.steps, key), clean, a.steps, key)
     if a.plot:
         plot(a.plot, clean, faulty)
         print(f"plot: {a.plot}")
