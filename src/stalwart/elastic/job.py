@@ -294,6 +294,8 @@ class Job:
         if self._changed:
             self._events.write("first-commit-after-change", step=self._step, epoch=self.epoch)
             self._changed = False
+        if self._membership is not None and self.rank == 0:
+            self._membership.record_progress(self._step)
         self._notify("commit")
         self._mark_boundary()
 
@@ -344,6 +346,7 @@ class Job:
                 self._fault(e)
                 self._epoch = self._membership.join(self.epoch, self.join_timeout_s)
                 continue
+            self._membership.check_progress(self._step, self.epoch)
             self._needs_reconfigure = False
             self._changed = True
             return

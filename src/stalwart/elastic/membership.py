@@ -133,6 +133,34 @@ class Membership:
         except RuntimeError as e:  # the coordinator is gone: nobody compares any more
             log.warning("could not publish step-time statistics: %s", e)
 
+    def record_progress(self, step: int) -> None:
+        """Record the job's newest committed step (one store write, by the lowest rank)."""
+        while True:
+            try:
+                self.store.set(keys.PROGRESS, str(step))
+                return
+            except RuntimeError as e:  # the store's host is gone: follow it, or stop clearly
+                self.follow_coordinator(e)
+
+    def check_progress(self, step: int, epoch: int) -> None:
+        """Refuse to train on from step 0 when the job had committed steps and every member
+        that held them died before a newcomer could heal from it.
+
+        Raises:
+            DistributedError: the members of ``epoch`` hold step 0 but the job reached a later
+                step; nothing in memory holds it any more.
+        """
+        if step > 0 or not self.store.check([keys.PROGRESS]):
+            return
+        reached = int(self.store.get(keys.PROGRESS))
+        if reached > 0:
+            raise DistributedError(
+                f"worker {self.wid}: epoch {epoch} formed at step 0, but the job had committed "
+                f"step {reached} and every member holding that state died before a replacement "
+                "could heal from it; training on would silently start over. Restart from the last "
+                "durable checkpoint (load it before the first step), or keep more workers alive"
+            )
+
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""
         while True:

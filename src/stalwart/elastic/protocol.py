@@ -73,6 +73,7 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     NEXT_WID = "coord/next_wid"
     NODES = "coord/nodes"
     FINAL = "coord/final"
+    PROGRESS = "job/progress"  # the newest committed step, written by the lowest rank
 
     @staticmethod
     def exit(wid: int) -> str:
