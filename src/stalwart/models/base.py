@@ -9,7 +9,6 @@ on disk.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from stalwart.errors import ConfigError, require
+from stalwart.fingerprint import model_hash
 
 __all__ = ["ReferenceModel", "available", "cache_folder", "load", "model_hash", "register"]
 
@@ -91,37 +91,6 @@ def cache_folder() -> Path:
     """``$XDG_CACHE_HOME/stalwart/models`` (``~/.cache/stalwart/models`` by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "stalwart" / "models"
-
-
-def model_hash(model: nn.Module) -> str:
-    """Short hash of the model's parameters and buffers (names, dtypes, bytes)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        _hash_value(h, t)
-    return h.hexdigest()[:16]
-
-
-def _hash_value(h: Any, value: Any) -> None:
-    """Hash a state-dict value: a tensor (quantized ones by words and qparams), or the
-    tuples and plain values that packed quantized modules keep there."""
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            _hash_value(h, v)
-        return
-    if not isinstance(value, torch.Tensor):
-        h.update(repr(value).encode())
-        return
-    h.update(str(value.dtype).encode())
-    if value.is_quantized:  # viewing a quantized tensor's bytes is not supported
-        if value.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-            qparams = [value.q_per_channel_scales(), value.q_per_channel_zero_points()]
-        else:
-            qparams = [torch.tensor([value.q_scale()]), torch.tensor([value.q_zero_point()])]
-        for v in (value.int_repr(), *qparams):
-            _hash_value(h, v)
-        return
-    h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def load(
