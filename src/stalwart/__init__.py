@@ -67,36 +67,12 @@ __all__ = [
 ]
 
 
-_CHECKPOINT = frozenset(
-    (
-        "AnyOf",
-        "CheckpointEvent",
-        "CheckpointOptions",
-        "Checkpointer",
-        "EveryNSeconds",
-        "EveryNSteps",
-        "KeepAll",
-        "KeepBest",
-        "KeepEvery",
-        "KeepLast",
-        "LoadResult",
-        "PendingSave",
-        "PreemptionGuard",
-        "RecoveryReport",
-        "SaveResult",
-        "Tier",
-        "TieredCheckpointer",
-        "TrainingState",
-    )
-)
-
-
 def __getattr__(name: str) -> object:
     """Checkpoint names and ``stalwart.elastic`` are imported on first use, so ``import stalwart``
     (and ``import stalwart.diagnose``, which needs no torch) stays light."""
     import importlib
 
-    if name in _CHECKPOINT:
+    if name in __all__:  # every public name not defined above comes from stalwart.checkpoint
         value = getattr(importlib.import_module("stalwart.checkpoint"), name)
         globals()[name] = value
         return value
