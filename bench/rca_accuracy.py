@@ -8,7 +8,9 @@ RiskLoc, AutoRoot, Squeeze, Adtributor, RobustSpot (and HotSpot) run from risklo
 Protocol (defaults are chosen on ``train`` only, the table is reported on ``test``):
 
 - generated sets, riskloc's ``generate_dataset.py`` at the pinned commit, its recipes S, L, H
-  with seeds the project never used (train 7301-7303, test 7311-7313);
+  with seeds the project never used (train 7301-7303, test 7311-7313; later draws ``fresh``
+  7321-7323 and ``fresh2`` 7331-7333, each run once; ``--peers-only`` fills the peers' cache
+  without running or scoring stalwart);
 - the RobustSpot RS incidents, sorted by file name, alternately into half A (train) and B (test).
 
 Scoring is riskloc's ``utils/evaluation.py`` rule: exact-match root-cause sets per case, TP, FP,
@@ -60,6 +62,8 @@ SEEDS = {
     "test": {"S": 7311, "L": 7312, "H": 7313},
     # a second held-out draw, run once after the second tuning round had seen `test` results
     "fresh": {"S": 7321, "L": 7322, "H": 7323},
+    # a third draw, run once after the third round (deep and multiple causes) was committed
+    "fresh2": {"S": 7331, "L": 7332, "H": 7333},
 }
 PEERS = ("riskloc", "autoroot", "squeeze", "adtributor", "robustspot", "hotspot")
 SIDE_PACKAGES = ("numpy", "pandas", "scipy", "kneed", "loguru", "pyyaml")
@@ -405,7 +409,7 @@ def main() -> None:
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stalwart-bench",
     )
     ap.add_argument("--rs", type=Path, default=RS_DATA, help="RobustSpot RS incidents")
-    ap.add_argument("--split", choices=("train", "test", "fresh", "both"), default="test")
+    ap.add_argument("--split", choices=(*SEEDS, "both"), default="test")
     ap.add_argument("--rs-skip", type=int, default=0, help="skip this many RS cases of the half")
     ap.add_argument("--quick", action="store_true", help="3 cases per set, RiskLoc only")
     ap.add_argument("--tune", action="store_true", help="grid over the kpi_* options (train)")
@@ -416,6 +420,7 @@ def main() -> None:
     ap.add_argument("--rs-cases", type=int, default=1000, help="cases per RS half")
     ap.add_argument("--peer-timeout", type=int, default=300, help="seconds per peer case")
     ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--peers-only", action="store_true", help="fill the peer cache only")
     args = ap.parse_args()
     args.peers = [p for p in args.peers.split(",") if p]
     args.recipes = [r for r in args.recipes.split(",") if r]
@@ -429,6 +434,10 @@ def main() -> None:
         return
     results = {}
     for split in ("train", "test") if args.split == "both" else (args.split,):
+        if args.peers_only:
+            cases = build_sets(args, split, code, python)
+            run_peers(cases, args.peers, code, python, args.cache, args.peer_timeout)
+            continue
         print(f"\n{split} split")
         results[split] = report(args, build_sets(args, split, code, python), code, python)
     if args.json:
