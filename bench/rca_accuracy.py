@@ -66,6 +66,10 @@ SEEDS = {
     "fresh2": {"S": 7331, "L": 7332, "H": 7333},
 }
 PEERS = ("riskloc", "autoroot", "squeeze", "adtributor", "robustspot", "hotspot")
+# Squeeze answers one string per cluster with its elements joined by ";" (its own
+# AttributeCombination.batch_to_string); riskloc's post-processing sorted that string on "&" as
+# one cause (scrambling it). Its answers are split per element now, cached under a new key.
+ANSWER_FORMAT = {"squeeze": "-split"}
 SIDE_PACKAGES = ("numpy", "pandas", "scipy", "kneed", "loguru", "pyyaml")
 
 
@@ -179,6 +183,8 @@ for case in job["cases"]:
         try:
             args = defaults(method)
             found = run_method(df.copy(), [df_a, df_b], attributes, method, args, rs, False)
+            if method == "squeeze":  # one string per cluster, its elements joined by ";"
+                found = [e for s in found for e in s.split(";")]
             preds = [str(p) for p in root_cause_postprocessing(found, method)]
             status = "ok"
         except Timeout:
@@ -212,7 +218,7 @@ def run_peers(
     todo = []
     for case in cases:
         digest = case_hash(case)
-        keys = {m: f"{m}-{PINNED[:12]}-{digest}" for m in methods}
+        keys = {m: f"{m}{ANSWER_FORMAT.get(m, '')}-{PINNED[:12]}-{digest}" for m in methods}
         missing = [m for m in methods if not (store / f"{keys[m]}.json").exists()]
         if missing:
             todo.append(
@@ -416,7 +422,7 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS[:5]), help="comma list of " + ",".join(PEERS))
     ap.add_argument("--recipes", default="S,L,H")
     ap.add_argument("--cases", type=int, default=20, help="cases per S and L set")
-    ap.add_argument("--h-cases", type=int, default=3, help="cases per H set (2.4 M leaves each)")
+    ap.add_argument("--h-cases", type=int, default=3, help="cases per H set (24 M leaves each)")
     ap.add_argument("--rs-cases", type=int, default=1000, help="cases per RS half")
     ap.add_argument("--peer-timeout", type=int, default=300, help="seconds per peer case")
     ap.add_argument("--json", type=Path, help="write every number here")
