@@ -31,72 +31,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.diagnose.kpi_scores import (
+    TINY,
+    Cause,
+    KpiLeaves,
+    SearchParams,
+    State,
+    describe,
+    element_mask,
+    prepare,
+    ripple_misfit,
+)
 from stalwart.diagnose.kpi_sums import ElementSums
-from stalwart.diagnose.score import finding_confidence, overall_confidence
+from stalwart.diagnose.score import overall_confidence
 
 __all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "search"]
-
-_TINY = 1e-12
-
-
-@dataclass(frozen=True)
-class KpiLeaves:
-    """One row per leaf: attribute codes, the KPI's actual and forecast value, and each leaf's
-    explanatory power (its share of the total deviation; sums to 1)."""
-
-    codes: np.ndarray
-    """(leaves, attributes) integer codes, 0..cards[j]-1 in column j."""
-    cards: tuple[int, ...]
-    real: np.ndarray
-    predict: np.ndarray
-    ep: np.ndarray
-    direction: float
-    """+1 when the KPI's total is above its forecast, -1 below (the deviation to explain)."""
-    ratio: bool = False
-
-
-@dataclass(frozen=True)
-class SearchParams:
-    """The search's knobs (``DiagnoseOptions.kpi_*`` fields)."""
-
-    risk: float = 0.4
-    min_ep: float = 0.02
-    prior: float = 1.0
-    balance_prior: float = 3.0
-    merge: float = 0.6
-    merge_ratio: float = 0.3
-    trim: int = 5
-    max_depth: int | None = None
-    max_causes: int = 10
-    balance_leaves: int = 30
-    """An element with no leaf beyond the noise cut is scored on its balance of moved leaves
-    when at least this many of its leaves moved (a broad cause whose leaves all moved less than
-    the noise extreme); trained on S-7301, L-7302, RS-A (10: 0.767, 20/30/50: 0.773 mean F1)."""
-    stop_share: float = 0.05
-    """A further cause must explain at least this share of the largest cause found: single
-    noise leaves beyond the cut come last, with a sliver each (trained: 0.03 / 0.05 / 0.08 gave
-    0.769 / 0.773 / 0.767 mean F1)."""
-    ratio_misfit: float = 0.2
-    """Weight of the ripple misfit for a ratio KPI: a failure does not scale a success rate's
-    leaves by one factor, so the ripple fit says less there (trained: 0.15 / 0.2 / 0.3 / 0.5 /
-    1.0 gave 0.765 / 0.786 / 0.765 / 0.772 / 0.735 mean F1)."""
-    misfit_weight: float = 1.0
-    """Weight of the ripple misfit in use (``ratio_misfit`` for a ratio KPI, set by ``search``)."""
-
-
-@dataclass(frozen=True)
-class Cause:
-    """One element found: (column index, value code) pairs and its scores."""
-
-    items: tuple[tuple[int, int], ...]
-    ep: float
-    """Share of the abnormal deviation the element explains."""
-    purity: float
-    misfit: float
-    confidence: float
-    real: float
-    predict: float
-    leaves: int
 
 
 @dataclass(frozen=True)
@@ -108,75 +57,6 @@ class Localized:
     cutoff: float
     abnormal: int
     fallback: bool
-
-
-def _deviation(real: np.ndarray, predict: np.ndarray) -> np.ndarray:
-    s = real + predict
-    return np.divide(2.0 * (predict - real), s, out=np.zeros_like(s), where=np.abs(s) > _TINY)
-
-
-def _cut(x: np.ndarray, trim: int) -> float:
-    """The noise cut for deviations ``x`` oriented so the anomaly is positive: forecast noise
-    moves leaves both ways alike, so the extreme of those moved against the anomaly, ``trim``
-    places in (fewer when there are few), bounds the noise."""
-    against = np.unique(-x[x < 0])
-    if len(against) == 0:
-        return 0.0
-    return float(against[-1 - min(trim, (len(against) - 1) // 2)])
-
-
-@dataclass
-class _State:
-    """Per-leaf arrays of the live (not yet explained) leaves."""
-
-    codes: np.ndarray
-    real: np.ndarray
-    predict: np.ndarray
-    ep: np.ndarray
-    dev: np.ndarray
-    w_abnormal: np.ndarray
-    """Weight of an abnormal leaf (0 for a normal one): how far it lies beyond the cut."""
-    w_all: np.ndarray
-    moved: np.ndarray
-    """+1 for a leaf moved the anomaly's way, -1 against it, 0 unmoved."""
-    nonzero: np.ndarray
-    index: np.ndarray
-    """Each live leaf's position among all leaves."""
-
-    def keep(self, mask: np.ndarray) -> _State:
-        return _State(*(getattr(self, k)[mask] for k in self.__dataclass_fields__))
-
-    def abnormal_ep(self) -> float:
-        return float(self.ep[self.w_abnormal > 0].sum())
-
-
-def _prepare(leaves: KpiLeaves, trim: int, *, noise: bool = True) -> tuple[_State, float]:
-    dev = _deviation(leaves.real, leaves.predict)
-    sign = -leaves.direction  # dev > 0 is a drop
-    x = sign * dev
-    cut = _cut(x, trim) if noise else 0.0
-    abnormal = x > cut
-    zero = (leaves.real == 0) & (leaves.predict == 0)
-    w_ab = np.where(abnormal, np.minimum(np.abs(x), 1.0), 0.0)
-    w_no = np.where(abnormal | zero, 0.0, np.minimum(np.abs(cut - x), 1.0))
-    ep = leaves.ep
-    if float(ep[abnormal].sum()) < 0:
-        ep = -ep
-    nonzero = ((leaves.real != 0) & (leaves.predict != 0)).astype(np.float64)
-    codes = np.ascontiguousarray(leaves.codes, dtype=np.int64)
-    state = _State(
-        codes,
-        leaves.real,
-        leaves.predict,
-        ep,
-        dev,
-        w_ab,
-        w_ab + w_no,
-        np.sign(x),
-        nonzero,
-        np.arange(len(codes)),
-    )
-    return state, sign * cut
 
 
 @dataclass(frozen=True)
@@ -195,7 +75,7 @@ class _Cuboid:
 
 
 def _score(
-    st: _State, cols: tuple[int, ...], sums: ElementSums, p: SearchParams, floor: float
+    st: State, cols: tuple[int, ...], sums: ElementSums, p: SearchParams, floor: float
 ) -> _Cuboid:
     ids, n, (ep, w_ab, w_all, moved, count) = sums.get(st, cols)
     # Purity: RiskLoc's weighted share of abnormal leaves, or, for a broad cause whose leaves
@@ -208,23 +88,8 @@ def _score(
     want = (ep > floor) & (purity >= p.risk)
     if want.any():
         leaf = want[ids]
-        misfit[want] = p.misfit_weight * _misfit(st, ids, n, leaf)[want]
+        misfit[want] = p.misfit_weight * ripple_misfit(st, ids, n, leaf)[want]
     return _Cuboid(cols, ids, ep, purity, misfit)
-
-
-def _misfit(st: _State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.ndarray:
-    """Ripple fit: scale every leaf by its element's own actual/forecast ratio (leaves with both
-    values non-zero: a zero says nothing about relative change) and compare the deviation left
-    with the deviation from forecast."""
-    ids, nz = ids[leaf], st.nonzero[leaf]
-    real, predict = st.real[leaf], st.predict[leaf]
-    v = np.bincount(ids, weights=real * nz, minlength=n)
-    f = np.bincount(ids, weights=predict * nz, minlength=n)
-    scale = np.divide(v, f, out=np.ones_like(v), where=f > _TINY)
-    left = np.abs(_deviation(real, predict * scale[ids]))
-    m1 = np.bincount(ids, weights=left * nz, minlength=n)
-    m2 = np.bincount(ids, weights=np.abs(st.dev[leaf]) * nz, minlength=n)
-    return np.divide(m1, m2, out=np.zeros_like(m1), where=m2 > _TINY)
 
 
 @dataclass
@@ -235,7 +100,7 @@ class _Pick:
 
 
 def _layer(
-    st: _State, sums: ElementSums, layer: int, floor: float, p: SearchParams
+    st: State, sums: ElementSums, layer: int, floor: float, p: SearchParams
 ) -> tuple[_Pick | None, list[_Pick]]:
     """The element with the most explanatory power that passes the risk bar in this layer, and
     each cuboid's best element by explanatory power times purity (fallback candidates)."""
@@ -254,60 +119,28 @@ def _layer(
     return best, fallback
 
 
-def _fallback(st: _State, picks: list[_Pick], p: SearchParams) -> _Pick | None:
+def _fallback(st: State, picks: list[_Pick], p: SearchParams) -> _Pick | None:
     """The candidate with the most explanatory power times risk (floored, so that a deviation
     no element fits still gets its best guess)."""
     best: _Pick | None = None
     for pick in picks:
         cub, e = pick.cuboid, pick.element
-        misfit = p.misfit_weight * _misfit(st, cub.ids, len(cub.ep), cub.ids == e)[e]
-        score = pick.score / max(cub.purity[e], _TINY) * max(cub.purity[e] - misfit, 0.01)
+        misfit = p.misfit_weight * ripple_misfit(st, cub.ids, len(cub.ep), cub.ids == e)[e]
+        score = pick.score / max(cub.purity[e], TINY) * max(cub.purity[e] - misfit, 0.01)
         if best is None or score > best.score:
             best = _Pick(cub, e, float(score))
     return best
 
 
-def _mask(st: _State, items: tuple[tuple[int, int], ...]) -> np.ndarray:
-    mask = np.ones(len(st.codes), dtype=bool)
-    for c, v in items:
-        mask &= st.codes[:, c] == v
-    return mask
-
-
-def _describe(
-    st: _State, items: tuple[tuple[int, int], ...], total_ep: float, p: SearchParams
-) -> Cause:
-    """The scores of one element over the leaves of ``st``."""
-    mask = np.ones(len(st.codes), dtype=bool)
-    for c, v in items:
-        mask &= st.codes[:, c] == v
-    w_ab, w_all = float(st.w_abnormal[mask].sum()), float(st.w_all[mask].sum())
-    moved, count = float(st.moved[mask].sum()), float(np.abs(st.moved[mask]).sum())
-    purity = w_ab / (w_all + p.prior)
-    if w_ab > 0 or count >= p.balance_leaves:
-        purity = max(purity, moved / (count + p.balance_prior))
-    misfit = p.misfit_weight * float(_misfit(st, np.zeros(len(mask), dtype=np.int64), 1, mask)[0])
-    return Cause(
-        items=items,
-        ep=float(st.ep[mask].sum()) / total_ep,
-        purity=purity,
-        misfit=misfit,
-        confidence=finding_confidence(purity, misfit),
-        real=float(st.real[mask].sum()),
-        predict=float(st.predict[mask].sum()),
-        leaves=int(mask.sum()),
-    )
-
-
-def _cause(st: _State, pick: _Pick, total_ep: float, p: SearchParams) -> tuple[Cause, np.ndarray]:
+def _cause(st: State, pick: _Pick, total_ep: float, p: SearchParams) -> tuple[Cause, np.ndarray]:
     cub, e = pick.cuboid, pick.element
     mask = cub.ids == e
     row = st.codes[int(np.argmax(mask))]
-    return _describe(st, tuple((c, int(row[c])) for c in cub.cols), total_ep, p), mask
+    return describe(st, tuple((c, int(row[c])) for c in cub.cols), total_ep, p), mask
 
 
 def _generalize(
-    st: _State, causes: list[Cause], total_ep: float, p: SearchParams, ratio: bool
+    st: State, causes: list[Cause], total_ep: float, p: SearchParams, ratio: bool
 ) -> list[Cause]:
     """Succinctness (Adtributor): the causes under one ancestor element become that ancestor
     when it explains at least as much and the rest of its leaves moved the same way too, their
@@ -323,17 +156,19 @@ def _generalize(
 
 
 def _merge_up(
-    st: _State, cause: Cause, out: list[Cause], total_ep: float, p: SearchParams, merge: float
+    st: State, cause: Cause, out: list[Cause], total_ep: float, p: SearchParams, merge: float
 ) -> list[Cause]:
     for size in range(1, len(cause.items)):
         best: tuple[Cause, list[Cause]] | None = None
         for sub in itertools.combinations(cause.items, size):
             under = [c for c in out if set(sub) <= set(c.items)]
-            rest = _mask(st, sub) & ~np.logical_or.reduce([_mask(st, c.items) for c in under])
+            rest = element_mask(st, sub) & ~np.logical_or.reduce(
+                [element_mask(st, c.items) for c in under]
+            )
             moved = st.moved[rest]
             if moved.sum() / (np.abs(moved).sum() + p.balance_prior) < merge:
                 continue
-            parent = _describe(st, sub, total_ep, p)
+            parent = describe(st, sub, total_ep, p)
             if parent.ep >= sum(c.ep for c in under) > 0 and (
                 best is None or parent.ep > best[0].ep
             ):
@@ -355,13 +190,13 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     p = params or SearchParams()
     if leaves.ratio:
         p = dataclasses.replace(p, misfit_weight=p.ratio_misfit)
-    st, cut = _prepare(leaves, p.trim)
+    st, cut = prepare(leaves, p.trim)
     total_ep = st.abnormal_ep()
-    if total_ep <= _TINY:  # nothing beyond the noise: every leaf moved the deviation's way
-        st, cut = _prepare(leaves, p.trim, noise=False)
+    if total_ep <= TINY:  # nothing beyond the noise: every leaf moved the deviation's way
+        st, cut = prepare(leaves, p.trim, noise=False)
         total_ep = st.abnormal_ep()
     n_abnormal = int((st.w_abnormal > 0).sum())
-    if n_abnormal == 0 or total_ep <= _TINY:
+    if n_abnormal == 0 or total_ep <= TINY:
         return Localized([], 0.0, cut, n_abnormal, False)
     floor = p.min_ep * total_ep
     depth = min(p.max_depth or len(leaves.cards), len(leaves.cards))
