@@ -6,7 +6,8 @@
 checkpoint in ``job["dir"]`` when ``job["resume"]`` is set. It appends one ``<step> <loss>`` line
 per optimizer step to ``job["losses"]`` (written with ``os.write``: a SIGKILL loses nothing
 written before it), ``start <global_step>`` when training starts, and at a clean end writes the
-parameters to ``job["final"]`` (``torch.save``).
+parameters to ``job["final"]`` (``torch.save``). ``run()`` starts one interpreter that imports
+the framework once and forks every job from it (``--phases``).
 
 ``job["kill"]`` makes the process SIGKILL itself (the signal the OOM killer and a preempted
 node send; no handler, no flush):
@@ -151,19 +152,84 @@ def _hf(job: dict[str, Any], log: _Log) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(*jobs: dict[str, Any], timeout_s: float = 240.0) -> list[int]:
-    """Run each job in a fresh interpreter, all at once; their exit statuses (negative: signal)."""
+PRELOAD = {
+    "lightning": ("lightning.pytorch", "stalwart.integrations.lightning"),
+    "hf": ("transformers.trainer", "transformers.models.gpt2", "stalwart.integrations.huggingface"),
+}
+"""What a job of each framework imports: the zygote loads it once, before forking the jobs."""
+
+
+def _fork_phases(
+    phases: list[list[dict[str, Any]]], statuses: Path, timeout_s: float
+) -> dict[str, Any] | None:
+    """In the zygote: fork each phase's jobs, all at once, and reap them before the next phase.
+
+    Returns a job in a forked child (the caller runs it at module level and exits like any
+    interpreter: atexit handlers, non-daemon threads) and ``None`` in the zygote, which has
+    written every phase's exit statuses to ``statuses``. No ``finally`` may sit between the
+    fork and the ``return``: a child would run it.
+    """
+    import importlib
+
+    for name in PRELOAD[phases[0][0]["framework"]]:
+        importlib.import_module(name)
+    done: list[list[int | None]] = []
+    for jobs in phases:
+        pids = []
+        for job in jobs:
+            pid = os.fork()
+            if pid == 0:
+                return job
+            pids.append(pid)
+        done.append(_reap(pids, time.monotonic() + timeout_s))
+    statuses.write_text(json.dumps(done))
+    return None
+
+
+def _reap(pids: list[int], deadline: float) -> list[int | None]:
+    """Exit statuses of ``pids`` (negative: signal); ``None`` for one SIGKILLed at ``deadline``."""
+    codes: dict[int, int | None] = {}
+    while len(codes) < len(pids):
+        for pid in [p for p in pids if p not in codes]:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        late = [p for p in pids if p not in codes]
+        if late and time.monotonic() > deadline:
+            for pid in late:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                codes[pid] = None
+        elif late:
+            time.sleep(0.05)
+    return [codes[p] for p in pids]
+
+
+def run(*phases: list[dict[str, Any]], timeout_s: float = 240.0) -> list[list[int | None]]:
+    """Run each phase's jobs at once, phase after phase; their exit statuses (negative: signal).
+
+    One fresh interpreter (a zygote) imports torch and the framework once and forks every job
+    from that clean state: a job is its own process, which shares nothing with the others but
+    the imported modules (a resumed job is a sibling of the killed one, never its child), at a
+    fifth of the start-up cost of one interpreter per job.
+    """
     import subprocess
+    import tempfile
 
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(j)], env=env) for j in jobs]
-    try:
-        return [p.wait(timeout_s) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "statuses.json"
+        args = [json.dumps(phases), str(out), str(timeout_s)]
+        zygote = subprocess.Popen(
+            [sys.executable, __file__, "--phases", *args], env=env, start_new_session=True
+        )
+        try:
+            assert zygote.wait(timeout_s * len(phases) + 60) == 0, "the zygote failed"
+        finally:
+            if zygote.poll() is None:
+                os.killpg(zygote.pid, signal.SIGKILL)
+                zygote.wait()
+        return json.loads(out.read_text())
 
 
 def read_losses(path: Path) -> tuple[list[int], dict[int, float]]:
@@ -191,10 +257,10 @@ def kill_and_resume(tmp: Path, framework: str, cases: dict[str, dict[str, Any]])
                 "final": str(tmp / f"{name}.pt"), **keys}  # fmt: skip
 
     killed = [job(name, **keys) for name, keys in cases.items()]
-    assert run(job("full"), *killed) == [0] + [-signal.SIGKILL] * len(killed)
     resumed = [{**k, "kill": None, "resume": True, "losses": k["losses"] + ".resumed"}
                for k in killed]  # fmt: skip
-    assert run(*resumed) == [0] * len(resumed)
+    statuses = run([job("full"), *killed], resumed)
+    assert statuses == [[0] + [-signal.SIGKILL] * len(killed), [0] * len(resumed)], statuses
 
     _, want = read_losses(tmp / "full.txt")
     final = torch.load(tmp / "full.pt")
@@ -216,4 +282,9 @@ def main(job: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--phases":  # see run(): a zygote forking every job
+        forked = _fork_phases(json.loads(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]))
+        if forked is not None:
+            main(forked)
+    else:
+        main(json.loads(sys.argv[1]))
