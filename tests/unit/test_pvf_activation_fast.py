@@ -74,3 +74,77 @@ def test_activation_campaign_dependent_and_eager(make: type[nn.Module]) -> None:
     assert fast.manifest["engine"] == "fast"
     _same(fast, slow)
     assert fast.failed["top1"].any()
+
+
+class Residual(nn.Module):
+    """Conv, batch norm, ReLU, max-pool, a residual add and a mean: the ops a fault's row
+    crosses in a ResNet (a fault the ReLU or the pool swallows leaves the pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2, self.conv3 = nn.Conv2d(8, 8, 3, 1, 1), nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        y = torch.relu(self.conv2(x) + self.conv3(x))
+        return self.fc(y.mean((2, 3)))
+
+
+class Mixing(Residual):
+    """Samples are not independent (batch statistics): the stacked pass must notice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        h = h - h.mean(0)
+        return self.fc(torch.relu(self.conv2(h)).mean((2, 3)))
+
+
+def _faults(model: nn.Module, x: torch.Tensor) -> list:
+    faults = list(sample_activation_faults(model, (x,), 80, seed=4))
+    return faults + list(sample_activation_faults(model, (x,), 40, seed=5, error="bitflip"))
+
+
+def _model(make: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = make().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+    return model, torch.randn(6, 3, 8, 8)
+
+
+def test_stacked_rows_equal_hook_path() -> None:
+    from stalwart.vulnerability.activation_engine import hooked
+
+    model, x = _model(Residual)
+    faults = _faults(model, x)
+    eng = vulnerability.FastEngine(model, (x,))
+    fast, ref = eng.run(faults), hooked(eng, faults, independent=True)
+    rows, k = torch.tensor([f.sample for f in faults]), torch.arange(len(faults))
+    own, want = fast[k, rows], ref[k, rows]
+    assert torch.allclose(own, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    golden_rows = (own == eng.golden[rows]).all(1)
+    assert golden_rows.any() and not golden_rows.all()  # some masked, some not
+    others = torch.ones(fast.shape[:2], dtype=torch.bool)
+    others[k, rows] = False
+    assert torch.equal(fast[others], eng.golden.expand_as(fast)[others])
+
+
+def test_stacked_pass_refuses_a_graph_that_mixes_samples() -> None:
+    from stalwart.vulnerability.activation_engine import _module_node
+    from stalwart.vulnerability.stacked import Start, run_stacked
+
+    model, x = _model(Mixing)
+    eng = vulnerability.FastEngine(model, (x,))
+    node = _module_node(eng, "conv1")  # its rows reach the batch mean
+    start = Start(node, [0], [1], [5], [torch.tensor(0x3F800000, dtype=torch.int32)])
+    out = eng.golden.unsqueeze(0).clone()
+    assert not run_stacked(eng, {node: start}, out)
+    assert torch.equal(out[0], eng.golden)  # nothing written
+    x_ok = _model(Residual)
+    eng = vulnerability.FastEngine(*x_ok[:1], (x_ok[1],))
+    node = _module_node(eng, "conv2")
+    assert run_stacked(eng, {node: Start(node, [0], [1], [5], start.words)}, out)
