@@ -39,6 +39,13 @@ whichever members arrived.
 ``H_i = clamp(round(H · r_med / r_i), h_min, H)`` (``r_med``: the median member's), so each
 member's phase takes about the median member's ``H``-step time and they report together.
 
+**Outer rule.** With ``k`` equal to the members (no version is a partial round) each version
+takes the outer optimizer's own step, as synchronous DiLoCo does. With ``k`` below the
+members the default is **delayed Nesterov** (:mod:`stalwart.elastic.outer_rules`): a
+version of ``n`` of ``N`` contributions is ``n / N`` of a round, applied as a momentum-free
+step, and the momentum is updated once per round; the per-version Nesterov step diverged
+there (``Buffered(rule="per-version")`` keeps it, for comparison).
+
 **Membership.** ``k`` follows the published members, so a departed member never blocks a
 buffer (a member that died between its ticket and its post costs the aggregator one store
 timeout for that slot). A newer epoch (a newcomer) is joined when each member next reports
@@ -50,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed import Store
 
+from stalwart.elastic.outer_rules import Pending, assign_h, combine, delayed_nesterov
 from stalwart.elastic.protocol import decode, keys
 from stalwart.errors import ConfigError, DistributedError
 
@@ -80,53 +87,32 @@ class Buffered:
         staleness: contributions more than this many versions old are dropped.
         compute_aware: assign fewer inner steps to slower members.
         h_min: the fewest inner steps a member is assigned.
+        rule: the outer update: ``"auto"`` (delayed Nesterov when ``k`` is below the members,
+            the outer optimizer's own step per version otherwise), ``"delayed"`` or
+            ``"per-version"`` (always one or the other).
     """
 
     k: int | None = None
     staleness: int = 2
     compute_aware: bool = True
     h_min: int = 1
+    rule: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.k is not None and self.k < 1) or self.staleness < 0 or self.h_min < 1:
             raise ConfigError(f"{self}: need k >= 1, staleness >= 0 and h_min >= 1")
+        if self.rule not in ("auto", "delayed", "per-version"):
+            raise ConfigError(f"{self}: rule must be 'auto', 'delayed' or 'per-version'")
+
+    def delayed(self, members: int) -> bool:
+        """Whether versions take the delayed Nesterov step with ``members`` members."""
+        auto = self.k_for(members) < members
+        return self.rule == "delayed" or (self.rule == "auto" and auto)
 
     def k_for(self, members: int) -> int:
         """Contributions per outer step with ``members`` members."""
         want = self.k if self.k is not None else members - 1
         return max(1, min(want, members))
-
-
-def combine(
-    parts: list[dict[str, Any]], version: int, h: int
-) -> tuple[list[torch.Tensor], list[float]]:
-    """The weighted pseudo-gradient of buffer ``version`` (see the module docstring).
-
-    Returns:
-        Δ per parameter (float64 accumulation, the inputs' dtype), and each part's weight
-        ``w_i / Σ w`` as a fraction of the whole.
-    """
-    disc = [(1.0 + version - p["base"]) ** -0.5 for p in parts]
-    total = sum(d * p["h"] for d, p in zip(disc, parts, strict=True))
-    out = []
-    for j in range(len(parts[0]["deltas"])):
-        acc = torch.zeros_like(parts[0]["deltas"][j], dtype=torch.float64)
-        for d, p in zip(disc, parts, strict=True):
-            acc += d * p["deltas"][j].to(torch.float64)
-        out.append((acc * (h / total)).to(parts[0]["deltas"][j].dtype))
-    return out, [d * p["h"] / total for d, p in zip(disc, parts, strict=True)]
-
-
-def assign_h(rates: dict[int, float], h: int, h_min: int) -> dict[int, int]:
-    """Inner steps per worker so that each phase takes about ``h`` steps of the median worker.
-
-    Reference is the median rate, not the fastest, so that timing noise among equally fast
-    members does not cut their phases (a member at or under the median keeps ``h``).
-    """
-    if not rates:
-        return {}
-    typical = statistics.median(rates.values())
-    return {w: max(h_min, min(h, round(h * typical / max(r, 1e-12)))) for w, r in rates.items()}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -160,6 +146,7 @@ class AsyncOuter:
         self.d, self.mode, self.membership = diloco, mode, membership
         self.version = 0  # the version the global model holds
         self.assigned_h = diloco.h
+        self._pending = Pending()  # delayed Nesterov's round in progress (outer_rules)
         self.wid = membership.wid
         self._timeout_s = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
 
@@ -193,6 +180,7 @@ class AsyncOuter:
             for b, t in zip(floats, rec["buffers"], strict=True):
                 b.copy_(t)
         self.d.outer.load_state_dict(rec["outer"])
+        self._pending = Pending.from_state(rec.get("pending"))
         self.version = v
         self._take_assignment(rec)
         return rec
@@ -235,6 +223,7 @@ class AsyncOuter:
                 "deltas": deltas, "buffers": buffers}  # fmt: skip
         # every phase's speed is published, dropped or not: the slowest needs assigning most
         self.store.set(f"diloco/rate/{self.wid}", str(part["rate"]))
+        rel = base  # the version part["deltas"] is relative to
         while True:
             self._follow_membership()
             v = self.latest()
@@ -242,6 +231,9 @@ class AsyncOuter:
                 self._event("diloco-dropped", base=base, version=v, h=h_done)
                 self.adopt(v)
                 return
+            if v > rel and self.mode.delayed(self._members()):
+                self.adopt(v)  # restate a stale phase relative to version v: θ_v - θ_local
+                part["deltas"], rel = self.d.pseudo_gradient(), v
             ticket = self.store.add(f"diloco/b{v}/n", 1)
             self.store.set(f"diloco/b{v}/g{ticket}", _dumps({**part, "ticket": ticket}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
             self._maybe_aggregate(v)
@@ -320,12 +312,10 @@ class AsyncOuter:
         self.adopt(v)  # the aggregator steps from version v exactly
         rates = self._rates()
         weights: list[float] = []
+        moved = False  # the momentum was updated (always, except delayed Nesterov mid-round)
         if fresh:
             deltas, weights = combine(fresh, v, self.d.h)
-            for g, dlt in zip(self.d._global, deltas, strict=True):
-                g.grad = dlt
-            self.d.outer.step()
-            self.d.outer.zero_grad(set_to_none=True)
+            moved = self._step(deltas, len(fresh))
             floats = [b for b in self.d.global_model.buffers() if b.is_floating_point()]
             with torch.no_grad():
                 for j, b in enumerate(floats):
@@ -338,6 +328,7 @@ class AsyncOuter:
             "buffers": [b.detach().clone() for b in self.d.global_model.buffers()
                         if b.is_floating_point()],
             "outer": self.d.outer.state_dict(),
+            "pending": self._pending.state_dict(),
             "used": used,
             "dropped": [p["wid"] for p in parts if p not in fresh],
             "assign": assign_h(rates, self.d.h, self.mode.h_min),
@@ -347,8 +338,33 @@ class AsyncOuter:
         self.version = v + 1
         self._take_assignment(rec)  # the aggregator adopts its own version without reading it
         self._event("diloco-aggregate", version=v + 1, used=used, dropped=rec["dropped"],
-                    assign=rec["assign"], members=self._members())  # fmt: skip
+                    momentum=moved, assign=rec["assign"], members=self._members())  # fmt: skip
         self._forget(v + 1 - _KEEP)
+
+    def _step(self, deltas: list[torch.Tensor], used: int) -> bool:
+        """The outer step of one version: the optimizer's own, or delayed Nesterov (k < N).
+
+        Returns:
+            Whether the momentum was updated.
+        """
+        members = self._members()
+        params = self.d._global
+        if not self.mode.delayed(members):
+            self._pending = Pending()
+            for g, dlt in zip(params, deltas, strict=True):
+                g.grad = dlt
+            self.d.outer.step()
+            self.d.outer.zero_grad(set_to_none=True)
+            return True
+        group, state = self.d.outer.param_groups[0], self.d.outer.state
+        bufs = [state[g].get("momentum_buffer") for g in params]
+        mass = min(1.0, used / members)
+        moved = delayed_nesterov(params, deltas, bufs, self._pending, mass=mass,
+                                 lr=group["lr"], beta=group["momentum"])  # fmt: skip
+        for g, b in zip(params, bufs, strict=True):
+            if b is not None:
+                state[g]["momentum_buffer"] = b
+        return moved
 
     def _forget(self, old: int) -> None:
         if old < 1:
