@@ -15,8 +15,8 @@ length per step (2x slower).
    reported, staleness <= 2, outer momentum 0.9, the default delayed Nesterov rule of
    :mod:`stalwart.elastic.outer_rules`) and ``k=2 per-version`` (the same with a Nesterov
    step per version, the rule that diverged); K < N runs for twice the outer steps (20+
-   versions): wall time until the held-out loss is under the target (1.1x the median final
-   loss of synchronous DiLoCo in the same scenario), from the per-outer-step traces.
+   versions): wall time until the held-out loss is under the target (1.1x the final loss of
+   synchronous DiLoCo with the same seed), from the per-outer-step traces.
 
 Each seed (``--seeds``) changes the initial model, the teacher's rows and the held-out set
 (the bench runs itself as the worker, wrapping ``diloco_worker.py``); contenders are
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import subprocess
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--outer", type=int, default=10)
     p.add_argument("--compute-s", type=float, default=0.004)
     p.add_argument("--slow-only", action="store_true", help="only the straggler scenario")
+    p.add_argument("--save", type=Path, help="write the runs' records (JSON)")
     a = p.parse_args()
     plain: dict[str, list[dict[str, float]]] = {"ddp": [], "diloco": []}
     slow: dict[str, list[list[dict[str, Any]]]] = {label: [] for label in a.contenders}
@@ -154,10 +156,15 @@ def main() -> None:
         ratio = [d["bytes_per_sample"] / s["bytes_per_sample"]
                  for d, s in zip(plain["ddp"], plain["diloco"], strict=True)]  # fmt: skip
         print(f"\nddp / diloco bytes per sample: {_fmt(ratio)}")
-    target = 1.1 * statistics.median(summary(f, a.h)["loss"] for f in slow["diloco"])
-    print(f"\n| worker 2 slowed 2x | wall s to loss <= {target:.4f} | final loss | run wall s |")
+    if a.save:
+        keep = ("loss", "loop_s", "trace")
+        raw = {m: [[{k: f[k] for k in keep} for f in run] for run in v] for m, v in slow.items()}
+        a.save.write_text(json.dumps({"seeds": a.seeds, "runs": raw}))
+    targets = [1.1 * summary(f, a.h)["loss"] for f in slow["diloco"]]
+    print("\n| worker 2 slowed 2x | wall s to 1.1x sync final loss | final loss | run wall s |")
     print("|---|---|---|---|")
-    times = {m: [time_to(f, target) for f in runs] for m, runs in slow.items()}
+    times = {m: [time_to(f, t) for f, t in zip(runs, targets, strict=True)]
+             for m, runs in slow.items()}  # fmt: skip
     for mode, runs in slow.items():
         sums = [summary(f, a.h) for f in runs]
         print(

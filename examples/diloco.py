@@ -37,11 +37,10 @@ def main() -> None:
     torch.manual_seed(0)  # every worker starts from the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if a.async_k:  # momentum 0.5: stale pseudo-gradients and 0.9 diverged in our bench
-        mode, outer = Buffered(k=a.async_k, staleness=2), Nesterov(lr=0.7, momentum=0.5)
-    else:
-        mode, outer = None, Nesterov()  # the paper's lr 0.7, momentum 0.9
-    diloco = DiLoCo(model, inner, h=a.h, outer=outer, mode=mode)
+    # k below the members takes the delayed Nesterov rule (momentum once per round of
+    # contributions, stale phases restated against the newest version): momentum 0.9 is safe
+    mode = Buffered(k=a.async_k, staleness=2) if a.async_k else None
+    diloco = DiLoCo(model, inner, h=a.h, outer=Nesterov(), mode=mode)  # lr 0.7, momentum 0.9
     worker = diloco.job.members[diloco.rank]
     while diloco.outer_step < a.outer:
         inner.zero_grad()

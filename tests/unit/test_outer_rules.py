@@ -79,8 +79,11 @@ def test_the_pending_round_survives_a_version_record() -> None:
     assert Pending.from_state(None).acc is None
 
 
-def test_the_default_rule_is_delayed_only_below_n() -> None:
+def test_the_defaults_below_n_and_at_n() -> None:
     assert Buffered(k=2).delayed(3) and not Buffered(k=3).delayed(3)
     assert not Buffered(k=5).delayed(3) and not Buffered().delayed(1)
     assert Buffered(k=3, rule="delayed").delayed(3)
     assert not Buffered(k=2, rule="per-version").delayed(3)
+    # compute-aware H by default only at k = N (below, equal phase times leave one out)
+    assert Buffered(k=3).compute_aware_for(3) and not Buffered(k=2).compute_aware_for(3)
+    assert Buffered(k=2, compute_aware=True).compute_aware_for(3)

@@ -85,7 +85,9 @@ class Buffered:
     Attributes:
         k: contributions per outer step (None: one less than the members, at least 1).
         staleness: contributions more than this many versions old are dropped.
-        compute_aware: assign fewer inner steps to slower members.
+        compute_aware: assign fewer inner steps to slower members (None: only when ``k`` equals
+            the members; below, the ``k`` fastest already go ahead, and equal phase times
+            would leave one member out of every buffer, stale by one version).
         h_min: the fewest inner steps a member is assigned.
         rule: the outer update: ``"auto"`` (delayed Nesterov when ``k`` is below the members,
             the outer optimizer's own step per version otherwise), ``"delayed"`` or
@@ -94,7 +96,7 @@ class Buffered:
 
     k: int | None = None
     staleness: int = 2
-    compute_aware: bool = True
+    compute_aware: bool | None = None
     h_min: int = 1
     rule: str = "auto"
 
@@ -103,6 +105,11 @@ class Buffered:
             raise ConfigError(f"{self}: need k >= 1, staleness >= 0 and h_min >= 1")
         if self.rule not in ("auto", "delayed", "per-version"):
             raise ConfigError(f"{self}: rule must be 'auto', 'delayed' or 'per-version'")
+
+    def compute_aware_for(self, members: int) -> bool:
+        """Whether members take the assigned inner steps with ``members`` members."""
+        on = self.k_for(members) >= members
+        return self.compute_aware if self.compute_aware is not None else on
 
     def delayed(self, members: int) -> bool:
         """Whether versions take the delayed Nesterov step with ``members`` members."""
@@ -188,7 +195,7 @@ class AsyncOuter:
     def _take_assignment(self, rec: dict[str, Any]) -> None:
         """This member's inner steps for its next phase, from a version's record."""
         mine = rec["assign"].get(self.wid, self.d.h)
-        self.assigned_h = mine if self.mode.compute_aware else self.d.h
+        self.assigned_h = mine if self.mode.compute_aware_for(self._members()) else self.d.h
 
     def _member_ids(self) -> list[int]:
         epoch = self.membership.latest_epoch()
