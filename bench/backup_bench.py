@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -99,11 +100,13 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.6)
     parser.add_argument("--slow", choices=["fixed", "random"], default="fixed",
                         help="worker 2 always slow, or a different member each step")  # fmt: skip
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="comma-separated subset of " + ", ".join(CONTENDERS))  # fmt: skip
     a = parser.parse_args()
     if a.worker:
         worker(a)
         return
-    names = list(CONTENDERS)
+    names = a.contenders.split(",")
     to_target: dict[str, list[float]] = {n: [] for n in names}
     total: dict[str, list[float]] = {n: [] for n in names}
     final: dict[str, list[float]] = {n: [] for n in names}
@@ -121,14 +124,15 @@ def main() -> None:
     who = "worker 2" if a.slow == "fixed" else "one member per step (pseudo-random)"
     print(f"\n3 workers, {who} slowed 2x (modelled compute {a.base_s} s / {2 * a.base_s} s "
           f"per step), target loss {a.target}, {a.runs} runs\n")  # fmt: skip
-    print(f"| contender | time to target (s) | {a.steps} steps (s) | final loss "
-          "| speed-up to target vs sync |")  # fmt: skip
-    print("|---|---|---|---|---|")
-    sync = statistics.median(to_target["sync"])
+    print(f"| contender | time to target (s) | {a.steps} steps (s) | ms / step | final loss "
+          "| speed-up to target vs sync | per step vs sync |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    sync = statistics.median(to_target.get("sync", [math.nan]))
+    sync_all = statistics.median(total.get("sync", [math.nan]))
     for n in names:
-        med = statistics.median(to_target[n])
-        print(f"| {n} | {_mr(to_target[n])} | {_mr(total[n])} | {_mr(final[n], 3)} | "
-              f"{sync / med:.2f}x |")  # fmt: skip
+        med, per = statistics.median(to_target[n]), statistics.median(total[n])
+        print(f"| {n} | {_mr(to_target[n])} | {_mr(total[n])} | {1e3 * per / a.steps:.1f} | "
+              f"{_mr(final[n], 3)} | {sync / med:.2f}x | {sync_all / per:.2f}x |")  # fmt: skip
 
 
 def _mr(v: list[float], digits: int = 2) -> str:

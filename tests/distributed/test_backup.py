@@ -8,16 +8,19 @@ hold whoever is late.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from stalwart.elastic import read_events
 from stalwart.elastic.backup import Dynamic, backup_count
+from stalwart.elastic.backup_wire import decode, encode, rng_state, set_rng_state
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
 
@@ -110,6 +113,31 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     assert d.choose([{0: 1.0, 1: 1.0}] * 2, 3) == 2, "an unmeasured member counts as slowest"
     assert d.choose([], 3) == 3
     assert Dynamic(min_k=3).choose(fixed, 3) == 3
+    noisy = [{0: 0.001, 1: 0.003, 2: 0.15}] * 3  # ms of compute, jittery, against the commit
+    assert d.choose(noisy, 3) == 1
+    assert d.choose(noisy, 3, pace=0.013, k_now=2) == 2, "the commit's own cost counts"
     assert backup_count(1, 3) == 2 and backup_count(5, 3) == 1 and backup_count(Dynamic(), 4) == 4
     with pytest.raises(ConfigError):
         Dynamic(window=0)
+
+
+def test_wire_round_trip_is_bit_exact_for_any_dtype() -> None:
+    tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.zeros(0),
+               torch.arange(6, dtype=torch.int64).reshape(2, 3)]  # fmt: skip
+    header, out = decode(encode(("hdr", 1.5), tensors), [torch.empty_like(t) for t in tensors])
+    assert header == ("hdr", 1.5)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(out, tensors, strict=True))
+    gen = torch.Generator().manual_seed(3)
+    state = rng_state([gen])
+
+    def draw() -> tuple[torch.Tensor, float, float, torch.Tensor]:
+        return torch.rand(2), random.random(), float(np.random.rand()), torch.rand(2, generator=gen)
+
+    expected = draw()
+    draw()
+    set_rng_state(state, [gen])
+    again = draw()
+    assert torch.equal(again[0], expected[0]) and again[1:3] == expected[1:3]
+    assert torch.equal(again[3], expected[3])
+    with pytest.raises(ValueError, match="same shapes"):
+        decode(encode(None, tensors[:1]), tensors)

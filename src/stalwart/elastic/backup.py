@@ -17,6 +17,12 @@ computing their gradients (it catches up; its RNG follows the reducer's). Result
 for 64 steps; a member further behind finds them gone, times out, and is healed from its peers
 by the parity policy of the next epoch.
 
+**Back in phase.** A late member cannot interrupt its forward/backward; had it then started
+the open step at once, it would stay a fraction of a step behind and be late at every step
+after. So a late member that finds the open step more than half done (time since the last
+result's post against the median interval between posts, the reducers' wall clocks) waits for
+that step's result (at most 1.5 intervals) and starts the next step with the others.
+
 **Unbiased scaling.** The result divides by ``k`` (the contributions used), not ``n``: each
 member's gradient is the mean over its share, so the mean of ``k`` shares estimates the full
 batch's mean gradient without bias *when which members are late does not depend on their data*
@@ -29,15 +35,14 @@ of recent steps' times travels in the results, and the reducer picks the ``k`` t
 contributions per second, ``k / T(k)`` with ``T(k)`` the median over the window of each step's
 ``k``-th smallest time, preferring the larger ``k`` unless the gain is over ``margin``.
 
-Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out),
-so this suits small and medium models; the gloo all-reduce remains the default path.
+Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out;
+raw bytes, :mod:`stalwart.elastic.backup_wire`), so this suits small and medium models; the
+gloo all-reduce remains the default path.
 """
 
 from __future__ import annotations
 
-import io
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +50,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.backup_wire import Janitor, decode, encode, rng_state, set_rng_state
+from stalwart.elastic.protocol import keys
 from stalwart.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,6 +64,7 @@ __all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_back
 
 _KEEP_STEPS = 64  # results kept in the store for members that fall behind
 _POLL = timedelta(seconds=0.2)  # how often a waiting member checks for a newer epoch
+_PACE_WINDOW = 10  # intervals between results kept for the pace (their median)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,21 +85,28 @@ class Dynamic:
         if self.window < 1 or self.margin < 0 or self.min_k < 1:
             raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
 
-    def choose(self, steps: Sequence[Mapping[int, float]], size: int) -> int:
+    def choose(
+        self, steps: Sequence[Mapping[int, float]], size: int, *, pace: float = 0.0,
+        k_now: int | None = None,
+    ) -> int:  # fmt: skip
         """The ``k`` for the next step, given recent steps' compute times (rank -> seconds).
 
         ``T(k)`` is the median over the steps of the ``k``-th smallest time of each step (a
         member not measured in a step counts as slower than all measured), so a fixed slow
-        member and a different slow member every step are handled alike.
+        member and a different slow member every step are handled alike. A step lasts
+        ``T(k)`` plus the commit's own cost, estimated as ``pace - T(k_now)`` (``pace``: the
+        median interval between results at the current ``k_now``); ignoring it would pick a
+        tiny ``k`` whenever compute is short and noisy against the commit.
         """
         if not steps:
             return size  # nothing measured yet: wait for all
         ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
         t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
+        cost = max(0.0, pace - t_k[k_now - 1]) if k_now and pace > 0 else 0.0
         best = size
-        rate_best = size / max(t_k[size - 1], 1e-9)
+        rate_best = size / max(t_k[size - 1] + cost, 1e-9)
         for k in range(size - 1, self.min_k - 1, -1):
-            rate = k / max(t_k[k - 1], 1e-9)
+            rate = k / max(t_k[k - 1] + cost, 1e-9)
             if rate > rate_best * (1.0 + self.margin):
                 best, rate_best = k, rate
         return best
@@ -116,30 +130,26 @@ class Result:
     change: float  # 1.0: a newer epoch was published, reconfigure after this step
     rng: tuple[Any, ...]
     times: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # step -> rank -> s
+    posted: float = 0.0  # the reducer's wall clock when it posted this result
+    intervals: tuple[float, ...] = ()  # the last intervals between results' posts, seconds
 
+    @property
+    def pace(self) -> float:
+        """The median interval between results (0.0 before two were posted)."""
+        return statistics.median(self.intervals) if self.intervals else 0.0
 
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    def encode(self) -> bytes:
+        """The bytes every member decodes (see :mod:`stalwart.elastic.backup_wire`)."""
+        header = (self.used, self.next_k, self.change, self.rng, dict(self.times),
+                  self.posted, self.intervals, len(self.grads))  # fmt: skip
+        return encode(header, [*self.grads, *self.buffers])
 
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _rng_state(generators: Sequence[torch.Generator]) -> tuple[Any, ...]:
-    return (torch.get_rng_state(), np.random.get_state(), random.getstate(),
-            [g.get_state() for g in generators])  # fmt: skip
-
-
-def set_rng_state(rng: tuple[Any, ...], generators: Sequence[torch.Generator]) -> None:
-    """Adopt the reducer's RNG state (global torch, numpy, Python and named generators)."""
-    torch.set_rng_state(rng[0])
-    np.random.set_state(rng[1])
-    random.setstate(rng[2])
-    for g, st in zip(generators, rng[3], strict=True):
-        g.set_state(st)
+    @classmethod
+    def decode(cls, data: bytes, templates: Sequence[torch.Tensor]) -> Result:
+        """The result in ``data``; ``templates``: the local gradients then buffers."""
+        head, tensors = decode(data, templates)
+        used, next_k, change, rng, times, posted, intervals, n = head
+        return cls(tensors[:n], tensors[n:], used, next_k, change, rng, times, posted, intervals)
 
 
 class BackupRound:
@@ -157,18 +167,40 @@ class BackupRound:
         self.backup = backup
         self._k: dict[int, int] = {}  # epoch -> the next step's k (agreed through results)
         self._last: tuple[int, Result] | None = None  # (epoch, the last result applied)
+        self._janitor = Janitor(store)  # deletes old steps' keys off the critical path
 
     def _prefix(self, epoch: int, step: int) -> str:
         return f"backup/{epoch}/{step}"
 
-    def published(self, epoch: int, step: int) -> Result | None:
-        """The result of ``step`` if it is already posted (a late member catching up)."""
+    def published(
+        self, epoch: int, step: int, templates: Sequence[torch.Tensor], wait_s: float = 0.0
+    ) -> Result | None:
+        """The result of ``step`` if posted (within ``wait_s`` seconds), else None.
+
+        ``templates``: the local gradients then buffers (shapes and dtypes to decode).
+        """
         key = f"{self._prefix(epoch, step)}/r"
-        if not self.store.check([key]):
+        if wait_s > 0:
+            try:
+                self.store.wait([key], timedelta(seconds=wait_s))
+            except RuntimeError:  # DistStoreError: not posted in time
+                return None
+        elif not self.store.check([key]):
             return None
-        result: Result = _loads(self.store.get(key))
+        result = Result.decode(self.store.get(key), templates)
         self._seen(epoch, result)
         return result
+
+    def behind(self) -> float:
+        """Seconds to wait for the open step's result before computing it (0: compute it).
+
+        For a member that was late: > 0 when the others are more than half way through the
+        open step, so computing it would be late again ("Back in phase" above).
+        """
+        if self._last is None or self._last[1].pace <= 0:
+            return 0.0
+        last = self._last[1]
+        return 1.5 * last.pace if time.time() - last.posted > 0.5 * last.pace else 0.0
 
     def exchange(
         self,
@@ -180,7 +212,6 @@ class BackupRound:
         grads: list[torch.Tensor],
         buffers: list[torch.Tensor],
         own_s: float,
-        change: float,
         generators: Sequence[torch.Generator] = (),
         abandon: Callable[[], bool] = lambda: False,
     ) -> tuple[Result, int]:
@@ -198,15 +229,20 @@ class BackupRound:
         p = self._prefix(epoch, step)
         k = self._k.get(epoch, backup_count(self.backup, size))
         ticket = self.store.add(f"{p}/n", 1)
-        if ticket <= k:
-            self.store.set(f"{p}/g{ticket}", _dumps((rank, grads, buffers, own_s)))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
-        elif isinstance(self.backup, Dynamic):  # late: still tell the next reducer our time
-            self.store.set(f"{p}/t{rank}", _dumps(own_s))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
-        if ticket == k:
-            self._wait([f"{p}/g{i}" for i in range(1, k + 1)], abandon)
-            self._reduce(p, k, epoch, step, size, change, generators)
-        self._wait([f"{p}/r"], abandon)
-        result: Result = _loads(self.store.get(f"{p}/r"))
+        templates = [*grads, *buffers]
+        head = (rank, own_s)
+        if ticket < k:
+            self.store.set(f"{p}/g{ticket}", encode(head, templates))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        elif ticket > k and isinstance(self.backup, Dynamic):  # late: tell the next reducer
+            self.store.set(f"{p}/t{rank}", repr(own_s))
+        if ticket == k:  # the reducer: its own contribution stays in memory
+            self._wait([f"{p}/g{i}" for i in range(1, k)], abandon)
+            mine = (head, [t.detach() for t in templates])
+            result = self._reduce(p, k, mine, len(grads), epoch, step, size, generators)
+            self._forget(epoch, step - _KEEP_STEPS, size)
+        else:
+            self._wait([f"{p}/r"], abandon)
+            result = Result.decode(self.store.get(f"{p}/r"), templates)
         self._seen(epoch, result)
         return result, ticket
 
@@ -215,22 +251,30 @@ class BackupRound:
         self._last = (epoch, result)
 
     def _reduce(
-        self, p: str, k: int, epoch: int, step: int, size: int, change: float,
-        generators: Sequence[torch.Generator],
-    ) -> None:  # fmt: skip
-        parts = [_loads(self.store.get(f"{p}/g{i}")) for i in range(1, k + 1)]
-        used = tuple(part[0] for part in parts)
-        grads = [_mean([part[1][j] for part in parts]) for j in range(len(parts[0][1]))]
-        buffers = [_mean([part[2][j] for part in parts]) for j in range(len(parts[0][2]))]
+        self, p: str, k: int, mine: tuple[tuple[int, float], list[torch.Tensor]],
+        n_grads: int, epoch: int, step: int, size: int, generators: Sequence[torch.Generator],
+    ) -> Result:  # fmt: skip
+        templates = mine[1]
+        *others, latest = self.store.multi_get([*(f"{p}/g{i}" for i in range(1, k)), keys.EPOCH])
+        parts = [decode(data, templates) for data in others] + [mine]  # ticket order
+        used = tuple(head[0] for head, _ in parts)
+        mean = [_mean([ts[j] for _, ts in parts]) for j in range(len(templates))]
+        prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
+        now = time.time()
+        intervals = (*prev.intervals, now - prev.posted)[-_PACE_WINDOW:] if prev else ()
         if isinstance(self.backup, Dynamic):
-            times = self._times(epoch, step, size, {part[0]: part[3] for part in parts})
-            next_k = self.backup.choose(list(times.values()), size)
+            times = self._times(epoch, step, size, {head[0]: head[1] for head, _ in parts})
+            pace = statistics.median(intervals) if intervals else 0.0  # none: wait for all
+            next_k = (
+                self.backup.choose(list(times.values()), size, pace=pace, k_now=k) if pace else size
+            )
         else:
             times, next_k = {}, backup_count(self.backup, size)
-        result = Result(grads, buffers, used, next_k, change, _rng_state(generators), times)
-        self.store.set(f"{p}/r", _dumps(result))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
-        if step >= _KEEP_STEPS:
-            self._forget(self._prefix(epoch, step - _KEEP_STEPS), size)
+        change = 1.0 if int(latest) > epoch else 0.0  # a newer epoch: reconfigure after it
+        result = Result(mean[:n_grads], mean[n_grads:], used, next_k, change,
+                        rng_state(generators), times, now, intervals)  # fmt: skip
+        self.store.set(f"{p}/r", result.encode())  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        return result
 
     def _times(
         self, epoch: int, step: int, size: int, now: Mapping[int, float]
@@ -247,7 +291,7 @@ class BackupRound:
             p = self._prefix(epoch, step - 1)
             for r in range(size):
                 if r not in prev.used and self.store.check([f"{p}/t{r}"]):
-                    times[step - 1][r] = float(_loads(self.store.get(f"{p}/t{r}")))
+                    times[step - 1][r] = float(self.store.get(f"{p}/t{r}").decode())
         times[step] = dict(now)
         return {s_: times[s_] for s_ in sorted(times)[-self.backup.window :]}
 
@@ -266,13 +310,12 @@ class BackupRound:
                 if time.monotonic() > deadline:
                     raise
 
-    def _forget(self, p: str, size: int) -> None:
-        for key in (
-            [f"{p}/n", f"{p}/r"]
-            + [f"{p}/g{i}" for i in range(1, size + 1)]
-            + [f"{p}/t{r}" for r in range(size)]
-        ):
-            self.store.delete_key(key)
+    def _forget(self, epoch: int, step: int, size: int) -> None:
+        if step < 0:
+            return
+        p = self._prefix(epoch, step)
+        late = [f"{p}/t{r}" for r in range(size)] if isinstance(self.backup, Dynamic) else []
+        self._janitor.delete([f"{p}/n", f"{p}/r", *(f"{p}/g{i}" for i in range(1, size)), *late])
 
 
 def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -294,10 +337,6 @@ def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any])
     """
     membership = job._membership
     assert membership is not None
-    try:
-        change = 1.0 if membership.latest_epoch() > job.epoch else 0.0
-    except RuntimeError:
-        change = 0.0
 
     def abandon() -> bool:
         try:
@@ -307,19 +346,23 @@ def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any])
 
     gens = _generators(job.state)
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in job._params]
+    buffers = [b.detach() for b in job._buffers]
     try:
         found, ticket = backups.exchange(
             epoch=job.epoch, step=job.step, rank=job.rank, size=job.size, grads=grads,
-            buffers=[b.detach() for b in job._buffers], own_s=time.time() - job._t0,
-            change=change, generators=gens, abandon=abandon,
+            buffers=buffers, own_s=job._own_s, generators=gens, abandon=abandon,
         )  # fmt: skip
     except RuntimeError as e:
         job._discard(e)
         return None
     result = _apply(job, found, ticket, apply, gens)
-    while not job._needs_reconfigure:
+    if ticket <= len(found.used):
+        return result  # in time: in phase with the others, nothing to catch up
+    while not job._needs_reconfigure:  # late: catch up, then get back in phase
         try:
-            later = backups.published(job.epoch, job.step)
+            later = backups.published(job.epoch, job.step, [*grads, *buffers])
+            if later is None and (wait_s := backups.behind()) > 0:
+                later = backups.published(job.epoch, job.step, [*grads, *buffers], wait_s)
         except RuntimeError:
             break
         if later is None:
