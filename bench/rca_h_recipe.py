@@ -1,0 +1,83 @@
+"""Recipe H (24 M leaves a case, 1.3 GB of CSV) for ``bench/rca_accuracy.py``: use the cases
+riskloc's generator has finished so far, and show every method's answer per case.
+
+    # riskloc's generator, unchanged, in the background (about 150 s CPU a case):
+    cd ~/.cache/stalwart-bench/riskloc-08cd777c801f && nice -n 19 ../riskloc-venv/bin/python \
+        generate_dataset.py --num 3 --seed 7313 --data-root ~/.cache/stalwart-bench/data \
+        --dataset-name H-7313-3 --dims 10 5 250 20 8 12
+    # the cases finished so far, as the set the bench reads (H-7313-<k>, hard links):
+    .venv/bin/python bench/rca_h_recipe.py link H-7313-3 7313
+    nice -n 10 .venv/bin/python bench/rca_accuracy.py --split test --recipes H --h-cases <k> \
+        --rs-cases 0 --peers riskloc,autoroot --peer-timeout 300
+    .venv/bin/python bench/rca_h_recipe.py show H-7313-<k>     # truth and answers per case
+
+The generator writes ``injection_info.csv`` after each finished case and case ``i`` does not
+depend on ``--num``, so the first ``k`` cases of a longer run are the ``--num k`` set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rca_accuracy import ANSWER_FORMAT, PINNED, case_hash, synthetic_cases
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stalwart-bench"
+
+
+def link(source: Path, seed: int) -> Path:
+    """``H-<seed>-<k>`` holding the ``k`` cases ``source`` has finished (hard links)."""
+    info = pd.read_csv(source / "injection_info.csv")
+    out = source.parent / f"H-{seed}-{len(info)}"
+    if out != source:
+        out.mkdir(exist_ok=True)
+        for stamp in info["timestamp"]:
+            target, origin = out / f"{stamp}.csv", source / f"{stamp}.csv"
+            if target.exists() and not target.samefile(origin):
+                target.unlink()  # a truncated file of an interrupted run
+            if not target.exists():
+                os.link(origin, target)
+        info.to_csv(out / "injection_info.csv", index=False)
+    return out
+
+
+def show(directory: Path, methods: list[str]) -> None:
+    """Each case's labelled causes and every cached method's answer, status and seconds."""
+    for case in synthetic_cases(directory, directory.name, 1000):
+        digest = case_hash(case)
+        print(f"{case.file}: truth {';'.join(sorted(case.truth))}")
+        for m in methods:
+            path = CACHE / "peers" / f"{m}{ANSWER_FORMAT.get(m, '')}-{PINNED[:12]}-{digest}.json"
+            if path.exists():
+                got = json.loads(path.read_text())
+                hits = len(set(got["preds"]) & case.truth)
+                print(
+                    f"  {m}: {got['status']} {got['time']:.1f} s, {hits} of "
+                    f"{len(got['preds'])} right: {';'.join(got['preds'])}"
+                )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("link", help="the finished cases of a generator run as H-<seed>-<k>")
+    a.add_argument("source")
+    a.add_argument("seed", type=int)
+    b = sub.add_parser("show", help="truth and cached peer answers per case")
+    b.add_argument("set")
+    b.add_argument("--methods", default="riskloc,autoroot,adtributor,squeeze,robustspot")
+    args = ap.parse_args()
+    if args.cmd == "link":
+        print(link(CACHE / "data" / args.source, args.seed))
+    else:
+        show(CACHE / "data" / args.set, args.methods.split(","))
+
+
+if __name__ == "__main__":
+    main()
