@@ -148,3 +148,39 @@ def test_stacked_pass_refuses_a_graph_that_mixes_samples() -> None:
     eng = vulnerability.FastEngine(*x_ok[:1], (x_ok[1],))
     node = _module_node(eng, "conv2")
     assert run_stacked(eng, {node: Start(node, [0], [1], [5], start.words)}, out)
+
+
+class Pooled(Graph):
+    """A graph model whose readout sums over nodes: the row walk must stop there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.adj @ self.lin2(F.relu(self.adj @ self.lin1(x)))
+        return h + h.sum(0)
+
+
+@pytest.mark.parametrize("make", [Graph, Pooled], ids=["rows", "readout"])
+def test_graph_row_walk_equals_hook_path(make: type[nn.Module]) -> None:
+    from stalwart.vulnerability.activation_engine import _module_node, hooked
+    from stalwart.vulnerability.sparse_rows import Rows, propagate_rows
+
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(30, 6)
+    faults = list(sample_activation_faults(model, (x,), 60, seed=3))
+    eng = vulnerability.FastEngine(model, (x,))
+    fast, ref = eng.run(faults, independent=False), hooked(eng, faults, independent=False)
+    scale = fast.abs().nan_to_num(0, 0, 0).amax(-1) + ref.abs().nan_to_num(0, 0, 0).amax(-1)
+    err = (fast - ref).abs().nan_to_num(0, 0, 0).amax(-1)  # rounding, per node's row
+    assert torch.equal(fast.isfinite(), ref.isfinite())
+    assert (err <= 1e-6 * scale + 1e-7).all(), (err / scale).max()
+    node = _module_node(eng, "lin1")
+    val = eng.env[node][3:4].clone()
+    val[0, 2] += 1.0
+    walked = propagate_rows(eng, Rows(node, torch.zeros(1, dtype=torch.long),
+                                      torch.tensor([3]), val), 1)  # fmt: skip
+    if make is Pooled:
+        assert walked is None  # the sum over nodes is not row-wise: dense suffix
+    else:
+        out, stopped = walked
+        changed = (out[0] != eng.golden).any(1)
+        assert not stopped.any()
+        assert 0 < int(changed.sum()) < len(x)  # the change reached a neighbourhood only
