@@ -178,23 +178,10 @@ def test_s3_missing_object_says_what_to_check(s3_server: Any, s3_bucket: str) ->
 @pytest.mark.skipif(shutil.which("java") is None, reason="Spark needs Java")
 @pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas")
 def test_spark_engine_reads_json_lines(
-    plain: pa.Table, expected: list[dict[str, str]], tmp_path: Path
+    spark: Any, plain: pa.Table, expected: list[dict[str, str]], tmp_path: Path
 ) -> None:
-    pytest.importorskip("pyspark")
-    from pyspark.sql import SparkSession
-
     from stalwart.diagnose.spark import analyze_spark
 
     path = tmp_path / "log.jsonl"
     _write_jsonl(plain, path)
-    spark = (
-        SparkSession.builder.master("local[1]")
-        .appName("stalwart-rca-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    try:
-        assert _found(analyze_spark(str(path), "failed", spark=spark)) == expected
-    finally:
-        spark.stop()
+    assert _found(analyze_spark(str(path), "failed", spark=spark)) == expected

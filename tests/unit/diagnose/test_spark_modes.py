@@ -1,12 +1,11 @@
 """The Spark engine gives the local engine's findings: labelled events with a numeric column it
 must bucket, and KPI localization of an additive and a ratio KPI. One local[1] session for the
-module (starting Spark dominates the time)."""
+run (``spark`` in conftest.py: starting Spark dominates the time)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:PySpark does not yet fully support pandas"),
     pytest.mark.skipif(shutil.which("java") is None, reason="Spark needs Java"),
 ]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    pytest.importorskip("pyspark")
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[1]")
-        .appName("stalwart-rca-spark-modes")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
 
 
 def _same(got: Diagnosis, want: Diagnosis) -> None:
