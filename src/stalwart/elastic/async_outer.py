@@ -16,7 +16,8 @@ global model are published by whichever member fills a buffer; nobody waits for 
    contribution is **dropped** (it adopts version v and starts again).
 2. Otherwise it takes a ticket ``t`` in buffer v, posts its contribution, and, if the buffer
    holds ``k = min(K, members)`` contributions, claims the aggregation (``compare_set``; the
-   claim fixes how many contributions are used). The aggregator loads version v, combines
+   claim fixes how many contributions are used); below ``k = N`` a stale phase is first
+   restated against version v (``θ_v - θ_local``). The aggregator loads version v, combines
    the contributions, steps the outer optimizer, and publishes version v+1.
 3. A member whose phase started from the newest version (``base == v``) waits until version
    v+1 is published (it waits for the K fastest, not for the slowest); a stale member adopts

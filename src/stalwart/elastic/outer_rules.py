@@ -1,4 +1,4 @@
-"""Outer update rules for buffered asynchronous DiLoCo when ``k < N``.
+"""Outer update rule for buffered asynchronous DiLoCo when ``k < N``; the buffer's weights.
 
 With ``k`` of ``N`` members per version, a version is a *fraction* of a synchronous round,
 and versions come ``N / k`` times as often as rounds. Applying DiLoCo's outer Nesterov step
@@ -27,6 +27,13 @@ updated and applied once, as in synchronous DiLoCo; with ``μ_v = 1`` for every 
 ``k = N`` keeps the per-version rule. The momentum buffer lives in the outer optimizer's
 state (``momentum_buffer``, covered by the job's digest); ``A`` and ``M`` travel with each
 version's record.
+
+**Stale phases are restated** (by :class:`~stalwart.elastic.async_outer.AsyncOuter`, before
+posting): a phase that started from version ``b`` and is posted to buffer ``v > b``
+contributes ``θ_v - θ_local = Δ - (θ_b - θ_v)`` instead of ``Δ = θ_b - θ_local``: its
+displacement less what the model already moved since ``b`` (mostly the same direction, made
+by the members that reported first); applying the raw ``Δ`` again overshoots. Delayed
+momentum without restating still diverged on our task with 2 of 3 members.
 """
 
 from __future__ import annotations
