@@ -117,6 +117,47 @@ def test_graph_adjacency_products_match_naive(error: inject.BitFlip | None) -> N
     _same(fast, slow)
 
 
+def test_sparse_adjacency_keeps_non_finite_faults_dense() -> None:
+    """A mostly-zero adjacency multiplies finite changes in sparse form; a fault that made
+    an Inf meets the dense product (0 * inf is NaN there, as in the naive loop)."""
+    from stalwart.vulnerability.kernels import _sparse, left_matmul
+
+    torch.manual_seed(1)
+    model, n = TinyGCN(60).eval(), 60
+    g = torch.Generator().manual_seed(1)
+    adj = (torch.rand(n, n, generator=g) < 0.03).float() + torch.eye(n)
+    model.adj.copy_(adj / adj.sum(1, keepdim=True))
+    assert _sparse(model.adj) is not None
+    v = torch.randn(3, n, 2)
+    v[1, 0, 0] = torch.inf
+    got = left_matmul(model.adj, v)
+    assert torch.equal(got[1].isnan(), (model.adj @ v[1]).isnan())
+    torch.testing.assert_close(got[0], model.adj @ v[0])
+    x = torch.randn(n, 6)
+    faults = sample_faults(model, 60, per_tensor=True, seed=3, error=EXPSIGN, targets="lin*")
+    kw = {"independent_samples": False}
+    fast = vulnerability.run_campaign(model, x, faults, "top1", **kw)
+    slow = vulnerability.run_campaign(model, x, faults, "top1", engine="naive", **kw)
+    _same(fast, slow)
+
+
+def test_change_masked_after_the_faulty_layer_skips_the_rest() -> None:
+    """A channel ReLU zeroes before and after the fault is bit-identical to the golden one:
+    the fault's output is golden without running the layers after it."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    with torch.no_grad():
+        model[0].bias[0] = -1e3  # channel 0 is negative for every input, faulty or not
+    x = torch.randn(20, 6)
+    eng = FastEngine(model, (x,))
+    faults = [inject.Fault("0.weight", i, 1 << 20) for i in range(6)]  # row 0: channel 0
+    eng._suffix_run = None  # type: ignore[assignment]  # must not be reached
+    out = eng.run(faults)
+    assert torch.equal(out, eng.golden.expand_as(out))
+    ref = vulnerability.NaiveEngine(model, (x,)).run(faults)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
 def _hook_outputs(model: nn.Module, args: tuple, faults: vulnerability.FaultList) -> torch.Tensor:
     outs = []
     for f in faults:
@@ -290,6 +331,64 @@ def test_eager_engine_falls_back_when_an_earlier_module_reads_the_weight() -> No
         eng.run([f for f in faults if f.target == target])
     assert eng.eager is not None
     assert eng.eager.checked == {"lin0.weight": True, "head.weight": False}
+    assert "lin0.weight" in eng.eager.confined  # no naive check needed
+    assert "head.weight" not in eng.eager.confined  # Scale reads it outside head
     fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
     slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
+    _same(fast, slow)
+
+
+class PeekingData(Peeking):
+    """Reads the head's weight through ``.data`` (another tensor, the same storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale.forward = lambda x: x * self.head.weight.data.sum()  # type: ignore[method-assign]
+
+
+def test_eager_engine_sees_reads_through_views_of_a_weight() -> None:
+    torch.manual_seed(5)
+    model, x = PeekingData().eval(), torch.randn(30, 6)
+    eng = FastEngine(model, (x,))
+    assert eng.eager is not None
+    assert "lin0.weight" in eng.eager.confined
+    assert "head.weight" not in eng.eager.confined
+    faults = sample_faults(model, 20, seed=9, error=EXPSIGN, targets="head.weight")
+    fast = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"])
+    slow = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.01"], engine="naive")
+    _same(fast, slow)
+
+
+class PixelNet(nn.Module):
+    """Convolutions down to one pixel: a stride-2 3x3 on 2x2 and a padded 3x3 on 1x1 (most
+    of their taps meet only padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 6, 3, 2, 1)
+        self.conv1 = nn.Conv2d(6, 6, 3, 2, 1)
+        self.conv2 = nn.Conv2d(6, 6, 3, 1, 1, bias=False)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(torch.relu(self.conv0(x))))
+        return self.fc(torch.relu(self.conv2(h)).flatten(1))
+
+
+@pytest.mark.parametrize("error", [EXPSIGN, None], ids=["expsign", "uniform"])
+def test_one_pixel_convolutions_match_naive(error: inject.BitFlip | None) -> None:
+    from stalwart.vulnerability.kernels import tiny_convs
+
+    torch.manual_seed(4)
+    model, x = PixelNet().eval(), torch.randn(10, 3, 4, 4)
+    eng = FastEngine(model, (x,))
+    pixel = tiny_convs(eng.nodes, eng.modules, eng.env)
+    assert sorted(pixel) == ["conv1", "conv2"]
+    for n in eng.nodes:
+        if str(n.target) in pixel:
+            torch.testing.assert_close(pixel[str(n.target)](eng.env[n.args[0]]), eng.env[n])
+    faults = sample_faults(model, 60, per_tensor=True, seed=4, error=error, targets="conv0.*")
+    crit = ["top1", "dev>0.01"]
+    fast = vulnerability.run_campaign(model, x, faults, crit)
+    slow = vulnerability.run_campaign(model, x, faults, crit, engine="naive")
     _same(fast, slow)
