@@ -7,6 +7,7 @@ hold whoever is late.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -20,6 +21,7 @@ import torch
 
 from stalwart.elastic import read_events
 from stalwart.elastic.backup import Dynamic, backup_count
+from stalwart.elastic.backup_policy import noise_scale
 from stalwart.elastic.backup_wire import decode, encode, rng_state, set_rng_state
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
@@ -115,7 +117,14 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     assert Dynamic(min_k=3).choose(fixed, 3) == 3
     noisy = [{0: 0.001, 1: 0.003, 2: 0.15}] * 3  # ms of compute, jittery, against the commit
     assert d.choose(noisy, 3) == 1
-    assert d.choose(noisy, 3, pace=0.013, k_now=2) == 2, "the commit's own cost counts"
+    assert d.choose(noisy, 3, cost=0.010) == 2, "the commit's own cost counts"
+    assert d.choose(fixed, 3, cost=0.1, noise=0.5) == 2
+    close = [{0: 1.0, 1: 1.0, 2: 1.3}] * 3
+    assert d.choose(close, 3, noise=1e9) == 3, "noisy: every gradient counts"
+    assert d.choose(close, 3, noise=0.0) == 2, "exact: the step rate counts"
+    pair = [[torch.tensor([1.0, 0.5])], [torch.tensor([1.0, -0.5])]]
+    assert noise_scale(pair, [torch.tensor([1.0, 0.0])]) == pytest.approx(0.5 / 0.75)
+    assert math.isnan(noise_scale(pair[:1], pair[0]))
     assert backup_count(1, 3) == 2 and backup_count(5, 3) == 1 and backup_count(Dynamic(), 4) == 4
     with pytest.raises(ConfigError):
         Dynamic(window=0)

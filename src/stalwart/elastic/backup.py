@@ -29,11 +29,11 @@ batch's mean gradient without bias *when which members are late does not depend 
 (fresh samples per step, as in ``batch(step, rank, size)``). With fixed per-rank shards a
 persistently slow member's shard is under-represented; use ``backup=0`` there.
 
-**Dynamic b** (:class:`Dynamic`, after Xu et al., arXiv 2004.14696): every contribution carries
-its member's compute time (step start to ticket; a late member posts it beside); the window
-of recent steps' times travels in the results, and the reducer picks the ``k`` that maximises
-contributions per second, ``k / T(k)`` with ``T(k)`` the median over the window of each step's
-``k``-th smallest time, preferring the larger ``k`` unless the gain is over ``margin``.
+**Dynamic b** (:class:`Dynamic`, :mod:`stalwart.elastic.backup_policy`): every contribution
+carries its member's compute time (step start to ticket; a late member posts it beside); the
+window of recent steps' times, the intervals between results and the gradient noise scale
+estimated from the contributions travel in the results, and the reducer picks the ``k`` of
+the next step that maximises the expected progress per second.
 
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out;
 raw bytes, :mod:`stalwart.elastic.backup_wire`), so this suits small and medium models; the
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.backup_policy import Dynamic, backup_count, noise_scale
 from stalwart.elastic.backup_wire import Janitor, decode, encode, rng_state, set_rng_state
 from stalwart.elastic.protocol import keys
 from stalwart.errors import ConfigError
@@ -65,58 +66,6 @@ __all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_back
 _KEEP_STEPS = 64  # results kept in the store for members that fall behind
 _POLL = timedelta(seconds=0.2)  # how often a waiting member checks for a newer epoch
 _PACE_WINDOW = 10  # intervals between results kept for the pace (their median)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dynamic:
-    """Choose the number of backup workers online from the members' compute times.
-
-    Attributes:
-        window: steps of compute-time history per member (medians over it).
-        margin: a smaller ``k`` is chosen only if it gives this much more contributions/s.
-        min_k: never commit with fewer contributions than this.
-    """
-
-    window: int = 10
-    margin: float = 0.1
-    min_k: int = 1
-
-    def __post_init__(self) -> None:
-        if self.window < 1 or self.margin < 0 or self.min_k < 1:
-            raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
-
-    def choose(
-        self, steps: Sequence[Mapping[int, float]], size: int, *, pace: float = 0.0,
-        k_now: int | None = None,
-    ) -> int:  # fmt: skip
-        """The ``k`` for the next step, given recent steps' compute times (rank -> seconds).
-
-        ``T(k)`` is the median over the steps of the ``k``-th smallest time of each step (a
-        member not measured in a step counts as slower than all measured), so a fixed slow
-        member and a different slow member every step are handled alike. A step lasts
-        ``T(k)`` plus the commit's own cost, estimated as ``pace - T(k_now)`` (``pace``: the
-        median interval between results at the current ``k_now``); ignoring it would pick a
-        tiny ``k`` whenever compute is short and noisy against the commit.
-        """
-        if not steps:
-            return size  # nothing measured yet: wait for all
-        ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
-        t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
-        cost = max(0.0, pace - t_k[k_now - 1]) if k_now and pace > 0 else 0.0
-        best = size
-        rate_best = size / max(t_k[size - 1] + cost, 1e-9)
-        for k in range(size - 1, self.min_k - 1, -1):
-            rate = k / max(t_k[k - 1] + cost, 1e-9)
-            if rate > rate_best * (1.0 + self.margin):
-                best, rate_best = k, rate
-        return best
-
-
-def backup_count(backup: int | Dynamic | None, size: int) -> int:
-    """The first step's ``k`` for a world of ``size`` (a static ``b`` gives ``size - b``)."""
-    if backup is None or isinstance(backup, Dynamic):
-        return size
-    return max(1, size - backup)
 
 
 @dataclass(frozen=True)
@@ -132,6 +81,8 @@ class Result:
     times: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # step -> rank -> s
     posted: float = 0.0  # the reducer's wall clock when it posted this result
     intervals: tuple[float, ...] = ()  # the last intervals between results' posts, seconds
+    noise: tuple[float, ...] = ()  # the last gradient noise scale estimates (Dynamic)
+    costs: tuple[float, ...] = ()  # the last commit costs: interval - slowest used time (Dynamic)
 
     @property
     def pace(self) -> float:
@@ -141,15 +92,15 @@ class Result:
     def encode(self) -> bytes:
         """The bytes every member decodes (see :mod:`stalwart.elastic.backup_wire`)."""
         header = (self.used, self.next_k, self.change, self.rng, dict(self.times),
-                  self.posted, self.intervals, len(self.grads))  # fmt: skip
+                  self.posted, self.intervals, self.noise, self.costs, len(self.grads))  # fmt: skip
         return encode(header, [*self.grads, *self.buffers])
 
     @classmethod
     def decode(cls, data: bytes, templates: Sequence[torch.Tensor]) -> Result:
         """The result in ``data``; ``templates``: the local gradients then buffers."""
         head, tensors = decode(data, templates)
-        used, next_k, change, rng, times, posted, intervals, n = head
-        return cls(tensors[:n], tensors[n:], used, next_k, change, rng, times, posted, intervals)
+        *fields, n = head
+        return cls(tensors[:n], tensors[n:], *fields)
 
 
 class BackupRound:
@@ -262,17 +213,22 @@ class BackupRound:
         prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
         now = time.time()
         intervals = (*prev.intervals, now - prev.posted)[-_PACE_WINDOW:] if prev else ()
+        times, next_k, noise, costs = {}, backup_count(self.backup, size), (), ()
         if isinstance(self.backup, Dynamic):
             times = self._times(epoch, step, size, {head[0]: head[1] for head, _ in parts})
-            pace = statistics.median(intervals) if intervals else 0.0  # none: wait for all
-            next_k = (
-                self.backup.choose(list(times.values()), size, pace=pace, k_now=k) if pace else size
-            )
-        else:
-            times, next_k = {}, backup_count(self.backup, size)
+            w = self.backup.window
+            phi = noise_scale([ts[:n_grads] for _, ts in parts], mean[:n_grads])
+            noise = tuple(v for v in (*(prev.noise if prev else ()), phi) if not math.isnan(v))[-w:]
+            if prev:  # none yet: the commit's cost is unknown, wait for all
+                cost = max(0.0, intervals[-1] - max(head[1] for head, _ in parts))
+                costs = (*prev.costs, cost)[-w:]
+                known = statistics.median(noise) if noise else None
+                next_k = self.backup.choose(
+                    list(times.values()), size, cost=statistics.median(costs), noise=known
+                )
         change = 1.0 if int(latest) > epoch else 0.0  # a newer epoch: reconfigure after it
         result = Result(mean[:n_grads], mean[n_grads:], used, next_k, change,
-                        rng_state(generators), times, now, intervals)  # fmt: skip
+                        rng_state(generators), times, now, intervals, noise, costs)  # fmt: skip
         self.store.set(f"{p}/r", result.encode())  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         return result
 

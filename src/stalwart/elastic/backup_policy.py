@@ -1,0 +1,104 @@
+"""How many contributions a backup-worker step waits for: a static count or :class:`Dynamic`.
+
+:class:`Dynamic` (after Xu et al., arXiv 2004.14696) picks the ``k`` of the next step that
+maximises the expected training progress per second,
+
+    rate(k) = progress(k) / (T(k) + c),
+
+with ``T(k)`` the time until the ``k``-th contribution arrives (the median over recent steps
+of each step's ``k``-th smallest compute time), ``c`` the commit's own cost (the median over
+recent steps of the interval between results minus the slowest used contribution's time) and
+``progress(k) = k / (k + phi)`` the progress of one step with ``k`` members' gradients
+relative to an exact gradient, where ``phi`` is the gradient noise scale in units of one
+member's batch (McCandlish et al., "An Empirical Model of Large-Batch Training", arXiv
+1812.06162): ``phi = tr(S) / |G|^2`` with ``S`` the covariance of one member's gradient and
+``G`` the true gradient, both estimated from the ``k`` contributions a step already has
+(:func:`noise_scale`). Noisy gradients (large ``phi``) make ``progress`` grow with ``k``
+(every contribution counts, the contributions-per-second rule); clean ones make a step worth
+the same whatever ``k`` (only the step rate counts). Unknown ``phi`` counts as
+noise-dominated. Before the commit's cost is measured (an epoch's first step), ``k = n``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stalwart.errors import ConfigError
+
+__all__ = ["Dynamic", "backup_count", "noise_scale"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dynamic:
+    """Choose the number of backup workers online from the members' compute times.
+
+    Attributes:
+        window: steps of compute-time history per member (medians over it).
+        margin: a smaller ``k`` is chosen only if it gives this much more progress/s.
+        min_k: never commit with fewer contributions than this.
+    """
+
+    window: int = 10
+    margin: float = 0.1
+    min_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.margin < 0 or self.min_k < 1:
+            raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
+
+    def choose(
+        self, steps: Sequence[Mapping[int, float]], size: int, *, cost: float = 0.0,
+        noise: float | None = None,
+    ) -> int:  # fmt: skip
+        """The ``k`` for the next step, given recent steps' compute times (rank -> seconds).
+
+        ``T(k)`` is the median over the steps of the ``k``-th smallest time of each step (a
+        member not measured in a step counts as slower than all measured), so a fixed slow
+        member and a different slow member every step are handled alike. ``cost``: the
+        commit's own seconds per step; ``noise``: the gradient noise scale ``phi`` (None:
+        unknown, taken as noise-dominated).
+        """
+        if not steps:
+            return size  # nothing measured yet: wait for all
+        ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
+        t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
+
+        def rate(k: int) -> float:
+            gain = k if noise is None or not math.isfinite(noise) else k / (k + noise)
+            return gain / max(t_k[k - 1] + cost, 1e-9)
+
+        best, rate_best = size, rate(size)
+        for k in range(size - 1, self.min_k - 1, -1):
+            if rate(k) > rate_best * (1.0 + self.margin):
+                best, rate_best = k, rate(k)
+        return best
+
+
+def backup_count(backup: int | Dynamic | None, size: int) -> int:
+    """The first step's ``k`` for a world of ``size`` (a static ``b`` gives ``size - b``)."""
+    if backup is None or isinstance(backup, Dynamic):
+        return size
+    return max(1, size - backup)
+
+
+def noise_scale(parts: Sequence[Sequence[torch.Tensor]], mean: Sequence[torch.Tensor]) -> float:
+    """``phi = tr(S) / |G|^2`` from ``k >= 2`` members' gradients and their mean (nan if k < 2).
+
+    ``tr(S)`` is estimated by the members' spread around the mean, ``sum |g_i - m|^2 / (k-1)``,
+    and ``|G|^2`` by ``|m|^2 - tr(S) / k`` (both unbiased; McCandlish et al., appendix A);
+    ``inf`` when the second estimate is not positive (noise swamps the signal).
+    """
+    k = len(parts)
+    if k < 2:
+        return math.nan
+    spread = sum(
+        float((g.double() - m.double()).pow(2).sum()) for part in parts
+        for g, m in zip(part, mean, strict=True)
+    ) / (k - 1)  # fmt: skip
+    signal = sum(float(m.double().pow(2).sum()) for m in mean) - spread / k
+    return spread / signal if signal > 0 else math.inf
