@@ -29,6 +29,21 @@ loss is back under the reference's loss at the failure (x 1.5), and the mean los
 10 steps; medians and ranges over ``--seeds`` seeds, and the ratio to ``scratch``.
 
     nice -n 10 .venv/bin/python bench/checkfree_bench.py --seeds 5
+
+``--stage-mb MB`` measures the costs on one stage of ``MB`` megabytes of fp32 weights
+(residual blocks of width ``--width``; with Adam its checkpoint is 3x that) instead of the toy
+pipeline: in a pipeline every stage's host saves, norms and steps its own stage in parallel, so
+the per-stage costs are the ones that compare. The loss columns still come from the toy
+pipeline, trained with the checkpoint interval those large-stage costs afford. It also prints
+the time to recover at that size: CheckFree averages two neighbours, a replica is copied,
+rollback loads the stage's checkpoint and redoes the steps since it (measured stage step time x
+stages, one micro-batch: no overlap). Shipping weights to the new host is *modelled* at
+``--link-gbps`` (bytes / bandwidth). ``--norm-free`` charges CheckFree no per-step cost (the
+gradient norm is computed anyway for gradient clipping); only its rebuild is charged. On the
+shared box, CPU-bound costs (step, norm, average, copy) are one thread's CPU seconds; the save
+(fsync'd) and the load (from the page cache: an optimistic load) are wall seconds.
+
+    nice -n 10 .venv/bin/python bench/checkfree_bench.py --seeds 5 --stage-mb 400
 """
 
 from __future__ import annotations
@@ -109,12 +124,12 @@ def run(mode: str, seed: int, a: argparse.Namespace) -> tuple[list[float], float
     return losses, recover_s
 
 
-def _median_s(fn: object, reps: int) -> float:
+def _median_s(fn: object, reps: int, clock: object = time.perf_counter) -> float:
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()  # type: ignore[operator]
         fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)  # type: ignore[operator]
     return statistics.median(times)
 
 
@@ -154,6 +169,80 @@ def measure_costs(a: argparse.Namespace) -> dict[str, float]:
     return {"save": c_save, "step": o_step, "recover": _median_s(rebuild, 5)}
 
 
+class _Big(torch.nn.Module):
+    """One large stage: residual blocks ``h + tanh(W h + b)`` of width ``width``."""
+
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return h
+
+
+def measure_stage_costs(a: argparse.Namespace) -> dict[str, float]:
+    """Seconds, on one stage of ``a.stage_mb`` MB of fp32 weights (see the module docstring)."""
+    blocks = max(1, round(a.stage_mb * 2**20 / 4 / (a.width * a.width + a.width)))
+    torch.manual_seed(0)
+    stage = _Big(a.width, blocks)
+    opt = torch.optim.Adam(stage.parameters(), lr=a.lr)
+    x = torch.randn(a.rows, a.width)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        stage(x).pow(2).mean().backward()
+        opt.step()
+
+    cpu = time.process_time  # CPU-bound parts: CPU seconds (one thread; the box is shared)
+    train_step()  # Adam's state exists before anything is timed or saved
+    t_step = _median_s(train_step, 3, cpu)
+    nbytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    with tempfile.TemporaryDirectory(dir=a.save_dir) as tmp:
+        path = Path(tmp) / "stage.pt"
+
+        def save() -> None:
+            with open(path, "wb") as f:
+                torch.save({"model": stage.state_dict(), "optimizer": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        c_save = _median_s(save, 3)
+        ckpt_bytes = path.stat().st_size
+        t_load = _median_s(lambda: torch.load(path, weights_only=True), 3)
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    o_step = _median_s(lambda: float(torch.linalg.vector_norm(
+        torch.stack(torch._foreach_norm(grads)))), 5, cpu)  # fmt: skip
+    neighbours = {0: stage.state_dict(), 2: {k: v.clone() for k, v in stage.state_dict().items()}}
+    norms = {0: 1.0, 2: 2.0}
+    fresh = _Big(a.width, blocks)
+    t_avg = _median_s(lambda: recover_stage(fresh, 1, neighbours, 3, grad_norms=norms), 3, cpu)
+    t_copy = _median_s(lambda: recover_stage(fresh, 1, {}, 3, replica=neighbours[0]), 3, cpu)
+    link = a.link_gbps * 1e9 / 8
+    return {"save": c_save, "step": 0.0 if a.norm_free else o_step, "norm": o_step,
+            "recover": t_avg, "train_step": t_step, "load": t_load, "copy": t_copy,
+            "bytes": float(nbytes), "ckpt_bytes": float(ckpt_bytes), "blocks": float(blocks),
+            "ship_checkfree": 2 * nbytes / link, "ship_replica": nbytes / link}  # fmt: skip
+
+
+def recovery_table(costs: dict[str, float], a: argparse.Namespace, lost_steps: int) -> str:
+    """Markdown: the time each contender takes to be back at the failure step (large stage)."""
+    pipe_step = cr.STAGES * costs["train_step"]
+    rows = [
+        ("checkfree (neighbour average)", costs["ship_checkfree"], costs["recover"], 0.0),
+        ("replica (exact copy)", costs["ship_replica"], costs["copy"], 0.0),
+        (f"rollback ({lost_steps} steps redone)", 0.0, costs["load"], lost_steps * pipe_step),
+    ]
+    out = ["| contender | ship weights (modelled) | rebuild / load (measured) "
+           "| redo steps (from measured step) | total s |", "|---|---|---|---|---|"]  # fmt: skip
+    for name, ship, local, redo in rows:
+        out.append(
+            f"| {name} | {ship:.3g} | {local:.3g} | {redo:.3g} | {ship + local + redo:.3g} |"
+        )
+    return "\n".join(out)
+
+
 def equal_cost_interval(costs: dict[str, float], steps: int) -> tuple[int, int]:
     """(n, k): saves affordable at CheckFree's overhead, and the interval (0: never save)."""
     total = steps * costs["step"] + costs["recover"]
@@ -173,9 +262,15 @@ def main() -> None:
     p.add_argument("--lost", type=int, default=1)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--stage-mb", type=float, default=0.0, help="measure costs at this size")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=16, help="micro-batch rows (large stage)")
+    p.add_argument("--link-gbps", type=float, default=10.0)
+    p.add_argument("--norm-free", action="store_true")
+    p.add_argument("--save-dir", default=None, help="where the large checkpoint is written")
     a = p.parse_args()
     torch.set_num_threads(1)
-    costs = measure_costs(a)
+    costs = measure_stage_costs(a) if a.stage_mb > 0 else measure_costs(a)
     n_saves, a.equal_every = equal_cost_interval(costs, a.steps)
     rows: dict[str, dict[str, list[float]]] = {m: {"after": [], "back": [], "tail": [], "ms": []}
                                                for m in MODES}  # fmt: skip
@@ -204,6 +299,16 @@ def main() -> None:
           f"{a.fail_at}, checkpoint every {a.ckpt_every} steps; medians [min-max]")  # fmt: skip
     cf = a.steps * costs["step"] + costs["recover"]
     every = f"every {a.equal_every} steps" if a.equal_every else "never (restart from step 0)"
+    if a.stage_mb > 0:
+        print(f"\nstage of {costs['bytes'] / 2**20:.0f} MiB fp32 weights ({costs['blocks']:.0f} "
+              f"blocks of width {a.width}), checkpoint {costs['ckpt_bytes'] / 2**20:.0f} MiB "
+              f"(+ Adam), fsync'd save {costs['save']:.3g} s, load {costs['load']:.3g} s (wall); "
+              f"grad norm {costs['norm'] * 1e3:.3g} ms{' (not charged)' if a.norm_free else ''}, "
+              f"stage step ({a.rows} rows) {costs['train_step']:.3g} s (CPU)\n")  # fmt: skip
+        last = (a.fail_at // a.equal_every) * a.equal_every if a.equal_every else 0
+        print(recovery_table(costs, a, a.fail_at - last))
+        print(f"(link {a.link_gbps} Gb/s modelled; rollback to step {last} of the "
+              "ckpt-equal-cost schedule)\n")  # fmt: skip
     print(f"equal cost: c_save {costs['save'] * 1e3:.3g} ms, CheckFree o_step "
           f"{costs['step'] * 1e6:.3g} us/step + t_rec {costs['recover'] * 1e3:.3g} ms = "
           f"C {cf * 1e3:.3g} ms over {a.steps} steps -> n = floor(C / c_save) = {n_saves} "
