@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.diagnose.kpi_scan import scan
 from stalwart.diagnose.kpi_scores import (
     TINY,
     Cause,
@@ -77,7 +78,7 @@ class _Cuboid:
 def _score(
     st: State, cols: tuple[int, ...], sums: ElementSums, p: SearchParams, floor: float
 ) -> _Cuboid:
-    ids, n, (ep, w_ab, w_all, moved, count) = sums.get(st, cols)
+    ids, n, (ep, w_ab, w_all, moved, count, _) = sums.get(st, cols)
     # Purity: RiskLoc's weighted share of abnormal leaves, or, for a broad cause whose leaves
     # moved less than the noise extreme but all the same way, the balance of leaves moved the
     # anomaly's way over those moved against it (noise moves as many each way: balance ~ 0).
@@ -189,7 +190,7 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     """
     p = params or SearchParams()
     if leaves.ratio:
-        p = dataclasses.replace(p, misfit_weight=p.ratio_misfit)
+        p = dataclasses.replace(p, misfit_weight=p.ratio_misfit, scan_far=p.scan_far_ratio)
     st, cut = prepare(leaves, p.trim)
     total_ep = st.abnormal_ep()
     if total_ep <= TINY:  # nothing beyond the noise: every leaf moved the deviation's way
@@ -218,6 +219,8 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
         causes.append(cause)
         sums.remove(st, mask)
         st = st.keep(~mask)
+    if causes:
+        causes += scan(st, sums, depth, p, total_ep, p.max_causes - len(causes), abs(cut))
     pick = None if causes else _fallback(first, fallback, p)
     if pick is not None:
         causes = [_cause(first, pick, total_ep, p)[0]]

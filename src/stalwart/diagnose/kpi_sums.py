@@ -31,8 +31,9 @@ def element_ids(
 
 def weights(st: Any) -> tuple[np.ndarray, ...]:
     """The per-leaf scores summed per element: explanatory power, abnormal and all weight,
-    moved (+1/-1) and its absolute value."""
-    return st.ep, st.w_abnormal, st.w_all, st.moved, np.abs(st.moved)
+    moved (+1/-1), its absolute value, and whether the leaf lies beyond the noise cut."""
+    ab = (st.w_abnormal > 0).astype(np.float64)
+    return st.ep, st.w_abnormal, st.w_all, st.moved, np.abs(st.moved), ab
 
 
 class ElementSums:
