@@ -142,3 +142,33 @@ def test_search_on_arrays_marks_a_fallback_with_low_confidence() -> None:
     got = search(leaves, SearchParams(risk=1.0))
     assert got.fallback and len(got.causes) == 1 and got.confidence < 1.0
     assert search(leaves).causes[0].items == ((0, 1), (1, 1))
+
+
+def _deep_and_broad(seed: int) -> tuple[np.ndarray, tuple[int, ...], np.ndarray, np.ndarray]:
+    """A 12x10x8x6 cube with two broad causes (a=0, a=1 down 90%), a small deep one (b=3&c=5&d=2,
+    12 leaves down 50%, well under 2% of the deviation) and a single leaf down 60%."""
+    cards = (12, 10, 8, 6)
+    codes = np.array(list(itertools.product(*(range(n) for n in cards))))
+    rng = np.random.default_rng(seed)
+    forecast = rng.weibull(0.8, len(codes)) * 100 + 1.0
+    actual = forecast * (1 + rng.normal(0, 0.02, len(codes)))
+    for hit, keep in (
+        (codes[:, 0] <= 1, 0.1),
+        ((codes[:, 1] == 3) & (codes[:, 2] == 5) & (codes[:, 3] == 2), 0.5),
+        ((codes == [7, 7, 7, 4]).all(axis=1), 0.4),
+    ):
+        actual[hit] = forecast[hit] * keep
+    return codes, cards, actual, forecast
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_small_deep_causes_under_broad_ones_are_found_by_the_second_stage(seed: int) -> None:
+    codes, cards, actual, forecast = _deep_and_broad(seed)
+    leaves = kpi_leaves(codes, cards, (actual,), (forecast,))
+    want = {((0, 0),), ((0, 1),), ((1, 3), (2, 5), (3, 2)), ((0, 7), (1, 7), (2, 7), (3, 4))}
+    got = search(leaves)
+    assert {c.items for c in got.causes} == want
+    assert max(c.ep for c in got.causes if len(c.items) > 1) < 0.02
+    # Without the second stage only the broad causes pass the explanatory-power floor.
+    first = search(leaves, SearchParams(scan_nats=float("inf")))
+    assert {c.items for c in first.causes} == {((0, 0),), ((0, 1),)}
