@@ -10,6 +10,12 @@ riskloc's generator has finished so far, and show every method's answer per case
     nice -n 10 .venv/bin/python bench/rca_accuracy.py --split test --recipes H --h-cases <k> \
         --rs-cases 0 --peers riskloc,autoroot --peer-timeout 300
     .venv/bin/python bench/rca_h_recipe.py show H-7313-<k>     # truth and answers per case
+    nice -n 10 .venv/bin/python bench/rca_h_recipe.py run H-7303-3  # stalwart, lean loading
+
+``run`` is stalwart's ``localize`` with default options (as the accuracy bench calls it) plus
+``memory_limit``, given the CSV path, so its time includes reading 1.3 GB of CSV: the bench's
+``load`` (a pandas frame of 24 M rows of Python strings) went past 15 GB on this 23 GB box, and a
+frame with categorical columns past 9 GB, before ``localize`` returned.
 
 The generator writes ``injection_info.csv`` after each finished case and case ``i`` does not
 depend on ``--num``, so the first ``k`` cases of a longer run are the ``--num k`` set.
@@ -21,12 +27,15 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 
+from stalwart.diagnose import DiagnoseOptions, localize
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rca_accuracy import ANSWER_FORMAT, PINNED, case_hash, synthetic_cases
+from rca_accuracy import ANSWER_FORMAT, PINNED, Tally, case_hash, synthetic_cases
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stalwart-bench"
 
@@ -63,6 +72,26 @@ def show(directory: Path, methods: list[str]) -> None:
                 )
 
 
+def run(directory: Path, limit: str) -> None:
+    """Stalwart on each case: its answer, the seconds in ``localize`` and the set's tally."""
+    tally = Tally()
+    for case in synthetic_cases(directory, directory.name, 1000):
+        path = case.files()[0]
+        attrs = [c for c in pd.read_csv(path, nrows=1).columns if c not in ("real", "predict")]
+        opts = DiagnoseOptions(example_rows=0, memory_limit=limit)
+        start = time.perf_counter()
+        d = localize(str(path), "real", "predict", columns=attrs, options=opts)
+        spent = time.perf_counter() - start
+        preds = {"&".join(sorted(f"{k}={v}" for k, v in f.items.items())) for f in d.findings}
+        tally.add(preds, case.truth, spent)
+        print(
+            f"{case.file}: {len(preds & case.truth)} of {len(preds)} right, {spent:.1f} s, "
+            f"confidence {d.confidence:.2f}: {';'.join(sorted(preds))}",
+            flush=True,
+        )
+    print(f"{directory.name} stalwart | {tally.row()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -72,9 +101,14 @@ def main() -> None:
     b = sub.add_parser("show", help="truth and cached peer answers per case")
     b.add_argument("set")
     b.add_argument("--methods", default="riskloc,autoroot,adtributor,squeeze,robustspot")
+    c = sub.add_parser("run", help="stalwart's localize on each case of a set")
+    c.add_argument("set")
+    c.add_argument("--memory-limit", default="3GB", help="DuckDB's, spilling beyond it")
     args = ap.parse_args()
     if args.cmd == "link":
         print(link(CACHE / "data" / args.source, args.seed))
+    elif args.cmd == "run":
+        run(CACHE / "data" / args.set, args.memory_limit)
     else:
         show(CACHE / "data" / args.set, args.methods.split(","))
 
