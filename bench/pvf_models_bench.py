@@ -17,8 +17,8 @@ Per model, on one fault list per variant, contenders interleaved in every repeat
 
 Contenders: ``engine`` is ``FastEngine.run`` per chunk with the campaign's recheck rule
 (trials that rounding could decide, or with NaN/Inf, re-run naively), on any device;
-``campaign`` is ``run_campaign`` (CPU; it still sends activation faults through forward
-hooks, one pass per pack of samples); ``naive`` one full forward per fault.
+``campaign`` is ``run_campaign`` (CPU; activation faults on the same engine path);
+``naive`` one full forward per fault.
 
 Every contender's outcome per trial (the model's criterion: top-1, or the click decision
 for DLRM) must equal the naive loop's; the bench counts the trials checked and fails loudly
