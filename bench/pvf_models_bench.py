@@ -273,7 +273,8 @@ def engine_judged(model, inputs, faults, crit, indep) -> np.ndarray:
         redo = bad.nonzero().flatten().tolist()
         if redo:
             again = [chunk[i] for i in redo]
-            out[redo] = hooked(eng, again) if chunk[0].kind == "activation" else naive.run(again)
+            act = chunk[0].kind == "activation"  # re-run packed, as the campaign does
+            out[redo] = hooked(eng, again, indep) if act else naive.run(again)
         failed[idx] = c.judge(eng.golden, out).reshape(len(out), -1).any(1).cpu().numpy()
     return failed
 
