@@ -27,7 +27,7 @@ def test_lazy_saves_run_beside_training_collectives(tmp_path: Path) -> None:
 
 
 WORKER = Path(__file__).with_name("diloco_worker.py")
-VERSIONS, H = 20, 10
+VERSIONS, H = 20, 20
 
 
 def test_async_diloco_with_k_below_n_converges_with_outer_momentum_0_9(tmp_path: Path) -> None:
@@ -49,7 +49,8 @@ def test_async_diloco_with_k_below_n_converges_with_outer_momentum_0_9(tmp_path:
     initial = finals[0]["trace"][0][2]
     losses = [loss for f in finals for _, version, loss in f["trace"] if version >= 5]
     # Stated bound (no divergence): after the fifth version no member's traced loss is above
-    # half the initial one, and the final loss is under a quarter of it.
+    # half the initial one, and the final loss is under a quarter of it (measured: 0.15 and
+    # 0.22 at most; the per-version rule on the same run: 28x the initial loss, 47x at most).
     assert max(losses) < 0.5 * initial and finals[0]["loss"] < 0.25 * initial, (initial, losses)
     aggregates = sorted(
         (e for lines in read_events(tmp_path / "events").values() for e in lines
