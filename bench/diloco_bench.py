@@ -124,13 +124,20 @@ def _fmt(values: list[float], spec: str = ".3g") -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5])
-    p.add_argument("--contenders", nargs="+", default=list(SLOW), choices=list(SLOW))
+    p.add_argument(
+        "--contenders",
+        nargs="+",
+        default=list(SLOW),
+        choices=list(SLOW),
+        help="straggler-scenario contenders (diloco, the reference, is always run)",
+    )
     p.add_argument("--h", type=int, default=50)
     p.add_argument("--outer", type=int, default=10)
     p.add_argument("--compute-s", type=float, default=0.004)
     p.add_argument("--slow-only", action="store_true", help="only the straggler scenario")
     p.add_argument("--save", type=Path, help="write the runs' records (JSON)")
     a = p.parse_args()
+    a.contenders = ["diloco", *(c for c in a.contenders if c != "diloco")]
     plain: dict[str, list[dict[str, float]]] = {"ddp": [], "diloco": []}
     slow: dict[str, list[list[dict[str, Any]]]] = {label: [] for label in a.contenders}
     for seed in a.seeds:
