@@ -89,8 +89,8 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(torch.relu(self.bn1(self.conv1(x))))
-        y = torch.relu(self.conv2(x) + self.conv3(x))
-        return self.fc(y.mean((2, 3)))
+        y = torch.relu(self.conv2(x) + self.conv3(x)).mean((2, 3))
+        return self.fc(y.view(y.size(0), -1))  # a size read from the rows
 
 
 class Mixing(Residual):
