@@ -9,6 +9,7 @@ must reach it.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ from stalwart.diagnose.target import Masses
 __all__ = ["kpi_leaves", "localize_frame", "localize_kpi", "params"]
 
 _TINY = 1e-12
+_BATCH = 1 << 20
+"""Leaves per batch on their way from DuckDB to NumPy."""
 
 
 def localize_kpi(
@@ -56,7 +59,7 @@ def localize_kpi(
     kpi = [actual] if isinstance(actual, str) else list(actual)
     kpi += [expected] if isinstance(expected, str) else list(expected)
     codes, values, k = _leaves(src, plan.exprs, kpi)
-    d = _from_arrays(codes, values, k, plan.columns, opts)
+    d = _from_arrays(codes, values, k, plan.columns, opts, grouped=True)
     d.cleaning, d.notes = kw["cleaning"], kw["notes"] + d.notes
     spent = time.perf_counter() - start - d.timings_s["search"]
     d.timings_s = {"prepare": round(spent, 4), **d.timings_s}
@@ -98,17 +101,15 @@ def _from_arrays(
     k: list[np.ndarray],
     columns: tuple[str, ...],
     opts: DiagnoseOptions,
+    *,
+    grouped: bool = False,
 ) -> Diagnosis:
-    """Search the leaves (rows sharing every attribute value summed first) and report."""
+    """Search the leaves (rows sharing every attribute value summed first, unless ``grouped``
+    says no two rows do) and report."""
     start = time.perf_counter()
     cards = tuple(max(len(v), 1) for v in values)
-    key = np.zeros(len(codes), dtype=np.int64)
-    for i, n in enumerate(cards):
-        key = key * n + codes[:, i]
-    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
-    if len(uniq) < len(codes):
-        codes = codes[first]
-        k = [np.bincount(inv.ravel(), weights=x, minlength=len(uniq)) for x in k]
+    if not grouped:
+        codes, k = _group(codes, cards, k)
     half = len(k) // 2
     leaves = kpi_leaves(codes, cards, tuple(k[:half]), tuple(k[half:]))
     found = search(leaves, params(opts))
@@ -120,7 +121,7 @@ def _from_arrays(
             "its low confidence"
         )
     findings = _findings(found, leaves, k, columns, values)
-    total_t, total_r = _masses(k, np.ones(len(codes), dtype=bool))
+    total_t, total_r = _masses(k, None)
     none = "nothing found: no leaf moved away from its forecast the way the total did"
     return Diagnosis(
         findings,
@@ -141,22 +142,43 @@ def _from_arrays(
 def _leaves(
     src: Source, exprs: tuple[str, ...], kpi: list[str]
 ) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
-    """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): codes,
-    each attribute's values by code, and the KPI sums."""
+    """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): codes
+    (the smallest unsigned type holding every attribute's), each attribute's values by code
+    (in order of first appearance), and the KPI sums.
+
+    The leaves stay in a DuckDB temporary table (under its ``memory_limit``, spilling) and
+    reach NumPy in batches, so no column of leaf strings is ever held outside DuckDB.
+    """
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
     sums = ", ".join(
         f"sum(coalesce(CAST({quote(c)} AS DOUBLE), 0)) AS k{i}" for i, c in enumerate(kpi)
     )
-    table = src.sql(f"SELECT {sel}, {sums} FROM {{src}} GROUP BY ALL").to_arrow_table()
-    n_attr = len(exprs)
-    codes = np.empty((table.num_rows, n_attr), dtype=np.int64)
-    values: list[list[str]] = []
-    for i in range(n_attr):
-        enc = pc.dictionary_encode(table.column(i)).combine_chunks()
-        codes[:, i] = enc.indices.to_numpy(zero_copy_only=False)
-        values.append([str(v) for v in enc.dictionary.to_pylist()])
-    k = [table.column(n_attr + i).to_numpy().astype(np.float64) for i in range(len(kpi))]
-    return codes, values, k
+    name = f"stalwart_kpi_leaves_{uuid.uuid4().hex}"
+    src.sql(f"CREATE TEMP TABLE {name} AS SELECT {sel}, {sums} FROM {{src}} GROUP BY ALL")
+    try:
+        distinct = ", ".join(f"count(DISTINCT a{i})" for i in range(len(exprs)))
+        n, *cards = src.sql(f"SELECT count(*), {distinct} FROM {name}").fetchall()[0]
+        dtype = np.min_scalar_type(max(max(cards) - 1, 0))
+        codes = np.empty((n, len(exprs)), dtype=dtype)
+        k = [np.empty(n, dtype=np.float64) for _ in kpi]
+        index: list[dict[str, int]] = [{} for _ in exprs]
+        reader = src.sql(f"SELECT * FROM {name}").to_arrow_reader(_BATCH)
+        pos = 0
+        for batch in reader:
+            end = pos + batch.num_rows
+            for i, seen in enumerate(index):
+                enc = pc.dictionary_encode(batch.column(i))
+                lut = np.array(
+                    [seen.setdefault(str(v), len(seen)) for v in enc.dictionary.to_pylist()],
+                    dtype=dtype,
+                )
+                codes[pos:end, i] = lut[enc.indices.to_numpy(zero_copy_only=False)]
+            for j, out in enumerate(k):
+                out[pos:end] = batch.column(len(exprs) + j).to_numpy(zero_copy_only=False)
+            pos = end
+    finally:
+        src.sql(f"DROP TABLE IF EXISTS {name}")
+    return codes[:pos], [list(seen) for seen in index], [x[:pos] for x in k]
 
 
 def params(opts: DiagnoseOptions) -> SearchParams:
@@ -172,11 +194,25 @@ def params(opts: DiagnoseOptions) -> SearchParams:
     )
 
 
-def _masses(k: list[np.ndarray], mask: np.ndarray) -> tuple[float, float]:
+def _group(
+    codes: np.ndarray, cards: tuple[int, ...], k: list[np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One row per distinct code tuple (the first's codes), its KPI columns summed."""
+    key = np.zeros(len(codes), dtype=np.int64)
+    for i, n in enumerate(cards):
+        key = key * n + codes[:, i]
+    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    if len(uniq) < len(codes):
+        codes = codes[first]
+        k = [np.bincount(inv.ravel(), weights=x, minlength=len(uniq)) for x in k]
+    return codes, k
+
+
+def _masses(k: list[np.ndarray], mask: np.ndarray | None) -> tuple[float, float]:
     """(deviation, reference) masses of the leaves in ``mask``: |actual - forecast| and the
     forecast for an additive KPI; for a ratio, the numerator lost or gained against the
     forecast ratio, and the actual denominator."""
-    s = [float(x[mask].sum()) for x in k]
+    s = [float((x if mask is None else x[mask]).sum()) for x in k]
     if len(s) == 2:
         return abs(s[0] - s[1]), s[1]
     an, ad, en, ed = s
@@ -191,7 +227,7 @@ def _findings(
     columns: tuple[str, ...],
     values: list[list[str]],
 ) -> list[Finding]:
-    total_t, total_r = _masses(k, np.ones(len(leaves.codes), dtype=bool))
+    total_t, total_r = _masses(k, None)
     base = total_t / total_r if total_r > 0 else 0.0
     out = []
     for c in found.causes:

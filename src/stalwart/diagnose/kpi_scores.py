@@ -154,7 +154,7 @@ def prepare(leaves: KpiLeaves, trim: int, *, noise: bool = True) -> tuple[State,
     if float(ep[abnormal].sum()) < 0:
         ep = -ep
     nonzero = ((leaves.real != 0) & (leaves.predict != 0)).astype(np.float64)
-    codes = np.ascontiguousarray(leaves.codes, dtype=np.int64)
+    codes = np.ascontiguousarray(leaves.codes)
     state = State(
         codes,
         leaves.real,

@@ -17,7 +17,7 @@ def element_ids(
     codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]
 ) -> tuple[np.ndarray, int]:
     """Each leaf's element in a cuboid, as dense-ish ids, and how many ids there are."""
-    key = codes[:, cols[0]].copy()
+    key = codes[:, cols[0]].astype(np.int64)
     size = cards[cols[0]]
     for c in cols[1:]:
         key *= cards[c]
