@@ -49,7 +49,7 @@ def _layer_sizes(st: State, sums: ElementSums, depth: int) -> list[float]:
     for layer in range(1, depth + 1):
         total = 0
         for cols in itertools.combinations(range(len(sums.cards)), layer):
-            total += min(math.prod(sums.cards[c] for c in cols), len(sums.first.codes))
+            total += min(math.prod(sums.cards[c] for c in cols), len(sums.codes))
         out.append(math.log(max(total, 1)))
     return out
 
@@ -126,7 +126,7 @@ def scan(
         causes.append(describe(st, items, total_ep, p))
         mask = element_mask(st, items)
         sums.remove(st, mask)
-        st = st.keep(~mask)
+        st.shrink(~mask)
     if p.scan_far < math.inf and cut > 0:
         causes += _far(st, p.scan_far * cut, p, total_ep, room - len(causes))
     return causes

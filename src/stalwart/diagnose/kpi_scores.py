@@ -122,20 +122,27 @@ class State:
     real: np.ndarray
     predict: np.ndarray
     ep: np.ndarray
-    dev: np.ndarray
     w_abnormal: np.ndarray
     """Weight of an abnormal leaf (0 for a normal one): how far it lies beyond the cut."""
     w_all: np.ndarray
     moved: np.ndarray
-    """+1 for a leaf moved the anomaly's way, -1 against it, 0 unmoved."""
+    """+1 for a leaf moved the anomaly's way, -1 against it, 0 unmoved (int8)."""
     nonzero: np.ndarray
+    """Whether both the actual and the forecast value are non-zero (bool)."""
     x: np.ndarray
-    """Deviation oriented so the anomaly is positive."""
+    """Deviation oriented so the anomaly is positive (the deviation times -direction, so
+    its absolute value is the deviation's)."""
     index: np.ndarray
     """Each live leaf's position among all leaves."""
 
     def keep(self, mask: np.ndarray) -> State:
         return State(*(getattr(self, k)[mask] for k in self.__dataclass_fields__))
+
+    def shrink(self, mask: np.ndarray) -> None:
+        """Keep only the leaves in ``mask``, in place: one array at a time, so the live leaves
+        are never held twice."""
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k)[mask])
 
     def abnormal_ep(self) -> float:
         return float(self.ep[self.w_abnormal > 0].sum())
@@ -153,21 +160,13 @@ def prepare(leaves: KpiLeaves, trim: int, *, noise: bool = True) -> tuple[State,
     ep = leaves.ep
     if float(ep[abnormal].sum()) < 0:
         ep = -ep
-    nonzero = ((leaves.real != 0) & (leaves.predict != 0)).astype(np.float64)
+    del dev, abnormal, zero
+    w_no += w_ab
+    nonzero = (leaves.real != 0) & (leaves.predict != 0)
     codes = np.ascontiguousarray(leaves.codes)
-    state = State(
-        codes,
-        leaves.real,
-        leaves.predict,
-        ep,
-        dev,
-        w_ab,
-        w_ab + w_no,
-        np.sign(x),
-        nonzero,
-        x,
-        np.arange(len(codes)),
-    )
+    index = np.arange(len(codes), dtype=np.min_scalar_type(max(len(codes) - 1, 0)))
+    moved = np.sign(x).astype(np.int8)
+    state = State(codes, leaves.real, leaves.predict, ep, w_ab, w_no, moved, nonzero, x, index)
     return state, sign * cut
 
 
@@ -182,7 +181,7 @@ def ripple_misfit(st: State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.nd
     scale = np.divide(v, f, out=np.ones_like(v), where=f > TINY)
     left = np.abs(deviation(real, predict * scale[ids]))
     m1 = np.bincount(ids, weights=left * nz, minlength=n)
-    m2 = np.bincount(ids, weights=np.abs(st.dev[leaf]) * nz, minlength=n)
+    m2 = np.bincount(ids, weights=np.abs(st.x[leaf]) * nz, minlength=n)
     return np.divide(m1, m2, out=np.zeros_like(m1), where=m2 > TINY)
 
 

@@ -100,13 +100,23 @@ class _Pick:
     score: float
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A fallback candidate: one cuboid's best element, without the cuboid's per-leaf ids (a
+    round holds one per cuboid tried)."""
+
+    items: tuple[tuple[int, int], ...]
+    score: float
+    purity: float
+
+
 def _layer(
     st: State, sums: ElementSums, layer: int, floor: float, p: SearchParams
-) -> tuple[_Pick | None, list[_Pick]]:
+) -> tuple[_Pick | None, list[_Candidate]]:
     """The element with the most explanatory power that passes the risk bar in this layer, and
     each cuboid's best element by explanatory power times purity (fallback candidates)."""
     best: _Pick | None = None
-    fallback: list[_Pick] = []
+    fallback: list[_Candidate] = []
     for cols in itertools.combinations(range(len(sums.cards)), layer):
         cub = _score(st, cols, sums, p, best.score if best else floor)
         ok = cub.risk >= p.risk
@@ -116,21 +126,28 @@ def _layer(
         fb = np.where(cub.purity > 0, np.maximum(cub.ep, 0.0) * cub.purity, -np.inf)
         e = int(np.argmax(fb))
         if fb[e] > 0:
-            fallback.append(_Pick(cub, e, float(fb[e])))
+            fallback.append(_Candidate(_items(st, cub, e), float(fb[e]), float(cub.purity[e])))
     return best, fallback
 
 
-def _fallback(st: State, picks: list[_Pick], p: SearchParams) -> _Pick | None:
+def _fallback(st: State, picks: list[_Candidate], p: SearchParams) -> _Candidate | None:
     """The candidate with the most explanatory power times risk (floored, so that a deviation
     no element fits still gets its best guess)."""
-    best: _Pick | None = None
+    best: _Candidate | None = None
     for pick in picks:
-        cub, e = pick.cuboid, pick.element
-        misfit = p.misfit_weight * ripple_misfit(st, cub.ids, len(cub.ep), cub.ids == e)[e]
-        score = pick.score / max(cub.purity[e], TINY) * max(cub.purity[e] - misfit, 0.01)
+        mask = element_mask(st, pick.items)
+        one = np.zeros(len(mask), dtype=np.int64)
+        misfit = p.misfit_weight * ripple_misfit(st, one, 1, mask)[0]
+        score = pick.score / max(pick.purity, TINY) * max(pick.purity - misfit, 0.01)
         if best is None or score > best.score:
-            best = _Pick(cub, e, float(score))
+            best = _Candidate(pick.items, float(score), pick.purity)
     return best
+
+
+def _items(st: State, cub: _Cuboid, e: int) -> tuple[tuple[int, int], ...]:
+    """Element ``e`` of ``cub`` as (column, code) pairs."""
+    row = st.codes[int(np.argmax(cub.ids == e))]
+    return tuple((c, int(row[c])) for c in cub.cols)
 
 
 def _cause(st: State, pick: _Pick, total_ep: float, p: SearchParams) -> tuple[Cause, np.ndarray]:
@@ -191,10 +208,12 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     p = params or SearchParams()
     if leaves.ratio:
         p = dataclasses.replace(p, misfit_weight=p.ratio_misfit, scan_far=p.scan_far_ratio)
+    noise = True
     st, cut = prepare(leaves, p.trim)
     total_ep = st.abnormal_ep()
     if total_ep <= TINY:  # nothing beyond the noise: every leaf moved the deviation's way
-        st, cut = prepare(leaves, p.trim, noise=False)
+        noise = False
+        st, cut = prepare(leaves, p.trim, noise=noise)
         total_ep = st.abnormal_ep()
     n_abnormal = int((st.w_abnormal > 0).sum())
     if n_abnormal == 0 or total_ep <= TINY:
@@ -202,8 +221,8 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     floor = p.min_ep * total_ep
     depth = min(p.max_depth or len(leaves.cards), len(leaves.cards))
     causes: list[Cause] = []
-    fallback: list[_Pick] = []
-    first, sums = st, ElementSums(st, leaves.cards)
+    fallback: list[_Candidate] = []
+    sums = ElementSums(st, leaves.cards)
     while len(causes) < p.max_causes and st.abnormal_ep() >= floor:
         found = None
         for layer in range(1, depth + 1):
@@ -218,13 +237,17 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
             break
         causes.append(cause)
         sums.remove(st, mask)
-        st = st.keep(~mask)
-    if causes:
+        st.shrink(~mask)
+    pick = None
+    if causes:  # the live leaves are shrunk in place: the first state is made again
         causes += scan(st, sums, depth, p, total_ep, p.max_causes - len(causes), abs(cut))
-    pick = None if causes else _fallback(first, fallback, p)
+        del st, sums, found
+        st = prepare(leaves, p.trim, noise=noise)[0]
+    else:
+        pick = _fallback(st, fallback, p)
     if pick is not None:
-        causes = [_cause(first, pick, total_ep, p)[0]]
-    causes = _generalize(first, causes, total_ep, p, leaves.ratio)
+        causes = [describe(st, pick.items, total_ep, p)]
+    causes = _generalize(st, causes, total_ep, p, leaves.ratio)
     return Localized(
         causes,
         overall_confidence([c.ep for c in causes], [c.confidence for c in causes]),

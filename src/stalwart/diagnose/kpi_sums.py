@@ -42,7 +42,8 @@ class ElementSums:
     when the element ids of every cuboid would not fit in ``_CACHE_IDS``)."""
 
     def __init__(self, first: Any, cards: tuple[int, ...]) -> None:
-        self.first, self.cards = first, cards
+        self.codes, self.cards = first.codes, cards
+        """Every leaf's codes (the search's first state's, which later states shrink)."""
         self.on = len(first.codes) * (2 ** len(cards) - 1) <= _CACHE_IDS
         self.ids: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         self.sums: dict[tuple[int, ...], list[np.ndarray]] = {}
@@ -53,7 +54,7 @@ class ElementSums:
             ids, n = element_ids(st.codes, cols, self.cards)
             return ids, n, [np.bincount(ids, weights=w, minlength=n) for w in weights(st)]
         if cols not in self.ids:
-            full, n = element_ids(self.first.codes, cols, self.cards)
+            full, n = element_ids(self.codes, cols, self.cards)
             self.ids[cols] = (full, n)
             live = full[st.index]
             self.sums[cols] = [np.bincount(live, weights=w, minlength=n) for w in weights(st)]
