@@ -4,11 +4,21 @@ Contenders (same script, same seed, ``stalwart run --nproc 3`` with gloo on CPU)
 
 * ``sync``: ``backup=0``, the gloo all-reduce (every step waits for the slow worker);
 * ``b=1``, ``b=2``: static backup workers (commit with the first 2, or 1, contributions);
-* ``dynamic``: ``backup=Dynamic()`` (k chosen online from the members' compute times).
+* ``dynamic``: ``backup=Dynamic()`` (k chosen online from the members' compute times);
+* ``...+poll``: the same, polling ``too_late(job)`` between micro-batches: a member whose step
+  already has its k contributions abandons the rest and joins the next step in phase.
 
-Compute is *modelled*: each worker sleeps ``--base-s`` per step after its forward/backward
-(worker 2 sleeps twice that; ``--slow random``: a different member each step), so the
-2-core box's noise does not decide who is late. Every worker draws fresh rows each step
+Compute is *modelled*: a step is ``--micro`` micro-batches (gradient accumulation over the
+worker's 16 rows), each followed by a sleep of ``--base-s / --micro`` (worker 2 sleeps twice
+that; ``--slow random``: a different member each step), so the 2-core box's noise does not
+decide who is late. This is how a user's gradient-accumulation loop uses the check::
+
+    for i, (x, y) in enumerate(micro_batches):
+        if i > 0 and too_late(job):
+            break  # committed without us: these rows are dropped, join the next step
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+ Every worker draws fresh rows each step
 (``seed(step, rank)``), so dropping late contributions keeps the gradient unbiased. Worker 0
 evaluates the held-out loss every 5 steps; the time to target is the wall time (from its first
 step) of the first evaluation at or under ``--target``. Runs alternate between contenders; the
@@ -35,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CONTENDERS = {"sync": "0", "b=1": "1", "b=2": "2", "dynamic": "dynamic"}
+CONTENDERS = {"sync": "0", "b=1": "1", "b=2": "2", "dynamic": "dynamic",
+              "b=1+poll": "1", "b=2+poll": "2", "dynamic+poll": "dynamic"}  # fmt: skip
 
 
 def _rows(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +61,7 @@ def worker(a: argparse.Namespace) -> None:
     """One member: train, sleep the modelled compute time, log the held-out loss."""
     import stalwart
     from stalwart.elastic import Job
-    from stalwart.elastic.backup import Dynamic
+    from stalwart.elastic.backup import Dynamic, too_late
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
@@ -64,9 +75,12 @@ def worker(a: argparse.Namespace) -> None:
     while job.step < a.steps:
         optimizer.zero_grad()
         x, y = _rows(1_000_000 + 1000 * job.step + job.rank, 16)
-        F.cross_entropy(model(x), y).backward()
         slow = wid == 2 if a.slow == "fixed" else (job.step * 7919) % job.size == job.rank
-        time.sleep(a.base_s * (2 if slow else 1))
+        for i, (xs, ys) in enumerate(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True)):
+            if a.poll and i > 0 and too_late(job):
+                break  # the step has its k contributions: drop the rest, join the next step
+            (F.cross_entropy(model(xs), ys) / a.micro).backward()
+            time.sleep(a.base_s * (2 if slow else 1) / a.micro)
         optimizer.step()
         if wid == 0 and job.step % 5 == 0:
             with torch.no_grad():
@@ -82,7 +96,8 @@ def run_once(name: str, a: argparse.Namespace, tmp: Path) -> list[tuple[float, i
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", "0",
            "--events", str(tmp / f"ev-{name}"), "--timeout", "60", __file__, "--worker",
            "--backup", CONTENDERS[name], "--steps", str(a.steps), "--base-s", str(a.base_s),
-           "--slow", a.slow, "--log", str(log)]  # fmt: skip
+           "--slow", a.slow, "--micro", str(a.micro), "--log", str(log),
+           *(["--poll"] if name.endswith("+poll") else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STALWART_ELASTIC_STORE", None)
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
@@ -94,7 +109,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backup", default="0", help=argparse.SUPPRESS)
     parser.add_argument("--log", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--poll", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--base-s", type=float, default=0.04)
     parser.add_argument("--target", type=float, default=0.6)
@@ -123,7 +140,7 @@ def main() -> None:
                       f"{t_all:.2f} s, final loss {end:.3f}")  # fmt: skip
     who = "worker 2" if a.slow == "fixed" else "one member per step (pseudo-random)"
     print(f"\n3 workers, {who} slowed 2x (modelled compute {a.base_s} s / {2 * a.base_s} s "
-          f"per step), target loss {a.target}, {a.runs} runs\n")  # fmt: skip
+          f"per step, {a.micro} micro-batches), target {a.target}, {a.runs} runs\n")  # fmt: skip
     print(f"| contender | time to target (s) | {a.steps} steps (s) | ms / step | final loss "
           "| speed-up to target vs sync | per step vs sync |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")

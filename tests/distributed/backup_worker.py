@@ -2,9 +2,12 @@
 
 The elastic tests' MLP on fresh rows per step (``batch(step, rank, size)``), committed with
 the first ``n - b`` contributions. ``--slow-worker W --slow-s S`` makes worker W sleep S
-seconds before each step's commit.
+seconds before each step's commit. ``--micro M`` accumulates the gradient over M micro-batches
+(the sleep spread over them) and polls :func:`~stalwart.elastic.backup.too_late` between them:
+a member whose step already committed abandons the rest.
 
-Usage: backup_worker.py --steps N --backup B|dynamic [--slow-worker W --slow-s S] [--out DIR]
+Usage: backup_worker.py --steps N --backup B|dynamic [--slow-worker W --slow-s S] [--micro M]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 
 import stalwart
 from stalwart.elastic import Job
-from stalwart.elastic.backup import Dynamic
+from stalwart.elastic.backup import Dynamic, too_late
 from stalwart.testing import chaos
 
 
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--verify-every", type=int, default=5)
     parser.add_argument("--slow-worker", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
     torch.manual_seed(0)
@@ -51,9 +55,12 @@ def main() -> None:
     while job.step < a.steps:
         optimizer.zero_grad()
         x, y = batch(job.step, job.rank, job.size)
-        F.mse_loss(model(x), y).backward()
-        if worker == a.slow_worker:
-            time.sleep(a.slow_s)
+        for i, (xs, ys) in enumerate(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True)):
+            if i > 0 and too_late(job):
+                break  # the step committed without us: drop the rest, join the next step
+            (F.mse_loss(model(xs), ys) / a.micro).backward()
+            if worker == a.slow_worker:
+                time.sleep(a.slow_s / a.micro)
         optimizer.step()
     job.close()
     if a.out is not None:

@@ -33,7 +33,7 @@ STEPS = 24
 
 
 def _run(
-    tmp: Path, backup: str, schedule: KillSchedule | None = None
+    tmp: Path, backup: str, schedule: KillSchedule | None = None, micro: int = 1
 ) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(schedule.to_env() if schedule else {})}
     env.pop("STALWART_ELASTIC_STORE", None)
@@ -41,7 +41,7 @@ def _run(
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", restarts,
            "--events", str(tmp / "events"), "--timeout", "30", str(WORKER),
            "--steps", str(STEPS), "--backup", backup, "--slow-worker", "2", "--slow-s", "0.15",
-           "--out", str(tmp / "out")]  # fmt: skip
+           "--micro", str(micro), "--out", str(tmp / "out")]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     finals = [torch.load(p) for p in sorted((tmp / "out").glob("final-*.pt"))]
@@ -65,7 +65,8 @@ def _backup_events(events: dict[int, list[dict[str, Any]]]) -> dict[int, list[di
 
 
 def test_static_backup_commits_with_the_first_two_of_three(tmp_path: Path) -> None:
-    events, finals = _run(tmp_path, "1")
+    # 2 micro-batches polling too_late(job): the slow worker abandons steps that committed
+    events, finals = _run(tmp_path, "1", micro=2)
     _assert_parity(events, finals)
     per_worker = _backup_events(events)
     for w, evs in per_worker.items():
@@ -73,6 +74,9 @@ def test_static_backup_commits_with_the_first_two_of_three(tmp_path: Path) -> No
         assert all(len(e["used"]) == 2 for e in evs)
         late = [e for e in evs if e["ticket"] is not None and e["ticket"] > 2]
         assert all(w not in e["used"] for e in late), "a late contribution is dropped"
+        gone = [e for e in evs if e["abandoned"]]
+        assert all(e["ticket"] > 2 and w not in e["used"] for e in gone), "abandoned: dropped"
+    assert any(e["abandoned"] for e in per_worker[2]), "worker 2 (0.15 s slower) abandoned"
     used = [tuple(e["used"]) for e in per_worker[0]]
     # the same members were used on every worker (one result per step)
     assert all([tuple(e["used"]) for e in per_worker[w]] == used for w in per_worker)

@@ -35,6 +35,12 @@ window of recent steps' times, the intervals between results and the gradient no
 estimated from the contributions travel in the results, and the reducer picks the ``k`` of
 the next step that maximises the expected progress per second.
 
+**Abandoning a step** (:func:`too_late`, as DBW's workers do): a loop accumulating gradients
+over micro-batches polls it between them; True (the step has its ``k`` tickets) -> skip the rest
+and call ``optimizer.step()``: the member posts nothing (that step's rows on it are dropped like
+any late contribution), applies the result and starts the next step in phase. Its ``backup``
+event says ``abandoned``; it posts no compute time (Dynamic counts it as the slowest).
+
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out;
 raw bytes, :mod:`stalwart.elastic.backup_wire`), so this suits small and medium models; the
 gloo all-reduce remains the default path.
@@ -61,7 +67,7 @@ from stalwart.errors import ConfigError
 if TYPE_CHECKING:
     from stalwart.elastic.job import Job
 
-__all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_backup"]
+__all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_backup", "too_late"]
 
 _KEEP_STEPS = 64  # results kept in the store for members that fall behind
 _POLL = timedelta(seconds=0.2)  # how often a waiting member checks for a newer epoch
@@ -119,6 +125,7 @@ class BackupRound:
         self._k: dict[int, int] = {}  # epoch -> the next step's k (agreed through results)
         self._last: tuple[int, Result] | None = None  # (epoch, the last result applied)
         self._janitor = Janitor(store)  # deletes old steps' keys off the critical path
+        self._gave_up: tuple[int, int] | None = None  # (epoch, step) found too late
 
     def _prefix(self, epoch: int, step: int) -> str:
         return f"backup/{epoch}/{step}"
@@ -141,6 +148,23 @@ class BackupRound:
         result = Result.decode(self.store.get(key), templates)
         self._seen(epoch, result)
         return result
+
+    def too_late(self, epoch: int, step: int, size: int) -> bool:
+        """True when ``step`` already has its ``k`` tickets: this member's part would be dropped.
+
+        One store read (the ticket count) until True, then none for the rest of the step.
+        """
+        if self._gave_up == (epoch, step):
+            return True
+        k = self._k.get(epoch, backup_count(self.backup, size))
+        if k >= size or int(self.store.add(f"{self._prefix(epoch, step)}/n", 0)) < k:
+            return False
+        self._gave_up = (epoch, step)
+        return True
+
+    def gave_up(self, epoch: int, step: int) -> bool:
+        """Whether :meth:`too_late` was True for ``step`` (the member abandoned its compute)."""
+        return self._gave_up == (epoch, step)
 
     def behind(self) -> float:
         """Seconds to wait for the open step's result before computing it (0: compute it).
@@ -184,7 +208,8 @@ class BackupRound:
         head = (rank, own_s)
         if ticket < k:
             self.store.set(f"{p}/g{ticket}", encode(head, templates))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
-        elif ticket > k and isinstance(self.backup, Dynamic):  # late: tell the next reducer
+        elif ticket > k and isinstance(self.backup, Dynamic) and not self.gave_up(epoch, step):
+            # late after a full step: tell the next reducer (an abandoned step has no time)
             self.store.set(f"{p}/t{rank}", repr(own_s))
         if ticket == k:  # the reducer: its own contribution stays in memory
             self._wait([f"{p}/g{i}" for i in range(1, k)], abandon)
@@ -311,7 +336,8 @@ def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any])
     except RuntimeError as e:
         job._discard(e)
         return None
-    result = _apply(job, found, ticket, apply, gens)
+    abandoned = backups.gave_up(job.epoch, job.step)
+    result = _apply(job, found, ticket, apply, gens, abandoned=abandoned)
     if ticket <= len(found.used):
         return result  # in time: in phase with the others, nothing to catch up
     while not job._needs_reconfigure:  # late: catch up, then get back in phase
@@ -327,6 +353,21 @@ def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any])
     return result
 
 
+def too_late(job: Job) -> bool:
+    """Whether ``job``'s current step already has its ``k`` contributions without this member.
+
+    Poll it between micro-batches (one store read); True: skip the rest, call
+    ``optimizer.step()`` (see "Abandoning a step" above). False without backup workers.
+    """
+    backups = job._backups
+    if backups is None or job.size <= 1 or job._needs_reconfigure:
+        return False
+    try:
+        return backups.too_late(job.epoch, job.step, job.size)
+    except RuntimeError:  # the store is gone: step() reports it
+        return False
+
+
 def _generators(state: Any) -> list[torch.Generator]:
     named = getattr(state, "generators", None)
     return list(named.values()) if isinstance(named, Mapping) else []
@@ -334,10 +375,11 @@ def _generators(state: Any) -> list[torch.Generator]:
 
 def _apply(
     job: Job, found: Result, ticket: int | None, apply: Callable[[], Any],
-    gens: Sequence[torch.Generator],
+    gens: Sequence[torch.Generator], abandoned: bool = False,
 ) -> Any:  # fmt: skip
     job._events.write("backup", step=job.step, epoch=job.epoch, ticket=ticket,
-                      used=[job.members[r] for r in found.used], next_k=found.next_k)  # fmt: skip
+                      used=[job.members[r] for r in found.used], next_k=found.next_k,
+                      abandoned=abandoned)  # fmt: skip
     for p, g in zip(job._params, found.grads, strict=True):
         if p.grad is None:
             p.grad = g.clone()
