@@ -16,18 +16,28 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
+from stalwart.diagnose.budget import duckdb_limit, parse_bytes
 from stalwart.diagnose.clean import plan_cleaning
 from stalwart.diagnose.kpi_search import KpiLeaves, Localized, SearchParams, search
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding
 from stalwart.diagnose.source import Source, quote
 from stalwart.diagnose.target import Masses
+from stalwart.errors import ConfigError
 
 __all__ = ["kpi_leaves", "localize_frame", "localize_kpi", "params"]
 
 _TINY = 1e-12
 _BATCH = 1 << 20
 """Leaves per batch on their way from DuckDB to NumPy."""
+_LEAF_BYTES = 160
+"""Bytes per leaf the search's arrays and its largest per-cuboid temporaries take beside the
+codes and KPI columns (measured with tracemalloc on reduced and full RiskLoc H cases: 2.4 M and
+24 M leaves, six attributes; see ``_check_budget``)."""
+_RELEASE_LIMIT = "64MB"
+"""DuckDB's limit for a moment after the leaves are fetched, to empty its buffer pool."""
+_PROCESS_BYTES = 500 * 10**6
+"""Resident bytes of the interpreter, its libraries and DuckDB's caches beside the leaves."""
 
 
 def localize_kpi(
@@ -58,7 +68,8 @@ def localize_kpi(
         return Diagnosis([], mode, 0.0, 0.0, 0, (), message=msg, **kw)
     kpi = [actual] if isinstance(actual, str) else list(actual)
     kpi += [expected] if isinstance(expected, str) else list(expected)
-    codes, values, k = _leaves(src, plan.exprs, kpi)
+    codes, values, k = _leaves(src, plan.exprs, kpi, opts.memory_limit)
+    _release(src, opts.memory_limit)
     d = _from_arrays(codes, values, k, plan.columns, opts, grouped=True)
     d.cleaning, d.notes = kw["cleaning"], kw["notes"] + d.notes
     spent = time.perf_counter() - start - d.timings_s["search"]
@@ -139,15 +150,42 @@ def _from_arrays(
     )
 
 
+def _release(src: Source, memory_limit: str | None) -> None:
+    """Make DuckDB hand its cached buffers back (its pool stays allocated up to its own
+    ``memory_limit`` after the queries that filled it) by lowering and restoring the limit:
+    the leaves are in NumPy now and the search reads nothing more from the source. Only on
+    stalwart's own connection, whose limit it set."""
+    if not src.owns_connection:
+        return
+    limit = duckdb_limit(memory_limit)
+    src.sql(f"SET memory_limit = '{_RELEASE_LIMIT}'")
+    src.sql(f"SET memory_limit = '{limit}'" if limit else "RESET memory_limit")
+
+
+def _check_budget(n: int, width: int, memory_limit: str | None) -> None:
+    """Refuse, before the leaves reach NumPy, a search that would outgrow ``memory_limit`` (the
+    whole process' budget): ``n`` leaves of ``width`` bytes of codes and KPI sums each."""
+    size = parse_bytes(memory_limit)
+    need = _PROCESS_BYTES + n * (width + _LEAF_BYTES)
+    if size is not None and need > size:
+        raise ConfigError(
+            f"localize's KPI search needs about {need / 1e9:.1f} GB for {n:,} leaves (distinct "
+            f"combinations of the attributes), more than memory_limit={memory_limit!r}: raise "
+            f"memory_limit to at least {-(-need // 10**8) / 10:.1f}GB, or localize over fewer "
+            "or coarser attributes (fewer leaves)"
+        )
+
+
 def _leaves(
-    src: Source, exprs: tuple[str, ...], kpi: list[str]
+    src: Source, exprs: tuple[str, ...], kpi: list[str], memory_limit: str | None = None
 ) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
     """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): codes
     (the smallest unsigned type holding every attribute's), each attribute's values by code
     (in order of first appearance), and the KPI sums.
 
     The leaves stay in a DuckDB temporary table (under its ``memory_limit``, spilling) and
-    reach NumPy in batches, so no column of leaf strings is ever held outside DuckDB.
+    reach NumPy in batches, so no column of leaf strings is ever held outside DuckDB; a search
+    too large for ``memory_limit`` is refused first (``ConfigError``).
     """
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
     sums = ", ".join(
@@ -159,6 +197,7 @@ def _leaves(
         distinct = ", ".join(f"count(DISTINCT a{i})" for i in range(len(exprs)))
         n, *cards = src.sql(f"SELECT count(*), {distinct} FROM {name}").fetchall()[0]
         dtype = np.min_scalar_type(max(max(cards) - 1, 0))
+        _check_budget(n, len(exprs) * dtype.itemsize + 8 * len(kpi), memory_limit)
         codes = np.empty((n, len(exprs)), dtype=dtype)
         k = [np.empty(n, dtype=np.float64) for _ in kpi]
         index: list[dict[str, int]] = [{} for _ in exprs]

@@ -176,13 +176,33 @@ def ripple_misfit(st: State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.nd
     with the deviation from forecast."""
     ids, nz = ids[leaf], st.nonzero[leaf]
     real, predict = st.real[leaf], st.predict[leaf]
-    v = np.bincount(ids, weights=real * nz, minlength=n)
-    f = np.bincount(ids, weights=predict * nz, minlength=n)
+    w = real * nz
+    v = np.bincount(ids, weights=w, minlength=n)
+    f = np.bincount(ids, weights=np.multiply(predict, nz, out=w), minlength=n)
+    del w
     scale = np.divide(v, f, out=np.ones_like(v), where=f > TINY)
-    left = np.abs(deviation(real, predict * scale[ids]))
-    m1 = np.bincount(ids, weights=left * nz, minlength=n)
-    m2 = np.bincount(ids, weights=np.abs(st.x[leaf]) * nz, minlength=n)
+    moved = scale[ids]
+    moved *= predict  # the leaves' forecast scaled by their element's ratio
+    del predict
+    m1 = np.bincount(ids, weights=_abs_deviation(real, moved, nz), minlength=n)
+    del real, moved
+    x = st.x[leaf]
+    m2 = np.bincount(ids, weights=np.multiply(np.abs(x, out=x), nz, out=x), minlength=n)
     return np.divide(m1, m2, out=np.zeros_like(m1), where=m2 > TINY)
+
+
+def _abs_deviation(real: np.ndarray, predict: np.ndarray, nz: np.ndarray) -> np.ndarray:
+    """``abs(deviation(real, predict)) * nz``, overwriting ``predict`` (the same values,
+    without ``deviation``'s leaf-sized temporaries)."""
+    s = real + predict
+    d = np.subtract(predict, real, out=predict)
+    d *= 2.0
+    ok = np.abs(s) > TINY
+    np.divide(d, s, out=d, where=ok)
+    d[~ok] = 0.0
+    np.abs(d, out=d)
+    d *= nz
+    return d
 
 
 def element_mask(st: State, items: tuple[tuple[int, int], ...]) -> np.ndarray:

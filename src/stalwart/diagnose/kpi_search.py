@@ -233,6 +233,7 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
         if found is None:
             break
         cause, mask = _cause(st, found, total_ep, p)
+        found = None  # its cuboid's per-leaf ids are not needed in the next round
         if causes and cause.ep < p.stop_share * max(c.ep for c in causes):
             break
         causes.append(cause)
@@ -241,7 +242,7 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     pick = None
     if causes:  # the live leaves are shrunk in place: the first state is made again
         causes += scan(st, sums, depth, p, total_ep, p.max_causes - len(causes), abs(cut))
-        del st, sums, found
+        del st, sums
         st = prepare(leaves, p.trim, noise=noise)[0]
     else:
         pick = _fallback(st, fallback, p)
