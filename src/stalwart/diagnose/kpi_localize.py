@@ -36,8 +36,9 @@ codes and KPI columns (measured with tracemalloc on reduced and full RiskLoc H c
 24 M leaves, six attributes; see ``_check_budget``)."""
 _RELEASE_LIMIT = "64MB"
 """DuckDB's limit for a moment after the leaves are fetched, to empty its buffer pool."""
-_PROCESS_BYTES = 500 * 10**6
-"""Resident bytes of the interpreter, its libraries and DuckDB's caches beside the leaves."""
+_PROCESS_BYTES = 250 * 10**6
+"""Resident bytes of the interpreter and its libraries beside the leaves (DuckDB's buffer pool
+is emptied before the search, see ``_release``)."""
 
 
 def localize_kpi(

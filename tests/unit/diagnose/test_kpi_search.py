@@ -10,8 +10,10 @@ import pyarrow as pa
 import pytest
 
 from stalwart.diagnose import DiagnoseOptions, localize
-from stalwart.diagnose.kpi_localize import kpi_leaves
+from stalwart.diagnose.kpi_localize import _leaves, kpi_leaves
 from stalwart.diagnose.kpi_search import SearchParams, search
+from stalwart.diagnose.source import open_source
+from stalwart.errors import ConfigError
 
 DIMS = {"a": 6, "b": 5, "c": 4, "d": 3}
 
@@ -172,3 +174,15 @@ def test_small_deep_causes_under_broad_ones_are_found_by_the_second_stage(seed: 
     # Without the second stage only the broad causes pass the explanatory-power floor.
     first = search(leaves, SearchParams(scan_nats=float("inf")))
     assert {c.items for c in first.causes} == {((0, 0),), ((0, 1),)}
+
+
+def test_leaves_reach_numpy_in_the_smallest_code_type_and_a_too_small_budget_is_refused() -> None:
+    cols, forecast, actual = _cube(0)
+    src = open_source(_table(cols, actual, forecast))
+    codes, values, k = _leaves(src, ('"a"', '"c"'), ["actual", "forecast"])
+    assert codes.dtype == np.uint8 and codes.shape == (6 * 4, 2)
+    assert sorted(values[0]) == [f"a{i}" for i in range(6)]
+    assert np.isclose(k[0].sum(), actual.sum()) and np.isclose(k[1].sum(), forecast.sum())
+    opts = DiagnoseOptions(memory_limit="100MB")
+    with pytest.raises(ConfigError, match=r"needs about .* for 360 leaves.* raise memory_limit"):
+        localize(_table(cols, actual, forecast), "actual", "forecast", options=opts)
