@@ -56,9 +56,10 @@ def _layer_sizes(st: State, sums: ElementSums, depth: int) -> list[float]:
 
 def _best(
     st: State, sums: ElementSums, depth: int, q: float, log_m: list[float], p: SearchParams
-) -> tuple[float, tuple[int, ...], np.ndarray, int] | None:
-    """The most significant element passing the risk bar: (score, cuboid, ids, element)."""
-    best: tuple[float, tuple[int, ...], np.ndarray, int] | None = None
+) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    """The most significant element passing the risk bar: (score, its (column, code) pairs);
+    not its cuboid's per-leaf ids, which the next cuboid's would join in memory."""
+    best: tuple[float, tuple[tuple[int, int], ...]] | None = None
     for layer in range(1, depth + 1):
         for cols in itertools.combinations(range(len(sums.cards)), layer):
             ids, n, (ep, w_ab, w_all, moved, count, k) = sums.get(st, cols)
@@ -80,7 +81,8 @@ def _best(
             s = np.where(risk >= p.risk, s, -np.inf)
             e = int(np.argmax(s))
             if s[e] > floor:
-                best = (float(s[e]), cols, ids, e)
+                row = st.codes[int(np.argmax(ids == e))]
+                best = (float(s[e]), tuple((c, int(row[c])) for c in cols))
     return best
 
 
@@ -120,9 +122,7 @@ def scan(
         got = _best(st, sums, depth, q, log_m, p)
         if got is None:
             break
-        _, cols, ids, e = got
-        row = st.codes[int(np.argmax(ids == e))]
-        items = tuple((c, int(row[c])) for c in cols)
+        items = got[1]
         causes.append(describe(st, items, total_ep, p))
         mask = element_mask(st, items)
         sums.remove(st, mask)
