@@ -3,7 +3,7 @@
 The elastic tests' MLP on fresh rows per step (``batch(step, rank, size)``), committed with
 the first ``n - b`` contributions. ``--slow-worker W --slow-s S`` makes worker W sleep S
 seconds before each step's commit. ``--micro M`` accumulates the gradient over M micro-batches
-(the sleep spread over them) and polls :func:`~stalwart.elastic.backup.too_late` between them:
+(the sleep spread over them) and polls ``optimizer.too_late()`` between them:
 a member whose step already committed abandons the rest.
 
 Usage: backup_worker.py --steps N --backup B|dynamic [--slow-worker W --slow-s S] [--micro M]
@@ -23,7 +23,7 @@ from torch import nn
 
 import stalwart
 from stalwart.elastic import Job
-from stalwart.elastic.backup import Dynamic, too_late
+from stalwart.elastic.backup import Dynamic
 from stalwart.testing import chaos
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         optimizer.zero_grad()
         x, y = batch(job.step, job.rank, job.size)
         for i, (xs, ys) in enumerate(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True)):
-            if i > 0 and too_late(job):
+            if i > 0 and optimizer.too_late():
                 break  # the step committed without us: drop the rest, join the next step
             (F.mse_loss(model(xs), ys) / a.micro).backward()
             if worker == a.slow_worker:

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stalwart.elastic.backup import too_late
+
 if TYPE_CHECKING:
     from stalwart.elastic.job import Job
 
@@ -37,6 +39,14 @@ class ElasticOptimizer:
     def step(self, closure: Any = None) -> Any:
         """Average gradients over the members and apply them, or discard the step after a fault."""
         return self.job.commit(lambda: self.optimizer.step(closure))
+
+    def too_late(self) -> bool:
+        """Whether this step already committed without this member (backup workers only).
+
+        Poll it between micro-batches; when True, skip the rest and call :meth:`step` at once
+        (see :func:`stalwart.elastic.backup.too_late`). Always False without backup workers.
+        """
+        return too_late(self.job)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
