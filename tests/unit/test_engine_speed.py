@@ -105,16 +105,21 @@ def test_propagation_reaches_past_norm_residual_and_mean() -> None:
         torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
 
 
+def _graph_campaign_matches_naive(model: torch.nn.Module, x: torch.Tensor, faults) -> None:
+    """One graph (not independent samples): the fast campaign equals the naive loop."""
+    kw = {"independent_samples": False}
+    fast = vulnerability.run_campaign(model, x, faults, "top1", **kw)
+    slow = vulnerability.run_campaign(model, x, faults, "top1", engine="naive", **kw)
+    _same(fast, slow)
+
+
 @pytest.mark.parametrize("error", [EXPSIGN, None], ids=["expsign", "uniform"])
 def test_graph_adjacency_products_match_naive(error: inject.BitFlip | None) -> None:
     torch.manual_seed(1)
     model = TinyGCN().eval()
     x = torch.randn(40, 6)
     faults = sample_faults(model, 60, per_tensor=True, seed=3, error=error, targets="lin*")
-    kw = {"independent_samples": False}
-    fast = vulnerability.run_campaign(model, x, faults, "top1", **kw)
-    slow = vulnerability.run_campaign(model, x, faults, "top1", engine="naive", **kw)
-    _same(fast, slow)
+    _graph_campaign_matches_naive(model, x, faults)
 
 
 def test_sparse_adjacency_keeps_non_finite_faults_dense() -> None:
@@ -135,10 +140,7 @@ def test_sparse_adjacency_keeps_non_finite_faults_dense() -> None:
     torch.testing.assert_close(got[0], model.adj @ v[0])
     x = torch.randn(n, 6)
     faults = sample_faults(model, 60, per_tensor=True, seed=3, error=EXPSIGN, targets="lin*")
-    kw = {"independent_samples": False}
-    fast = vulnerability.run_campaign(model, x, faults, "top1", **kw)
-    slow = vulnerability.run_campaign(model, x, faults, "top1", engine="naive", **kw)
-    _same(fast, slow)
+    _graph_campaign_matches_naive(model, x, faults)
 
 
 def test_change_masked_after_the_faulty_layer_skips_the_rest() -> None:
