@@ -18,17 +18,16 @@ at full resolution, for mining.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
+from stalwart.diagnose.rowcache import Chunk, RowCache, scratch_folder, write_rows
 from stalwart.diagnose.source import Source
 
 __all__ = [
@@ -91,7 +90,7 @@ class Aggregate:
 
     src: Source
     table: str | None
-    """The grouped temporary table, or None when the coded rows are held in ``arrays``."""
+    """Unused since the coded rows go to ``cache``; kept for callers that read it (None)."""
     values: dict[int, list[str]]
     total_target: float
     total_reference: float
@@ -99,6 +98,8 @@ class Aggregate:
     """Rows of the aggregate (the input's rows when they were not grouped)."""
     arrays: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
     """In-memory codes per column (uint16), failure masses and total masses."""
+    cache: RowCache | None = None
+    """The coded rows on local disk, when they are not held in ``arrays``."""
 
 
 def _num(v: float) -> str:
@@ -171,33 +172,24 @@ def aggregate(
         return Aggregate(
             src, None, values, float(t.sum()), float(r.sum()), len(t), arrays=(cols, t, r)
         )
-    # Out of core: the coded rows go to a temporary table first (a projection, streamed and
-    # spilled); they are grouped only when that shrinks them several times over, since a GROUP
-    # BY of rows that are nearly all distinct costs a spilled hash table for nothing.
-    name = "stalwart_agg_" + uuid.uuid4().hex[:8]
-    src.con.execute(
-        f"CREATE TEMP TABLE {name}_rows AS SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
-        f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {src.name}"
+    # Out of core: the coded rows are written once to local files (one scan); they are grouped
+    # (a second scan) only when that shrinks them several times over, since a GROUP BY of rows
+    # that are nearly all distinct costs a spilled hash table for nothing.
+    proj = (
+        f"SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
+        f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
     )
-    keys = ", ".join(f"k{c}" for c in values)
-    distinct = (
-        src.con.sql(f"SELECT approx_count_distinct(hash({keys})) FROM {name}_rows").fetchall()[0][0]
-        if keys
-        else 1
-    )
+    sizes, folder = {c: len(vs) for c, vs in values.items()}, scratch_folder(src)
+    rows = write_rows(src.sql(proj).to_arrow_reader(_BATCH_ROWS), list(values), sizes, folder)
+    distinct = rows.distinct()
     if distinct * _GROUP_GAIN <= plan.rows:
-        src.con.execute(
-            f"CREATE TEMP TABLE {name} AS SELECT {keys + ', ' if keys else ''}sum(t) AS t, "
-            f"sum(r) AS r FROM {name}_rows GROUP BY ALL"
-        )
-        src.con.execute(f"DROP TABLE {name}_rows")
-    else:
-        name += "_rows"
-    tot = src.con.sql(
-        f"SELECT coalesce(sum(t), 0), coalesce(sum(r), 0), count(*) FROM {name}"
-    ).fetchall()[0]
-    log.info("aggregated into %d groups (about %d distinct)", tot[2], distinct)
-    return Aggregate(src, name, values, float(tot[0]), float(tot[1]), int(tot[2]))
+        keys = "".join(f"k{c}, " for c in values)
+        grouped = src.sql(f"SELECT {keys}sum(t) AS t, sum(r) AS r FROM ({proj}) GROUP BY ALL")
+        rows = write_rows(grouped.to_arrow_reader(_BATCH_ROWS), list(values), sizes, folder)
+    log.info("aggregated into %d groups (about %d distinct)", rows.rows, distinct)
+    return Aggregate(
+        src, None, values, rows.total_target, rows.total_reference, rows.rows, cache=rows
+    )
 
 
 def _row_bytes(n_columns: int) -> int:
@@ -280,22 +272,9 @@ class ItemCounter:
         half = z * np.sqrt(p * (1 - p) / k + z * z / (4 * k * k)) / den
         return np.maximum(mid - half, 0.0) * self.agg.total_reference
 
-    def _batches(self) -> Iterator[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]]:
-        sel = ", ".join([*(f"k{c}" for c in self._values), "t", "r"])
-        reader = self.agg.src.con.sql(f"SELECT {sel} FROM {self.agg.table}").to_arrow_reader(
-            _BATCH_ROWS
-        )
-        for batch in reader:
-            rb: pa.RecordBatch = batch
-            cols = {
-                c: rb.column(i).to_numpy(zero_copy_only=False) for i, c in enumerate(self._values)
-            }
-            n = len(self._values)
-            yield (
-                cols,
-                rb.column(n).to_numpy(zero_copy_only=False),
-                rb.column(n + 1).to_numpy(zero_copy_only=False),
-            )
+    def _batches(self, columns: Iterable[int] | None = None) -> Iterator[Chunk]:
+        assert self.agg.cache is not None
+        return self.agg.cache.read(self._values if columns is None else columns)
 
     def count(
         self, itemsets: Sequence[Itemset], *, mask: np.ndarray | None = None, target: bool = True
@@ -314,7 +293,8 @@ class ItemCounter:
             parts = [(self._cache, self._bits)]
         else:
             # streamed: each batch gets its own bitsets, built for the items asked about
-            parts = ((b, _UnitBits(*b)) for b in self._batches())
+            needed = sorted({c for s in itemsets for c, _ in s})
+            parts = ((b, _UnitBits(*b)) for b in self._batches(needed))
         offset = 0
         for (cols, t, r), bits in parts:
             n = len(t)
@@ -356,7 +336,7 @@ class ItemCounter:
     def match(self, items: Itemset) -> np.ndarray:
         """Which groups of the aggregate (in scan order) hold every item of ``items``."""
         parts = []
-        source = [self._cache] if self._cache is not None else self._batches()
+        source = [self._cache] if self._cache is not None else self._batches(c for c, _ in items)
         for cols, t, _ in source:
             m = np.ones(len(t), dtype=bool)
             for c, v in items:

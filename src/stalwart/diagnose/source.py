@@ -78,6 +78,8 @@ class Source:
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _sink: tempfile.TemporaryDirectory[str] | None = None
     """Where a LazyFrame was streamed to; removed on close."""
+    scratch: list[tempfile.TemporaryDirectory[str]] = field(default_factory=list)
+    """Private folders of the analysis (its row cache); removed on close."""
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run ``query`` (which may name ``{src}``) against the source."""
@@ -86,10 +88,11 @@ class Source:
     def close(self) -> None:
         if self.owns_connection:
             self.con.close()
-        for tmp in (self._tmp, self._sink):
+        for tmp in (*self.scratch, self._tmp, self._sink):
             if tmp is not None:
                 tmp.cleanup()
         self._tmp = self._sink = None
+        self.scratch.clear()
 
     def __enter__(self) -> Source:
         return self

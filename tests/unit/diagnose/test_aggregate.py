@@ -5,12 +5,14 @@ mask, for plain and for weighted rows."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from stalwart.diagnose import DiagnoseOptions, analyze
+from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze
+from stalwart.diagnose import aggregate as aggregate_module
 from stalwart.diagnose.aggregate import ItemCounter, aggregate, in_memory_budget
 from stalwart.diagnose.clean import plan_cleaning
 from stalwart.diagnose.source import open_source
@@ -94,6 +96,37 @@ def test_findings_do_not_depend_on_the_in_memory_budget() -> None:
     assert len(held.findings) == 2
     assert [f.items for f in held.findings] == [f.items for f in grouped.findings]
     assert [f.rows for f in held.findings] == [f.rows for f in grouped.findings]
+
+
+def _findings(d: Diagnosis) -> list[tuple[object, ...]]:
+    return [
+        (f.items, f.failures, f.rows, f.support, f.lift, f.lift_low, f.confidence, f.explained)
+        for f in d.findings
+    ]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_out_of_core_run_equals_the_in_memory_run(
+    weighted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 200k rows under a tiny memory_limit: the coded rows go to the row cache on disk, in
+    # chunks of 30k (weighted: plain and weighted chunks mixed), grouped or not by their number
+    log = make_failure_log(200_000, columns=12, causes=3, depth=(1, 2, 3), seed=9)
+    table = log.table
+    if weighted:  # the second half of the rows stand for 1-3 events each
+        n = np.ones(table.num_rows, dtype=np.int64)
+        n[100_000:] = np.random.default_rng(1).integers(1, 4, 100_000)
+        table = table.append_column("n", pa.array(n))
+    weight = "n" if weighted else None
+    opts = DiagnoseOptions(example_rows=0)
+    held = analyze(table, "failed", weight=weight, options=opts)
+    monkeypatch.setattr(aggregate_module, "_BATCH_ROWS", 30_000)
+    small = replace(opts, memory_limit="16MB")
+    assert in_memory_budget("16MB") < 200_000 * 24
+    ooc = analyze(table, "failed", weight=weight, options=small)
+    assert len(held.findings) == 3
+    assert _findings(ooc) == _findings(held)
+    assert ooc.covered == held.covered  # (candidates differ: only in memory is a sample drawn)
 
 
 def test_in_memory_budget_follows_the_memory_limit() -> None:

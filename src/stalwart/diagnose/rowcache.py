@@ -1,0 +1,172 @@
+"""The coded rows of an out-of-core analysis, written once to local files and re-read per pass.
+
+Every counting round (one per item-set length, two per selected finding) needs every coded row.
+Rescanning a DuckDB temporary table for each costs a scan and an Arrow conversion of all
+columns; here the rows are written once, column-major, as the smallest unsigned integers that
+hold each column's codes (one byte for up to 255 values), and each pass reads only the columns
+it counts, chunk by chunk with ``pread`` (the operating system's page cache keeps them hot; the
+process holds one chunk at a time, so its resident memory stays that of a chunk).
+
+The masses are stored per written chunk: a chunk of plain events (total mass 1, failure mass 0
+or 1) keeps only its failure flags as bytes; any other chunk keeps both masses as float64.
+While the rows are written, the number of distinct coded rows is estimated (k minimum values
+of a 64-bit hash), so the caller can decide whether grouping them would pay.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from stalwart.diagnose.source import Source
+
+__all__ = ["Chunk", "RowCache", "scratch_folder", "write_rows"]
+
+_KMV = 4096  # hashes kept by the distinct-count estimate (about 1.6% relative error)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MIX = np.uint64(0x100000001B3)
+
+Chunk = tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]
+"""Codes per column, failure masses, total masses of a run of rows."""
+
+
+def code_dtype(values: int) -> np.dtype:
+    """The smallest unsigned dtype holding codes 0..``values``."""
+    return np.dtype(np.uint8 if values < 256 else np.uint16)
+
+
+@dataclass
+class RowCache:
+    """Coded rows in a private folder: ``k{c}`` per column, ``t8`` (failure flags of plain
+    chunks), ``t``/``r`` (float64 masses of the other chunks, at their row offsets)."""
+
+    folder: str
+    dtypes: dict[int, np.dtype]
+    rows: int = 0
+    chunks: list[tuple[int, int, bool]] = field(default_factory=list)
+    """(first row, rows, plain) per written chunk."""
+    total_target: float = 0.0
+    total_reference: float = 0.0
+    _kmv: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def append(self, cols: dict[int, np.ndarray], t: np.ndarray, r: np.ndarray) -> None:
+        """Write a run of rows (codes per column, failure and total masses)."""
+        n = len(t)
+        if n == 0:
+            return
+        for c, dt in self.dtypes.items():
+            with open(self._path(f"k{c}"), "ab") as f:
+                np.ascontiguousarray(cols[c], dtype=dt).tofile(f)
+        plain = bool(np.all(r == 1.0) and np.all((t == 0.0) | (t == 1.0)))
+        with open(self._path("t8"), "ab") as f:
+            (t == 1.0).astype(np.uint8).tofile(f)
+        if not plain:
+            for name, a in (("t", t), ("r", r)):
+                mode = "r+b" if os.path.exists(self._path(name)) else "wb"
+                with open(self._path(name), mode) as f:  # a sparse file: plain chunks are holes
+                    f.seek(self.rows * 8)
+                    np.ascontiguousarray(a, dtype=np.float64).tofile(f)
+        self.chunks.append((self.rows, n, plain))
+        self.rows += n
+        self.total_target += float(t.sum())
+        self.total_reference += float(r.sum())
+        self._estimate(cols, n)
+
+    def _estimate(self, cols: dict[int, np.ndarray], n: int) -> None:
+        h = np.zeros(n, dtype=np.uint64)
+        for c in self.dtypes:
+            h = (h ^ cols[c].astype(np.uint64)) * _MIX
+        h ^= h >> np.uint64(30)
+        h *= _M1
+        h ^= h >> np.uint64(27)
+        h *= _M2
+        h ^= h >> np.uint64(31)
+        if len(self._kmv) >= _KMV:
+            h = h[h <= self._kmv[-1]]
+        elif len(h) > 4 * _KMV:
+            # the K smallest distinct values lie at or below the 4K-th smallest value unless
+            # rows repeat a lot; then the whole chunk is kept
+            cut = h[h <= np.partition(h, 4 * _KMV)[4 * _KMV]]
+            h = cut if len(np.unique(cut)) >= _KMV else h
+        self._kmv = np.unique(np.concatenate([self._kmv, h]))[:_KMV]
+
+    def distinct(self) -> int:
+        """Estimated number of distinct coded rows."""
+        if len(self._kmv) < _KMV:
+            return len(self._kmv)
+        return int((_KMV - 1) / (float(self._kmv[-1]) / 2.0**64))
+
+    def read(self, columns: Iterable[int]) -> Iterator[Chunk]:
+        """The rows chunk by chunk, in the order written, with the codes of ``columns`` only."""
+        wanted = [c for c in columns if c in self.dtypes]
+        fds = {name: os.open(self._path(name), os.O_RDONLY) for name in self._files(wanted)}
+        try:
+            for start, n, plain in self.chunks:
+                cols = {c: _pread(fds[f"k{c}"], self.dtypes[c], start, n) for c in wanted}
+                if plain:
+                    t = _pread(fds["t8"], np.dtype(np.uint8), start, n).astype(np.float64)
+                    r = np.ones(n)
+                else:
+                    t = _pread(fds["t"], np.dtype(np.float64), start, n)
+                    r = _pread(fds["r"], np.dtype(np.float64), start, n)
+                yield cols, t, r
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _files(self, wanted: list[int]) -> list[str]:
+        names = [f"k{c}" for c in wanted] + ["t8"]
+        if not all(plain for _, _, plain in self.chunks):
+            names += ["t", "r"]
+        return [n for n in names if os.path.exists(self._path(n))]
+
+
+def _pread(fd: int, dtype: np.dtype, start: int, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=dtype)
+    view = memoryview(out).cast("B")
+    offset, done = start * dtype.itemsize, 0
+    while done < out.nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"row cache file ended early at byte {offset + done}")
+        done += got
+    return out
+
+
+def scratch_folder(src: Source) -> str:
+    """A new private folder in the analysis' temporary directory (DuckDB's, where it spills; the
+    system's when the connection is the caller's), removed when ``src`` closes."""
+    where = None
+    if src.owns_connection:
+        where = src.con.sql("SELECT current_setting('temp_directory')").fetchall()[0][0] or None
+        if where:
+            os.makedirs(where, exist_ok=True)
+    tmp = tempfile.TemporaryDirectory(prefix="stalwart-rca-rows-", dir=where)
+    src.scratch.append(tmp)
+    return tmp.name
+
+
+def write_rows(
+    batches: Iterable[pa.RecordBatch], columns: list[int], sizes: dict[int, int], folder: str
+) -> RowCache:
+    """Write record batches (codes of ``columns`` in order, then ``t`` and ``r``) to a new cache
+    under ``folder``; ``sizes`` gives each column's number of values (its largest code)."""
+    cache = RowCache(
+        tempfile.mkdtemp(prefix="rows-", dir=folder), {c: code_dtype(sizes[c]) for c in columns}
+    )
+    n = len(columns)
+    for rb in batches:
+        cols = {c: rb.column(i).to_numpy(zero_copy_only=False) for i, c in enumerate(columns)}
+        t = rb.column(n).to_numpy(zero_copy_only=False)
+        r = rb.column(n + 1).to_numpy(zero_copy_only=False)
+        cache.append(cols, t, r)
+    return cache
