@@ -23,11 +23,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
-from stalwart.diagnose.rowcache import Chunk, RowCache, scratch_folder, write_rows
+from stalwart.diagnose.rowcache import Chunk, RowCache, group_rows, scratch_folder, write_rows
 from stalwart.diagnose.source import Source
 
 __all__ = [
@@ -46,7 +47,7 @@ Itemset = tuple[tuple[int, str], ...]
 """An item-set: (column index, value) pairs sorted by column index."""
 
 _BATCH_ROWS = 1 << 20
-_STREAM_ROWS = 1 << 24  # inputs with more rows stream their failing groups from DuckDB
+_STREAM_ROWS = 1 << 22  # inputs with more rows stream their failing rows from DuckDB
 _DENSE_BINS = 1 << 22
 _PAIR_CACHE_BYTES = 1 << 26
 _GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
@@ -107,14 +108,15 @@ def _num(v: float) -> str:
 
 
 def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureGroups:
-    """GROUP BY every cleaned attribute over the failing rows only, dictionary-coded batch by
-    batch; past ``_STREAM_ROWS`` input rows the batches stream from DuckDB, so the groups'
-    text values never sit in memory all at once (at 100 M rows: millions of rows of 20
-    strings)."""
+    """The failing rows grouped by every cleaned attribute, dictionary-coded batch by batch;
+    past ``_STREAM_ROWS`` input rows the batches stream from DuckDB, so the rows' text values
+    never sit in memory all at once (at 100 M rows: millions of rows of 20 strings)."""
+    # DuckDB's GROUP BY of twenty text columns costs ten times the scan (failing rows are mostly
+    # distinct): the rows come ungrouped and are grouped by their codes, whenever the rows held
+    # since the last grouping outnumber the groups twice over (memory follows the groups)
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
     rel = src.sql(
-        f"SELECT {sel}, sum({target_sql})::DOUBLE AS t FROM {{src}} "
-        f"WHERE ({target_sql}) > 0 GROUP BY ALL"
+        f"SELECT {sel}, ({target_sql})::DOUBLE AS t FROM {{src}} WHERE ({target_sql}) > 0"
     )
     # a materialized result is faster while small: stream only large inputs
     reader = (
@@ -124,21 +126,36 @@ def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureG
     )
     n_cols = len(plan.columns)
     lookup: list[dict[str, int]] = [{} for _ in range(n_cols)]
-    parts: list[np.ndarray] = []
-    targets: list[np.ndarray] = []
+    codes, t = np.zeros((0, n_cols), dtype=np.int32), np.zeros(0)
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
     for batch in reader:
-        codes = np.empty((batch.num_rows, n_cols), dtype=np.int32)
-        for i in range(n_cols):
-            enc = pc.dictionary_encode(batch.column(i))
-            known = lookup[i]
-            ids = [known.setdefault(str(v), len(known)) for v in enc.dictionary.to_pylist()]
-            local = enc.indices.to_numpy(zero_copy_only=False)
-            codes[:, i] = np.asarray(ids, dtype=np.int32)[local]
-        parts.append(codes)
-        targets.append(batch.column(n_cols).to_numpy(zero_copy_only=False).astype(np.float64))
-    codes = np.concatenate(parts) if parts else np.zeros((0, n_cols), dtype=np.int32)
-    t = np.concatenate(targets) if targets else np.zeros(0)
+        parts.append((_dictionary_codes(batch, lookup), batch.column(n_cols).to_numpy(False)))
+        held += batch.num_rows
+        if held >= max(2 * len(t), _BATCH_ROWS):
+            codes, t = _regroup(codes, t, parts)
+            parts, held = [], 0
+    codes, t = _regroup(codes, t, parts)
     return FailureGroups(plan.columns, codes, [list(d) for d in lookup], t)
+
+
+def _dictionary_codes(batch: pa.RecordBatch, lookup: list[dict[str, int]]) -> np.ndarray:
+    """The batch's first ``len(lookup)`` columns as codes into the growing ``lookup``."""
+    codes = np.empty((batch.num_rows, len(lookup)), dtype=np.int32)
+    for i, known in enumerate(lookup):
+        enc = pc.dictionary_encode(batch.column(i))
+        ids = [known.setdefault(str(v), len(known)) for v in enc.dictionary.to_pylist()]
+        codes[:, i] = np.asarray(ids, dtype=np.int32)[enc.indices.to_numpy(zero_copy_only=False)]
+    return codes
+
+
+def _regroup(
+    codes: np.ndarray, t: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    if not parts:
+        return codes, t
+    more = np.concatenate([codes, *(c for c, _ in parts)])
+    return group_rows(more, np.concatenate([t, *(w.astype(np.float64) for _, w in parts)]))
 
 
 def aggregate(
@@ -180,13 +197,14 @@ def aggregate(
         f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
     )
     sizes, folder = {c: len(vs) for c, vs in values.items()}, scratch_folder(src)
-    rows = write_rows(src.sql(proj).to_arrow_reader(_BATCH_ROWS), list(values), sizes, folder)
+    reader = src.sql(proj).to_arrow_reader(_BATCH_ROWS)
+    rows = write_rows(reader, list(values), sizes, folder, plan.rows // _GROUP_GAIN)
     distinct = rows.distinct()
     if distinct * _GROUP_GAIN <= plan.rows:
         keys = "".join(f"k{c}, " for c in values)
         grouped = src.sql(f"SELECT {keys}sum(t) AS t, sum(r) AS r FROM ({proj}) GROUP BY ALL")
         rows = write_rows(grouped.to_arrow_reader(_BATCH_ROWS), list(values), sizes, folder)
-    log.info("aggregated into %d groups (about %d distinct)", rows.rows, distinct)
+    log.info("aggregated into %d groups (about %d distinct or more)", rows.rows, distinct)
     return Aggregate(
         src, None, values, rows.total_target, rows.total_reference, rows.rows, cache=rows
     )

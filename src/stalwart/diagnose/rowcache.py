@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from stalwart.diagnose.source import Source
 
-__all__ = ["Chunk", "RowCache", "scratch_folder", "write_rows"]
+__all__ = ["Chunk", "RowCache", "group_rows", "row_hash", "scratch_folder", "write_rows"]
 
 _KMV = 4096  # hashes kept by the distinct-count estimate (about 1.6% relative error)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -53,6 +53,8 @@ class RowCache:
     """(first row, rows, plain) per written chunk."""
     total_target: float = 0.0
     total_reference: float = 0.0
+    stop_estimate: int | None = None
+    """Stop estimating once more distinct rows than this were seen (the count only grows)."""
     _kmv: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     def _path(self, name: str) -> str:
@@ -82,14 +84,9 @@ class RowCache:
         self._estimate(cols, n)
 
     def _estimate(self, cols: dict[int, np.ndarray], n: int) -> None:
-        h = np.zeros(n, dtype=np.uint64)
-        for c in self.dtypes:
-            h = (h ^ cols[c].astype(np.uint64)) * _MIX
-        h ^= h >> np.uint64(30)
-        h *= _M1
-        h ^= h >> np.uint64(27)
-        h *= _M2
-        h ^= h >> np.uint64(31)
+        if self.stop_estimate is not None and self.distinct() > self.stop_estimate:
+            return
+        h = row_hash([cols[c] for c in self.dtypes], n)
         if len(self._kmv) >= _KMV:
             h = h[h <= self._kmv[-1]]
         elif len(h) > 4 * _KMV:
@@ -100,7 +97,7 @@ class RowCache:
         self._kmv = np.unique(np.concatenate([self._kmv, h]))[:_KMV]
 
     def distinct(self) -> int:
-        """Estimated number of distinct coded rows."""
+        """Estimated number of distinct coded rows (of those seen before ``stop_estimate``)."""
         if len(self._kmv) < _KMV:
             return len(self._kmv)
         return int((_KMV - 1) / (float(self._kmv[-1]) / 2.0**64))
@@ -130,6 +127,32 @@ class RowCache:
         return [n for n in names if os.path.exists(self._path(n))]
 
 
+def row_hash(columns: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """A 64-bit hash of each row of ``columns`` (integer codes; ``n`` rows)."""
+    h = np.zeros(n, dtype=np.uint64)
+    for col in columns:
+        h = (h ^ col.astype(np.uint64)) * _MIX
+    h ^= h >> np.uint64(30)
+    h *= _M1
+    h ^= h >> np.uint64(27)
+    h *= _M2
+    h ^= h >> np.uint64(31)
+    return h
+
+
+def group_rows(codes: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``codes`` (rows x columns) and the summed ``t`` of each, exactly:
+    grouped by a 64-bit row hash, or by the rows themselves when two rows share a hash."""
+    if len(codes) == 0:
+        return codes, t
+    h = row_hash(list(codes.T), len(codes))
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    if not np.array_equal(codes[first][inverse], codes):  # a collision: group exactly
+        distinct, inverse = np.unique(codes, axis=0, return_inverse=True)
+        return distinct, np.bincount(inverse.ravel(), weights=t, minlength=len(distinct))
+    return codes[first], np.bincount(inverse, weights=t, minlength=len(first))
+
+
 def _pread(fd: int, dtype: np.dtype, start: int, n: int) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
     view = memoryview(out).cast("B")
@@ -156,13 +179,17 @@ def scratch_folder(src: Source) -> str:
 
 
 def write_rows(
-    batches: Iterable[pa.RecordBatch], columns: list[int], sizes: dict[int, int], folder: str
+    batches: Iterable[pa.RecordBatch],
+    columns: list[int],
+    sizes: dict[int, int],
+    folder: str,
+    stop_estimate: int | None = None,
 ) -> RowCache:
     """Write record batches (codes of ``columns`` in order, then ``t`` and ``r``) to a new cache
     under ``folder``; ``sizes`` gives each column's number of values (its largest code)."""
-    cache = RowCache(
-        tempfile.mkdtemp(prefix="rows-", dir=folder), {c: code_dtype(sizes[c]) for c in columns}
-    )
+    dtypes = {c: code_dtype(sizes[c]) for c in columns}
+    cache = RowCache(tempfile.mkdtemp(prefix="rows-", dir=folder), dtypes)
+    cache.stop_estimate = stop_estimate
     n = len(columns)
     for rb in batches:
         cols = {c: rb.column(i).to_numpy(zero_copy_only=False) for i, c in enumerate(columns)}

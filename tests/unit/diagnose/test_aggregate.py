@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze
+from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze, rowcache
 from stalwart.diagnose import aggregate as aggregate_module
 from stalwart.diagnose.aggregate import ItemCounter, aggregate, in_memory_budget
 from stalwart.diagnose.clean import plan_cleaning
@@ -127,6 +127,20 @@ def test_out_of_core_run_equals_the_in_memory_run(
     assert len(held.findings) == 3
     assert _findings(ooc) == _findings(held)
     assert ooc.covered == held.covered  # (candidates differ: only in memory is a sample drawn)
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_group_rows_sums_each_distinct_row(collide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0, 3, (5000, 4)).astype(np.int32)
+    t = rng.integers(1, 5, 5000).astype(np.float64)
+    if collide:  # every row hashes alike: grouped by the rows themselves
+        monkeypatch.setattr(rowcache, "row_hash", lambda cols, n: np.zeros(n, np.uint64))
+    got, sums = rowcache.group_rows(codes, t)
+    want, inverse = np.unique(codes, axis=0, return_inverse=True)
+    order = np.lexsort(got.T[::-1])
+    np.testing.assert_array_equal(got[order], want)
+    np.testing.assert_array_equal(sums[order], np.bincount(inverse.ravel(), weights=t))
 
 
 def test_in_memory_budget_follows_the_memory_limit() -> None:
