@@ -394,3 +394,36 @@ def test_one_pixel_convolutions_match_naive(error: inject.BitFlip | None) -> Non
     fast = vulnerability.run_campaign(model, x, faults, crit)
     slow = vulnerability.run_campaign(model, x, faults, crit, engine="naive")
     _same(fast, slow)
+
+
+def _shifted(self: TinyResNet, x: torch.Tensor) -> torch.Tensor:
+    return TinyResNet.forward(self, x) + self.shift
+
+
+def test_trace_is_kept_per_model_until_its_structure_or_code_changes() -> None:
+    import gc
+    import weakref
+
+    model, x = _resnet()
+    first = FastEngine(model, (x,))
+    again = FastEngine(model, (x,), golden=first.golden)
+    assert again.gm is first.gm  # a second engine (round, fault list) does not trace
+    model.fc = nn.Linear(8, 5).eval()  # a replaced module: traced anew, on its weights
+    fresh = FastEngine(model, (x,))
+    assert fresh.gm is not first.gm and torch.equal(fresh.golden, model(x))
+    model.shift = torch.zeros(5)  # a plain tensor attribute the graph reads (get_attr) ...
+    model.__class__ = type("Shifted", (TinyResNet,), {"forward": _shifted})  # new code
+    shifted = FastEngine(model, (x,))
+    assert shifted.gm is not fresh.gm and torch.equal(shifted.golden, model(x))
+    model.shift = torch.full((5,), 3.0)  # ... replaced: the kept trace reads the old one
+    changed = FastEngine(model, (x,))  # its output differs from eager: traced again
+    assert changed.gm is not shifted.gm and torch.equal(changed.golden, model(x))
+    faults = sample_faults(model, 40, targets="*.weight", seed=3, error=EXPSIGN)
+    _same(
+        vulnerability.run_campaign(model, x, faults),
+        vulnerability.run_campaign(model, x, faults, engine="naive"),
+    )
+    ref = weakref.ref(model)
+    del model, first, again, fresh, shifted, changed
+    gc.collect()
+    assert ref() is None  # the kept trace does not keep the model alive
