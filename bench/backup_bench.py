@@ -5,17 +5,19 @@ Contenders (same script, same seed, ``stalwart run --nproc 3`` with gloo on CPU)
 * ``sync``: ``backup=0``, the gloo all-reduce (every step waits for the slow worker);
 * ``b=1``, ``b=2``: static backup workers (commit with the first 2, or 1, contributions);
 * ``dynamic``: ``backup=Dynamic()`` (k chosen online from the members' compute times);
-* ``...+poll``: the same, polling ``too_late(job)`` between micro-batches: a member whose step
-  already has its k contributions abandons the rest and joins the next step in phase.
+* ``...+poll``: the same, the loop going through ``optimizer.accumulate`` (it polls
+  ``too_late`` between micro-batches): a member whose step already has its k contributions
+  abandons the rest and joins the next step in phase;
+* ``...+partial``: ``Static(b, partial=True)`` / ``Dynamic(partial=True)`` and the same loop: a
+  member still computing when the k-th contribution arrives stops at its next micro-batch and
+  sends the share it computed (DropCompute's rule), weighted by that share.
 
 Compute is *modelled*: a step is ``--micro`` micro-batches (gradient accumulation over the
 worker's 16 rows), each followed by a sleep of ``--base-s / --micro`` (worker 2 sleeps twice
 that; ``--slow random``: a different member each step), so the 2-core box's noise does not
 decide who is late. This is how a user's gradient-accumulation loop uses the check::
 
-    for i, (x, y) in enumerate(micro_batches):
-        if i > 0 and too_late(job):
-            break  # committed without us: these rows are dropped, join the next step
+    for x, y in optimizer.accumulate(micro_batches):  # stops early when too late
         (loss_fn(model(x), y) / len(micro_batches)).backward()
     optimizer.step()
  Every worker draws fresh rows each step
@@ -46,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 CONTENDERS = {"sync": "0", "b=1": "1", "b=2": "2", "dynamic": "dynamic",
-              "b=1+poll": "1", "b=2+poll": "2", "dynamic+poll": "dynamic"}  # fmt: skip
+              "b=1+poll": "1", "b=2+poll": "2", "dynamic+poll": "dynamic",
+              "b=1+partial": "1", "dynamic+partial": "dynamic"}  # fmt: skip
 
 
 def _rows(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +64,14 @@ def worker(a: argparse.Namespace) -> None:
     """One member: train, sleep the modelled compute time, log the held-out loss."""
     import stalwart
     from stalwart.elastic import Job
-    from stalwart.elastic.backup import Dynamic, too_late
+    from stalwart.elastic.backup import Dynamic, Static
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0)
-    backup = Dynamic() if a.backup == "dynamic" else int(a.backup)
+    part = a.poll == "partial"
+    backup = Dynamic(partial=part) if a.backup == "dynamic" else Static(int(a.backup), part)
     optimizer = job.optimizer(opt, backup=backup)
     wid = int(os.environ.get("STALWART_ELASTIC_WORKER", "0"))
     test = _rows(-1, 2048)
@@ -76,9 +80,8 @@ def worker(a: argparse.Namespace) -> None:
         optimizer.zero_grad()
         x, y = _rows(1_000_000 + 1000 * job.step + job.rank, 16)
         slow = wid == 2 if a.slow == "fixed" else (job.step * 7919) % job.size == job.rank
-        for i, (xs, ys) in enumerate(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True)):
-            if a.poll and i > 0 and too_late(job):
-                break  # the step has its k contributions: drop the rest, join the next step
+        micro = list(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True))
+        for xs, ys in optimizer.accumulate(micro) if a.poll else micro:
             (F.cross_entropy(model(xs), ys) / a.micro).backward()
             time.sleep(a.base_s * (2 if slow else 1) / a.micro)
         optimizer.step()
@@ -97,7 +100,7 @@ def run_once(name: str, a: argparse.Namespace, tmp: Path) -> list[tuple[float, i
            "--events", str(tmp / f"ev-{name}"), "--timeout", "60", __file__, "--worker",
            "--backup", CONTENDERS[name], "--steps", str(a.steps), "--base-s", str(a.base_s),
            "--slow", a.slow, "--micro", str(a.micro), "--log", str(log),
-           *(["--poll"] if name.endswith("+poll") else [])]  # fmt: skip
+           *(["--poll", name.split("+")[1]] if "+" in name else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STALWART_ELASTIC_STORE", None)
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
@@ -109,7 +112,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backup", default="0", help=argparse.SUPPRESS)
     parser.add_argument("--log", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--poll", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--poll", default="", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=150)

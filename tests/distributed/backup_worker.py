@@ -2,12 +2,14 @@
 
 The elastic tests' MLP on fresh rows per step (``batch(step, rank, size)``), committed with
 the first ``n - b`` contributions. ``--slow-worker W --slow-s S`` makes worker W sleep S
-seconds before each step's commit. ``--micro M`` accumulates the gradient over M micro-batches
-(the sleep spread over them) and polls ``optimizer.too_late()`` between them:
-a member whose step already committed abandons the rest.
+seconds more than the others (``--base-s``, default 0) before each step's commit.
+``--micro M`` accumulates the gradient over M micro-batches (the sleep spread over them)
+through ``optimizer.accumulate``, which polls
+``optimizer.too_late()`` between them: a member whose step already committed abandons the rest
+(``--backup 1+partial``: sends the share it computed).
 
-Usage: backup_worker.py --steps N --backup B|dynamic [--slow-worker W --slow-s S] [--micro M]
-       [--out DIR]
+Usage: backup_worker.py --steps N --backup B|dynamic[+partial] [--slow-worker W --slow-s S]
+       [--base-s S] [--micro M] [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 import stalwart
 from stalwart.elastic import Job
-from stalwart.elastic.backup import Dynamic
+from stalwart.elastic.backup import Dynamic, Static
 from stalwart.testing import chaos
 
 
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--verify-every", type=int, default=5)
     parser.add_argument("--slow-worker", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--base-s", type=float, default=0.0)
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
@@ -49,18 +52,18 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=a.verify_every)
     chaos.install(job)
-    backup = Dynamic() if a.backup == "dynamic" else int(a.backup)
+    b, _, mode = a.backup.partition("+")  # "1", "dynamic", "1+partial", "dynamic+partial"
+    part = mode == "partial"
+    backup = Dynamic(partial=part) if b == "dynamic" else Static(int(b), partial=part)
     optimizer = job.optimizer(opt, backup=backup)
     worker = int(os.environ.get("STALWART_ELASTIC_WORKER", "-2"))
     while job.step < a.steps:
         optimizer.zero_grad()
         x, y = batch(job.step, job.rank, job.size)
-        for i, (xs, ys) in enumerate(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True)):
-            if i > 0 and optimizer.too_late():
-                break  # the step committed without us: drop the rest, join the next step
+        micro = list(zip(x.chunk(a.micro), y.chunk(a.micro), strict=True))
+        for xs, ys in optimizer.accumulate(micro):  # stops early once too late
             (F.mse_loss(model(xs), ys) / a.micro).backward()
-            if worker == a.slow_worker:
-                time.sleep(a.slow_s / a.micro)
+            time.sleep((a.base_s + (a.slow_s if worker == a.slow_worker else 0.0)) / a.micro)
         optimizer.step()
     job.close()
     if a.out is not None:

@@ -12,17 +12,22 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from stalwart.elastic import read_events
-from stalwart.elastic.backup import Dynamic, backup_count
+from stalwart.elastic.backup import BackupRound, Dynamic, Static, backup_count
 from stalwart.elastic.backup_policy import noise_scale
 from stalwart.elastic.backup_wire import decode, encode, rng_state, set_rng_state
+from stalwart.elastic.protocol import keys
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
 
@@ -33,15 +38,16 @@ STEPS = 24
 
 
 def _run(
-    tmp: Path, backup: str, schedule: KillSchedule | None = None, micro: int = 1
-) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
+    tmp: Path, backup: str, schedule: KillSchedule | None = None, micro: int = 1,
+    base_s: float = 0.0, slow_s: float = 0.15,
+) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(schedule.to_env() if schedule else {})}
     env.pop("STALWART_ELASTIC_STORE", None)
     restarts = "1" if schedule else "0"
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "3", "--max-restarts", restarts,
            "--events", str(tmp / "events"), "--timeout", "30", str(WORKER),
-           "--steps", str(STEPS), "--backup", backup, "--slow-worker", "2", "--slow-s", "0.15",
-           "--micro", str(micro), "--out", str(tmp / "out")]  # fmt: skip
+           "--steps", str(STEPS), "--backup", backup, "--slow-worker", "2", "--slow-s", str(slow_s),
+           "--base-s", str(base_s), "--micro", str(micro), "--out", str(tmp / "out")]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     finals = [torch.load(p) for p in sorted((tmp / "out").glob("final-*.pt"))]
@@ -80,6 +86,56 @@ def test_static_backup_commits_with_the_first_two_of_three(tmp_path: Path) -> No
     used = [tuple(e["used"]) for e in per_worker[0]]
     # the same members were used on every worker (one result per step)
     assert all([tuple(e["used"]) for e in per_worker[w]] == used for w in per_worker)
+
+
+def test_partial_contributions_count_the_slow_members_share(tmp_path: Path) -> None:
+    # every member sleeps 0.04 s over 4 micro-batches, worker 2 twice that: with partial=True it
+    # stops once the step has its 2 contributions and sends the share it computed
+    events, finals = _run(tmp_path, "1+partial", micro=4, base_s=0.04, slow_s=0.04)
+    _assert_parity(events, finals)
+    per_worker = _backup_events(events)
+    for w, evs in per_worker.items():
+        assert [e["step"] for e in evs] == list(range(STEPS)), w  # every step applied once
+        assert all(len(e["shares"]) == len(e["used"]) >= 2 for e in evs)
+        assert all(0 < s <= 1 for e in evs for s in e["shares"])
+    shared = [e for e in per_worker[2] if 2 in e["used"] and e["ticket"] > 2]
+    assert shared, "worker 2's late contribution was used"
+    assert any(e["shares"][e["used"].index(2)] < 1 for e in shared), "a partial share of it"
+    used = [(tuple(e["used"]), tuple(e["shares"])) for e in per_worker[0]]
+    assert all([(tuple(e["used"]), tuple(e["shares"])) for e in per_worker[w]] == used
+               for w in per_worker)  # fmt: skip
+
+
+def test_partial_shares_weight_the_mean_by_rows_computed() -> None:
+    """Three members through a real TCPStore: two full, one late with half its batch."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=20))  # fmt: skip
+    master.set(keys.EPOCH, "0")  # the reducer checks for a newer membership epoch
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0]), torch.tensor([0.5, 0.5])]
+    out: dict[int, tuple[Any, int]] = {}
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                              timeout=timedelta(seconds=20))  # fmt: skip
+        rnd = BackupRound(store, Static(1, partial=True))
+        rnd.share = (0, 0, 0.5 if rank == 2 else 1.0)
+        out[rank] = rnd.exchange(epoch=0, step=0, rank=rank, size=3, grads=[grads[rank]],
+                                 buffers=[], own_s=0.01)  # fmt: skip
+
+    threads = []
+    for rank in range(3):  # tickets in rank order: rank 1 reduces, rank 2 is late
+        threads.append(threading.Thread(target=member, args=(rank,)))
+        threads[-1].start()
+        while int(master.add("backup/0/0/n", 0)) <= rank:
+            time.sleep(0.001)
+    for th in threads:
+        th.join(timeout=20)
+    assert sorted(out) == [0, 1, 2], "every member got the step's result"
+    expected = (grads[0] + grads[1] + grads[2]) / 2.5  # the mean over every row computed
+    for rank, (result, ticket) in out.items():
+        assert ticket == rank + 1 and result.used == (0, 1, 2) and result.shares == (1, 1, 0.5)
+        assert torch.allclose(result.grads[0], expected)
+    assert all(torch.equal(out[r][0].grads[0], out[0][0].grads[0]) for r in out), "one result"
 
 
 def test_dynamic_backup_drops_the_slow_worker_and_keeps_parity(tmp_path: Path) -> None:
@@ -126,6 +182,8 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     close = [{0: 1.0, 1: 1.0, 2: 1.3}] * 3
     assert d.choose(close, 3, noise=1e9) == 3, "noisy: every gradient counts"
     assert d.choose(close, 3, noise=0.0) == 2, "exact: the step rate counts"
+    partial = Dynamic(partial=True)  # the slow member's 1/1.3 share counts: k=2 loses little
+    assert partial.choose(close, 3, noise=1e9) == 2
     pair = [[torch.tensor([1.0, 0.5])], [torch.tensor([1.0, -0.5])]]
     assert noise_scale(pair, [torch.tensor([1.0, 0.0])]) == pytest.approx(0.5 / 0.75)
     assert math.isnan(noise_scale(pair[:1], pair[0]))

@@ -46,7 +46,7 @@ Replicated state means replicated RNG: every member must draw the same random nu
 """
 
 from stalwart.elastic.async_outer import Buffered
-from stalwart.elastic.backup import Dynamic
+from stalwart.elastic.backup import Dynamic, Static
 from stalwart.elastic.diloco import DiLoCo, Nesterov
 from stalwart.elastic.events import JobSummary, read_events, summarize
 from stalwart.elastic.job import Job
@@ -69,5 +69,6 @@ __all__ = [
     "read_events",
     "recoveries",
     "ShardedState",
+    "Static",
     "summarize",
 ]

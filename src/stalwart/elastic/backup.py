@@ -35,11 +35,21 @@ window of recent steps' times, the intervals between results and the gradient no
 estimated from the contributions travel in the results, and the reducer picks the ``k`` of
 the next step that maximises the expected progress per second.
 
-**Abandoning a step** (:func:`too_late`, as DBW's workers do): a loop accumulating gradients
-over micro-batches polls it between them; True (the step has its ``k`` tickets) -> skip the rest
-and call ``optimizer.step()``: the member posts nothing (that step's rows on it are dropped like
-any late contribution), applies the result and starts the next step in phase. Its ``backup``
-event says ``abandoned``; it posts no compute time (Dynamic counts it as the slowest).
+**Abandoning a step** (``optimizer.too_late()``, as DBW's workers do): a loop accumulating
+gradients over micro-batches polls it between them; True (the step has its ``k`` tickets) ->
+skip the rest and call ``optimizer.step()``: the member posts nothing (that step's rows on it
+are dropped like any late contribution), applies the result and starts the next step in
+phase. Its ``backup`` event says ``abandoned``; it posts no compute time (Dynamic counts it as
+the slowest).
+
+**Partial contributions** (``Static(b, partial=True)`` / ``Dynamic(partial=True)``, the
+DropCompute rule): a member that stopped early through ``optimizer.accumulate`` (which knows
+the share ``f`` of its micro-batches it computed) posts that partial gradient with its ticket
+``> k`` instead of nothing. The ``k``-th arrival waits for those posts at most ``grace`` median
+step intervals and reduces ``sum(g_i) / sum(f_i)`` (each ``g_i`` is ``f_i`` times its member's
+mean over its computed rows, so this is the mean over every row computed; ``sum(f) = k`` without
+partial posts, the rule above). Members it included are in phase; a post after the grace is
+dropped like any late one.
 
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out;
 raw bytes, :mod:`stalwart.elastic.backup_wire`), so this suits small and medium models; the
@@ -48,65 +58,34 @@ gloo all-reduce remains the default path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stalwart.elastic.backup_policy import Dynamic, backup_count, noise_scale
-from stalwart.elastic.backup_wire import Janitor, decode, encode, rng_state, set_rng_state
+from stalwart.elastic.backup_policy import Dynamic, Static, backup_count, noise_scale
+from stalwart.elastic.backup_wire import (
+    Janitor,
+    Result,
+    decode,
+    encode,
+    mean,
+    rng_state,
+)
 from stalwart.elastic.protocol import keys
 from stalwart.errors import ConfigError
 
-if TYPE_CHECKING:
-    from stalwart.elastic.job import Job
-
-__all__ = ["BackupRound", "Dynamic", "Result", "backup_count", "commit_with_backup", "too_late"]
+__all__ = ["BackupRound", "Dynamic", "Result", "Static", "backup_count"]
 
 _KEEP_STEPS = 64  # results kept in the store for members that fall behind
 _POLL = timedelta(seconds=0.2)  # how often a waiting member checks for a newer epoch
 _PACE_WINDOW = 10  # intervals between results kept for the pace (their median)
-
-
-@dataclass(frozen=True)
-class Result:
-    """One committed step's reduction, the same bytes for every member."""
-
-    grads: list[torch.Tensor]
-    buffers: list[torch.Tensor]
-    used: tuple[int, ...]  # ranks whose contributions were averaged, in ticket order
-    next_k: int
-    change: float  # 1.0: a newer epoch was published, reconfigure after this step
-    rng: tuple[Any, ...]
-    times: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # step -> rank -> s
-    posted: float = 0.0  # the reducer's wall clock when it posted this result
-    intervals: tuple[float, ...] = ()  # the last intervals between results' posts, seconds
-    noise: tuple[float, ...] = ()  # the last gradient noise scale estimates (Dynamic)
-    costs: tuple[float, ...] = ()  # the last commit costs: interval - slowest used time (Dynamic)
-
-    @property
-    def pace(self) -> float:
-        """The median interval between results (0.0 before two were posted)."""
-        return statistics.median(self.intervals) if self.intervals else 0.0
-
-    def encode(self) -> bytes:
-        """The bytes every member decodes (see :mod:`stalwart.elastic.backup_wire`)."""
-        header = (self.used, self.next_k, self.change, self.rng, dict(self.times),
-                  self.posted, self.intervals, self.noise, self.costs, len(self.grads))  # fmt: skip
-        return encode(header, [*self.grads, *self.buffers])
-
-    @classmethod
-    def decode(cls, data: bytes, templates: Sequence[torch.Tensor]) -> Result:
-        """The result in ``data``; ``templates``: the local gradients then buffers."""
-        head, tensors = decode(data, templates)
-        *fields, n = head
-        return cls(tensors[:n], tensors[n:], *fields)
 
 
 class BackupRound:
@@ -114,14 +93,15 @@ class BackupRound:
 
     Args:
         store: the coordinator's store (shared by the members).
-        backup: a static count of backup workers, or :class:`Dynamic`.
+        backup: a static count of backup workers, :class:`Static` or :class:`Dynamic`.
     """
 
-    def __init__(self, store: dist.Store, backup: int | Dynamic) -> None:
+    def __init__(self, store: dist.Store, backup: int | Static | Dynamic) -> None:
         if isinstance(backup, int) and backup < 0:
             raise ConfigError(f"backup={backup}: the number of backup workers must be >= 0")
         self.store = store
-        self.backup = backup
+        self.backup = Static(backup) if isinstance(backup, int) else backup
+        self.share: tuple[int, int, float] | None = None  # (epoch, step, f) from accumulate
         self._k: dict[int, int] = {}  # epoch -> the next step's k (agreed through results)
         self._last: tuple[int, Result] | None = None  # (epoch, the last result applied)
         self._janitor = Janitor(store)  # deletes old steps' keys off the critical path
@@ -166,6 +146,18 @@ class BackupRound:
         """Whether :meth:`too_late` was True for ``step`` (the member abandoned its compute)."""
         return self._gave_up == (epoch, step)
 
+    def expected_s(self) -> float:
+        """When the next step's ``k``-th contribution is expected, in seconds of compute.
+
+        The median over recent steps of the ``k``-th smallest compute time (a partial share's
+        time scaled to the whole batch); 0.0 when unknown or the policy is not ``partial``.
+        """
+        if self._last is None or not self.backup.partial or not self._last[1].times:
+            return 0.0
+        k = self._last[1].next_k
+        ordered = [sorted(t.values()) for t in self._last[1].times.values()]
+        return statistics.median(o[min(k, len(o)) - 1] for o in ordered)
+
     def behind(self) -> float:
         """Seconds to wait for the open step's result before computing it (0: compute it).
 
@@ -205,16 +197,21 @@ class BackupRound:
         k = self._k.get(epoch, backup_count(self.backup, size))
         ticket = self.store.add(f"{p}/n", 1)
         templates = [*grads, *buffers]
-        head = (rank, own_s)
-        if ticket < k:
+        share = self.share[2] if self.share is not None and self.share[:2] == (epoch, step) else 1.0
+        head = (rank, own_s, share)
+        partial = (
+            ticket > k and self.backup.partial and (share < 1 or not self.gave_up(epoch, step))
+        )
+        if ticket < k or partial:
             self.store.set(f"{p}/g{ticket}", encode(head, templates))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         elif ticket > k and isinstance(self.backup, Dynamic) and not self.gave_up(epoch, step):
             # late after a full step: tell the next reducer (an abandoned step has no time)
             self.store.set(f"{p}/t{rank}", repr(own_s))
         if ticket == k:  # the reducer: its own contribution stays in memory
             self._wait([f"{p}/g{i}" for i in range(1, k)], abandon)
+            late = self._partial_posts(p, k, size)
             mine = (head, [t.detach() for t in templates])
-            result = self._reduce(p, k, mine, len(grads), epoch, step, size, generators)
+            result = self._reduce(p, k, late, mine, len(grads), epoch, step, size, generators)
             self._forget(epoch, step - _KEEP_STEPS, size)
         else:
             self._wait([f"{p}/r"], abandon)
@@ -226,46 +223,65 @@ class BackupRound:
         self._k = {epoch: result.next_k}
         self._last = (epoch, result)
 
+    def _partial_posts(self, p: str, k: int, size: int) -> list[str]:
+        """The keys of late members' partial posts that arrived within the grace period."""
+        if not self.backup.partial or k >= size:
+            return []
+        late = [f"{p}/g{i}" for i in range(k + 1, size + 1)]
+        pace = self._last[1].pace if self._last is not None else 0.0
+        # DistStoreError: some did not come in time, use those that did; no pace yet (an
+        # epoch's first steps): wait at most _POLL
+        with contextlib.suppress(RuntimeError):
+            self.store.wait(late, timedelta(seconds=self.backup.grace * pace) if pace else _POLL)
+        return [key for key in late if self.store.check([key])]
+
     def _reduce(
-        self, p: str, k: int, mine: tuple[tuple[int, float], list[torch.Tensor]],
+        self, p: str, k: int, late: list[str], mine: tuple[tuple[Any, ...], list[torch.Tensor]],
         n_grads: int, epoch: int, step: int, size: int, generators: Sequence[torch.Generator],
     ) -> Result:  # fmt: skip
         templates = mine[1]
-        *others, latest = self.store.multi_get([*(f"{p}/g{i}" for i in range(1, k)), keys.EPOCH])
-        parts = [decode(data, templates) for data in others] + [mine]  # ticket order
+        *others, latest = self.store.multi_get(
+            [*(f"{p}/g{i}" for i in range(1, k)), *late, keys.EPOCH]
+        )
+        parts = [decode(data, templates) for data in others[: k - 1]] + [mine]
+        parts += [decode(data, templates) for data in others[k - 1 :]]  # ticket order
         used = tuple(head[0] for head, _ in parts)
-        mean = [_mean([ts[j] for _, ts in parts]) for j in range(len(templates))]
+        total = sum(head[2] for head, _ in parts)
+        avg = [mean([ts[j] for _, ts in parts], total if j < n_grads else None)
+               for j in range(len(templates))]  # fmt: skip
         prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
         now = time.time()
         intervals = (*prev.intervals, now - prev.posted)[-_PACE_WINDOW:] if prev else ()
         times, next_k, noise, costs = {}, backup_count(self.backup, size), (), ()
+        mine_s = {head[0]: head[1] / head[2] for head, _ in parts}  # a share's full time
+        if isinstance(self.backup, Dynamic) or self.backup.partial:
+            times = self._times(epoch, step, size, mine_s)
         if isinstance(self.backup, Dynamic):
-            times = self._times(epoch, step, size, {head[0]: head[1] for head, _ in parts})
             w = self.backup.window
-            phi = noise_scale([ts[:n_grads] for _, ts in parts], mean[:n_grads])
+            full = [ts[:n_grads] for head, ts in parts if head[2] == 1.0]
+            full_mean = avg[:n_grads] if len(full) == len(parts) else [
+                mean([f[j] for f in full]) for j in range(n_grads)] if full else []  # fmt: skip
+            phi = noise_scale(full, full_mean)
             noise = tuple(v for v in (*(prev.noise if prev else ()), phi) if not math.isnan(v))[-w:]
             if prev:  # none yet: the commit's cost is unknown, wait for all
-                cost = max(0.0, intervals[-1] - max(head[1] for head, _ in parts))
+                cost = max(0.0, intervals[-1] - sorted(mine_s.values())[k - 1])
                 costs = (*prev.costs, cost)[-w:]
                 known = statistics.median(noise) if noise else None
                 next_k = self.backup.choose(
                     list(times.values()), size, cost=statistics.median(costs), noise=known
                 )
         change = 1.0 if int(latest) > epoch else 0.0  # a newer epoch: reconfigure after it
-        result = Result(mean[:n_grads], mean[n_grads:], used, next_k, change,
-                        rng_state(generators), times, now, intervals, noise, costs)  # fmt: skip
+        result = Result(avg[:n_grads], avg[n_grads:], used, next_k, change,
+                        rng_state(generators), times, now, intervals, noise, costs,
+                        tuple(head[2] for head, _ in parts))  # fmt: skip
         self.store.set(f"{p}/r", result.encode())  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         return result
 
     def _times(
         self, epoch: int, step: int, size: int, now: Mapping[int, float]
     ) -> dict[int, dict[int, float]]:
-        """The compute-time window (step -> rank -> seconds), carried from result to result.
-
-        This step's contributors bring theirs; members late for the previous step posted
-        theirs beside it (one store read each, if already there).
-        """
-        assert isinstance(self.backup, Dynamic)
+        """The compute-time window (step -> rank -> s): this step's contributors' and the
+        previous step's late members' (posted beside it; one store read each)."""
         prev = self._last[1] if self._last is not None and self._last[0] == epoch else None
         times = {s_: dict(t) for s_, t in (prev.times if prev is not None else {}).items()}
         if prev is not None and step - 1 in times:
@@ -274,7 +290,8 @@ class BackupRound:
                 if r not in prev.used and self.store.check([f"{p}/t{r}"]):
                     times[step - 1][r] = float(self.store.get(f"{p}/t{r}").decode())
         times[step] = dict(now)
-        return {s_: times[s_] for s_ in sorted(times)[-self.backup.window :]}
+        window = self.backup.window if isinstance(self.backup, Dynamic) else _PACE_WINDOW
+        return {s_: times[s_] for s_ in sorted(times)[-window:]}
 
     def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
@@ -296,101 +313,6 @@ class BackupRound:
             return
         p = self._prefix(epoch, step)
         late = [f"{p}/t{r}" for r in range(size)] if isinstance(self.backup, Dynamic) else []
-        self._janitor.delete([f"{p}/n", f"{p}/r", *(f"{p}/g{i}" for i in range(1, size)), *late])
-
-
-def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Mean in ticket order, accumulated in float64, returned in the inputs' dtype."""
-    acc = torch.zeros_like(tensors[0], dtype=torch.float64)
-    for t in tensors:
-        acc += t.to(torch.float64)
-    return (acc / len(tensors)).to(tensors[0].dtype)
-
-
-# -- the job's side (package-internal: Job.commit delegates here) ---------------------------
-
-
-def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any]) -> Any:
-    """Commit ``job``'s step with the first ``n - b`` contributions, then catch up if late.
-
-    Returns ``apply()``'s result for this member's step, or None when the step was discarded
-    (the store timed out: a member died mid-step; the job reconfigures at the next boundary).
-    """
-    membership = job._membership
-    assert membership is not None
-
-    def abandon() -> bool:
-        try:
-            return membership.latest_epoch() > job.epoch
-        except RuntimeError:
-            return False
-
-    gens = _generators(job.state)
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in job._params]
-    buffers = [b.detach() for b in job._buffers]
-    try:
-        found, ticket = backups.exchange(
-            epoch=job.epoch, step=job.step, rank=job.rank, size=job.size, grads=grads,
-            buffers=buffers, own_s=job._own_s, generators=gens, abandon=abandon,
-        )  # fmt: skip
-    except RuntimeError as e:
-        job._discard(e)
-        return None
-    abandoned = backups.gave_up(job.epoch, job.step)
-    result = _apply(job, found, ticket, apply, gens, abandoned=abandoned)
-    if ticket <= len(found.used):
-        return result  # in time: in phase with the others, nothing to catch up
-    while not job._needs_reconfigure:  # late: catch up, then get back in phase
-        try:
-            later = backups.published(job.epoch, job.step, [*grads, *buffers])
-            if later is None and (wait_s := backups.behind()) > 0:
-                later = backups.published(job.epoch, job.step, [*grads, *buffers], wait_s)
-        except RuntimeError:
-            break
-        if later is None:
-            break
-        _apply(job, later, None, apply, gens)
-    return result
-
-
-def too_late(job: Job) -> bool:
-    """Whether ``job``'s current step already has its ``k`` contributions without this member.
-
-    Poll it between micro-batches (one store read); True: skip the rest, call
-    ``optimizer.step()`` (see "Abandoning a step" above). False without backup workers.
-    """
-    backups = job._backups
-    if backups is None or job.size <= 1 or job._needs_reconfigure:
-        return False
-    try:
-        return backups.too_late(job.epoch, job.step, job.size)
-    except RuntimeError:  # the store is gone: step() reports it
-        return False
-
-
-def _generators(state: Any) -> list[torch.Generator]:
-    named = getattr(state, "generators", None)
-    return list(named.values()) if isinstance(named, Mapping) else []
-
-
-def _apply(
-    job: Job, found: Result, ticket: int | None, apply: Callable[[], Any],
-    gens: Sequence[torch.Generator], abandoned: bool = False,
-) -> Any:  # fmt: skip
-    job._events.write("backup", step=job.step, epoch=job.epoch, ticket=ticket,
-                      used=[job.members[r] for r in found.used], next_k=found.next_k,
-                      abandoned=abandoned)  # fmt: skip
-    for p, g in zip(job._params, found.grads, strict=True):
-        if p.grad is None:
-            p.grad = g.clone()
-        else:
-            p.grad.copy_(g)
-    with torch.no_grad():
-        for b, v in zip(job._buffers, found.buffers, strict=True):
-            b.copy_(v)
-    set_rng_state(found.rng, gens)
-    result = apply()
-    job._step += 1
-    job._needs_reconfigure = job._needs_reconfigure or found.change > 0
-    job._after_commit()
-    return result
+        self._janitor.delete(
+            [f"{p}/n", f"{p}/r", *(f"{p}/g{i}" for i in range(1, size + 1)), *late]
+        )

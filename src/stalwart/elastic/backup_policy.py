@@ -17,6 +17,12 @@ member's batch (McCandlish et al., "An Empirical Model of Large-Batch Training",
 (every contribution counts, the contributions-per-second rule); clean ones make a step worth
 the same whatever ``k`` (only the step rate counts). Unknown ``phi`` counts as
 noise-dominated. Before the commit's cost is measured (an epoch's first step), ``k = n``.
+
+**Partial contributions** (``partial=True``, after DropCompute, Giladi et al., arXiv
+2306.10598): the members still computing when the ``k``-th contribution arrives stop at their
+next micro-batch and send what they have, weighted by the share they computed (see
+:mod:`stalwart.elastic.backup`). Then a smaller ``k`` loses less: ``progress`` counts each
+slower member's share ``T(k) / t_i`` of its batch instead of nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +36,28 @@ import torch
 
 from stalwart.errors import ConfigError
 
-__all__ = ["Dynamic", "backup_count", "noise_scale"]
+__all__ = ["Dynamic", "Static", "backup_count", "noise_scale"]
+
+
+@dataclass(frozen=True)
+class Static:
+    """A fixed number of backup workers ``b`` (``backup=b`` is ``Static(b)``).
+
+    Attributes:
+        b: commit each step once ``n - b`` members' full contributions arrived.
+        partial: the others send the micro-batches they finished (``optimizer.accumulate``)
+            instead of nothing; the reducer waits for them at most ``grace`` times the median
+            step interval.
+        grace: see ``partial``.
+    """
+
+    b: int
+    partial: bool = False
+    grace: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.b < 0 or self.grace < 0:
+            raise ConfigError(f"{self}: the number of backup workers and grace must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,15 +68,19 @@ class Dynamic:
         window: steps of compute-time history per member (medians over it).
         margin: a smaller ``k`` is chosen only if it gives this much more progress/s.
         min_k: never commit with fewer contributions than this.
+        partial: late members send the micro-batches they finished (see :class:`Static`).
+        grace: how long the reducer waits for partial contributions, in step intervals.
     """
 
     window: int = 10
     margin: float = 0.1
     min_k: int = 1
+    partial: bool = False
+    grace: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.margin < 0 or self.min_k < 1:
-            raise ConfigError(f"{self}: window and min_k must be >= 1 and margin >= 0")
+        if self.window < 1 or self.margin < 0 or self.min_k < 1 or self.grace < 0:
+            raise ConfigError(f"{self}: window and min_k must be >= 1, margin and grace >= 0")
 
     def choose(
         self, steps: Sequence[Mapping[int, float]], size: int, *, cost: float = 0.0,
@@ -67,9 +98,12 @@ class Dynamic:
             return size  # nothing measured yet: wait for all
         ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
         t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
+        share = [statistics.median(k + sum(min(1.0, o[k - 1] / t) for t in o[k:]) for o in ordered)
+                 if self.partial else k for k in range(1, size + 1)]  # fmt: skip
 
         def rate(k: int) -> float:
-            gain = k if noise is None or not math.isfinite(noise) else k / (k + noise)
+            eff = share[k - 1]
+            gain = eff if noise is None or not math.isfinite(noise) else eff / (eff + noise)
             return gain / max(t_k[k - 1] + cost, 1e-9)
 
         best, rate_best = size, rate(size)
@@ -79,11 +113,11 @@ class Dynamic:
         return best
 
 
-def backup_count(backup: int | Dynamic | None, size: int) -> int:
+def backup_count(backup: int | Static | Dynamic | None, size: int) -> int:
     """The first step's ``k`` for a world of ``size`` (a static ``b`` gives ``size - b``)."""
     if backup is None or isinstance(backup, Dynamic):
         return size
-    return max(1, size - backup)
+    return max(1, size - (backup.b if isinstance(backup, Static) else backup))
 
 
 def noise_scale(parts: Sequence[Sequence[torch.Tensor]], mean: Sequence[torch.Tensor]) -> float:

@@ -17,15 +17,17 @@ import contextlib
 import pickle
 import queue
 import random
+import statistics
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Janitor", "decode", "encode", "rng_state", "set_rng_state"]
+__all__ = ["Janitor", "Result", "decode", "encode", "mean", "rng_state", "set_rng_state"]
 
 _LEN = 8
 
@@ -70,6 +72,54 @@ def _raw(t: torch.Tensor) -> bytes:
     if flat.numel() == 0:
         return b""
     return flat.view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class Result:
+    """One committed step's reduction, the same bytes for every member."""
+
+    grads: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    used: tuple[int, ...]  # ranks whose contributions were averaged, in ticket order
+    next_k: int
+    change: float  # 1.0: a newer epoch was published, reconfigure after this step
+    rng: tuple[Any, ...]
+    times: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # step -> rank -> s
+    posted: float = 0.0  # the reducer's wall clock when it posted this result
+    intervals: tuple[float, ...] = ()  # the last intervals between results' posts, seconds
+    noise: tuple[float, ...] = ()  # the last gradient noise scale estimates (Dynamic)
+    costs: tuple[float, ...] = ()  # the last commit costs: interval - slowest used time (Dynamic)
+    shares: tuple[float, ...] = ()  # each used member's share of its batch (1.0: all of it)
+
+    @property
+    def pace(self) -> float:
+        """The median interval between results (0.0 before two were posted)."""
+        return statistics.median(self.intervals) if self.intervals else 0.0
+
+    def encode(self) -> bytes:
+        """The bytes every member decodes (see :mod:`stalwart.elastic.backup_wire`)."""
+        header = (self.used, self.next_k, self.change, self.rng, dict(self.times),
+                  self.posted, self.intervals, self.noise, self.costs, self.shares,
+                  len(self.grads))  # fmt: skip
+        return encode(header, [*self.grads, *self.buffers])
+
+    @classmethod
+    def decode(cls, data: bytes, templates: Sequence[torch.Tensor]) -> Result:
+        """The result in ``data``; ``templates``: the local gradients then buffers."""
+        head, tensors = decode(data, templates)
+        *fields, n = head
+        return cls(tensors[:n], tensors[n:], *fields)
+
+
+def mean(tensors: Sequence[torch.Tensor], total: float | None = None) -> torch.Tensor:
+    """Sum in ticket order, accumulated in float64, divided by ``total`` (default: the count).
+
+    Returned in the inputs' dtype. Partial contributions pass the sum of their shares.
+    """
+    acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+    for t in tensors:
+        acc += t.to(torch.float64)
+    return (acc / (len(tensors) if total is None else total)).to(tensors[0].dtype)
 
 
 def rng_state(generators: Sequence[torch.Generator]) -> tuple[Any, ...]:

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stalwart.elastic.backup import BackupRound, Dynamic, commit_with_backup
+from stalwart.elastic.backup import BackupRound, Dynamic, Static
+from stalwart.elastic.backup_job import commit_with_backup
 from stalwart.elastic.events import EventLog
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
@@ -189,13 +190,13 @@ class Job:
         return model
 
     def optimizer(
-        self, optimizer: torch.optim.Optimizer, *, backup: int | Dynamic = 0
+        self, optimizer: torch.optim.Optimizer, *, backup: int | Static | Dynamic = 0
     ) -> ElasticOptimizer:
         """Wrap ``optimizer``: ``zero_grad()`` is the step boundary; ``step()`` commits.
 
-        ``backup=b`` (or :class:`~stalwart.elastic.backup.Dynamic` to choose b online) commits
-        each step with the first ``n - b`` members' gradients, late ones dropped
-        (:mod:`stalwart.elastic.backup`); elastic jobs only (it needs the coordinator).
+        ``backup=b`` (or ``Static(b, partial=True)``, or ``Dynamic()`` to choose b online)
+        commits each step with the first ``n - b`` members' gradients, late ones dropped or
+        partial (:mod:`stalwart.elastic.backup`); elastic jobs only (needs the coordinator).
         """
         if backup != 0 and self._membership is not None:
             self._backups = BackupRound(self._membership.store, backup)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from stalwart.elastic.backup import too_late
+from stalwart.elastic.backup_job import too_late
 
 if TYPE_CHECKING:
     from stalwart.elastic.job import Job
 
 __all__ = ["ElasticOptimizer"]
+
+T = TypeVar("T")
 
 
 class ElasticOptimizer:
@@ -47,6 +51,28 @@ class ElasticOptimizer:
         (see :func:`stalwart.elastic.backup.too_late`). Always False without backup workers.
         """
         return too_late(self.job)
+
+    def accumulate(self, micro_batches: Sequence[T]) -> Iterator[T]:
+        """This step's micro-batches, stopping early once the step committed without the rest.
+
+        Scale each micro-batch's loss by ``1 / len(micro_batches)``. With backup workers it
+        polls :meth:`too_late` between micro-batches and records the share computed, so that
+        ``partial=True`` policies send that share instead of dropping it (see
+        :mod:`stalwart.elastic.backup`); without, it yields every micro-batch. With a
+        ``partial`` policy it also stops before a micro-batch that would end more than 10%
+        after the step's ``k``-th contribution is expected (recent steps' compute times): a
+        slow member sends its share when the others do instead of one micro-batch later.
+        """
+        backups, done, t0 = self.job._backups, 0, time.time()
+        expected = 1.1 * backups.expected_s() if backups is not None else 0.0
+        for i, item in enumerate(micro_batches):
+            late = i > 0 and expected > 0 and (time.time() - t0) * (i + 1) / i > expected
+            if i > 0 and (late or self.too_late()):
+                break
+            yield item
+            done += 1
+        if backups is not None and micro_batches:
+            backups.share = (self.job.epoch, self.job.step, done / len(micro_batches))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
