@@ -2,6 +2,7 @@
 
     nice -n 10 .venv/bin/python bench/pvf_models_bench.py [--faults 200] [--repeats 3]
         [--models resnet18,bert,dlrm,gcn] [--quick] [--device cpu|cuda] [--clock wall|cpu]
+        [--cold]
 
 Per model, on one fault list per variant, contenders interleaved in every repeat (medians):
 
@@ -18,7 +19,8 @@ Per model, on one fault list per variant, contenders interleaved in every repeat
 Contenders: ``engine`` is ``FastEngine.run`` per chunk with the campaign's recheck rule
 (trials that rounding could decide, or with NaN/Inf, re-run naively), on any device;
 ``campaign`` is ``run_campaign`` (CPU; activation faults on the same engine path);
-``naive`` one full forward per fault.
+``naive`` one full forward per fault. The engine keeps its fx trace per model, so only a
+contender's first call traces; ``--cold`` drops it before every call.
 
 Every contender's outcome per trial (the model's criterion: top-1, or the click decision
 for DLRM) must equal the naive loop's; the bench counts the trials checked and fails loudly
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 from stalwart import inject, models, vulnerability
+from stalwart.vulnerability import tracing
 from stalwart.vulnerability.activation_engine import hooked
 
 EXPSIGN = inject.BitFlip(bits=list(range(23, 32)))
@@ -50,6 +53,8 @@ BATCH = {"resnet18": 8}
 CLOCK = {"now": time.perf_counter}
 """Wall clock, or this process's CPU time (``--clock cpu``: one thread, so CPU time is the
 work done, less disturbed than wall time by other processes on a shared, loaded box)."""
+COLD = {"on": False}
+"""``--cold``: the kept fx trace is dropped before every contender call."""
 
 
 class Block(nn.Module):
@@ -345,6 +350,8 @@ def measure(name: str, kind: str, bits: str, n: int, repeats: int, device: str) 
     fns = contenders(model, inputs, crit, indep, faults, kind, device)
     for _ in range(repeats):
         for who, fn in fns.items():
+            if COLD["on"]:
+                tracing.forget()  # every contender call traces the model again
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = CLOCK["now"]()
@@ -382,11 +389,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="ResNet-18 images per input")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--cold", action="store_true", help="no kept fx trace between calls")
     ap.add_argument("--out", default="bench/results/pvf_models_bench.json")
     a = ap.parse_args()
     if a.quick:
         a.faults, a.repeats = 40, 1
     BATCH["resnet18"] = a.batch
+    COLD["on"] = a.cold
     if a.clock == "cpu":
         if a.device != "cpu":
             raise SystemExit("--clock cpu measures CPU runs only; use --clock wall on a GPU")

@@ -427,3 +427,40 @@ def test_trace_is_kept_per_model_until_its_structure_or_code_changes() -> None:
     del model, first, again, fresh, shifted, changed
     gc.collect()
     assert ref() is None  # the kept trace does not keep the model alive
+
+
+class _InPlace(nn.Module):
+    """A module called twice, and an in-place module on a value the graph computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.head = nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x) * 2.0)
+        return self.head(self.lin(h) - 0.1)
+
+
+def test_golden_values_come_from_the_eager_pass_where_the_calls_line_up() -> None:
+    from stalwart.vulnerability import tracing
+
+    model, x = _resnet()
+    gm = tracing.trace(model)
+    calls = tracing._eager_calls(gm, model, (x,))
+    calls.pop(None)
+    kept, full = tracing._walk(gm, (x,), calls), tracing._walk(gm, (x,), None)
+    assert kept is not None and full is not None
+    assert all(torch.equal(kept[n], full[n]) for n in full if isinstance(full[n], torch.Tensor))
+    torch.manual_seed(0)
+    odd, y = _InPlace().eval(), torch.randn(8, 6)
+    gm = tracing.trace(odd)
+    calls = tracing._eager_calls(gm, odd, (y,))
+    calls.pop(None)
+    assert tracing._walk(gm, (y,), calls) is None  # act's input changed in place: full walk
+    eng = FastEngine(odd, (y,))
+    assert torch.equal(eng.golden, odd(y))
+    faults = sample_faults(odd, 60, seed=4, error=EXPSIGN)
+    _same(
+        vulnerability.run_campaign(odd, y, faults, "dev>0.01"),
+        vulnerability.run_campaign(odd, y, faults, "dev>0.01", engine="naive"),
+    )
