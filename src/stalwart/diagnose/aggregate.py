@@ -30,6 +30,7 @@ from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
 from stalwart.diagnose.rowcache import Chunk, RowCache, group_rows, scratch_folder, write_rows
 from stalwart.diagnose.source import Source
+from stalwart.diagnose.unitbits import UnitBits
 
 __all__ = [
     "Aggregate",
@@ -49,7 +50,6 @@ Itemset = tuple[tuple[int, str], ...]
 _BATCH_ROWS = 1 << 20
 _STREAM_ROWS = 1 << 22  # inputs with more rows stream their failing rows from DuckDB
 _DENSE_BINS = 1 << 22
-_PAIR_CACHE_BYTES = 1 << 26
 _GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
 _CASE_VALUES = 32  # a CASE chain beats list_position up to about this many values
 
@@ -197,13 +197,16 @@ def aggregate(
         f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
     )
     sizes, folder = {c: len(vs) for c, vs in values.items()}, scratch_folder(src)
+    # a counting pass holds one chunk (codes, masses, bitsets: about 2 x _row_bytes a row)
+    chunk = max(_BATCH_ROWS, in_memory_bytes // (2 * _row_bytes(len(values))))
     reader = src.sql(proj).to_arrow_reader(_BATCH_ROWS)
-    rows = write_rows(reader, list(values), sizes, folder, plan.rows // _GROUP_GAIN)
+    rows = write_rows(reader, list(values), sizes, folder, plan.rows // _GROUP_GAIN, chunk)
     distinct = rows.distinct()
     if distinct * _GROUP_GAIN <= plan.rows:
         keys = "".join(f"k{c}, " for c in values)
         grouped = src.sql(f"SELECT {keys}sum(t) AS t, sum(r) AS r FROM ({proj}) GROUP BY ALL")
-        rows = write_rows(grouped.to_arrow_reader(_BATCH_ROWS), list(values), sizes, folder)
+        reader = grouped.to_arrow_reader(_BATCH_ROWS)
+        rows = write_rows(reader, list(values), sizes, folder, chunk_rows=chunk)
     log.info("aggregated into %d groups (about %d distinct or more)", rows.rows, distinct)
     return Aggregate(
         src, None, values, rows.total_target, rows.total_reference, rows.rows, cache=rows
@@ -238,7 +241,7 @@ class ItemCounter:
         self.cache_bytes = cache_bytes
         self._cache: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
         self._sample: tuple[dict[int, np.ndarray], np.ndarray] | None = None
-        self._bits: _UnitBits | None = None
+        self._bits: UnitBits | None = None
         self.sample_size = sample_size
         self._values: dict[int, list[str]] = {}
 
@@ -262,7 +265,7 @@ class ItemCounter:
             self._cache = (cols, t, r)
         if self._cache is not None:
             cols, t, r = self._cache
-            self._bits = _UnitBits(cols, t, r)
+            self._bits = UnitBits(cols, t, r)
             self._draw_sample(cols, r)
 
     def _draw_sample(self, cols: dict[int, np.ndarray], r: np.ndarray) -> None:
@@ -290,9 +293,11 @@ class ItemCounter:
         half = z * np.sqrt(p * (1 - p) / k + z * z / (4 * k * k)) / den
         return np.maximum(mid - half, 0.0) * self.agg.total_reference
 
-    def _batches(self, columns: Iterable[int] | None = None) -> Iterator[Chunk]:
+    def _batches(
+        self, columns: Iterable[int] | None = None, flags: bool = False
+    ) -> Iterator[Chunk]:
         assert self.agg.cache is not None
-        return self.agg.cache.read(self._values if columns is None else columns)
+        return self.agg.cache.read(self._values if columns is None else columns, flags=flags)
 
     def count(
         self, itemsets: Sequence[Itemset], *, mask: np.ndarray | None = None, target: bool = True
@@ -305,14 +310,14 @@ class ItemCounter:
             return out_t, out_r
         codes = [tuple((c, self._code[c][v]) for c, v in s) for s in itemsets]
         plans = None
-        parts: Iterable[tuple[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray], _UnitBits]]
+        parts: Iterable[tuple[tuple[dict[int, np.ndarray], np.ndarray, np.ndarray], UnitBits]]
         if self._cache is not None:
             assert self._bits is not None
             parts = [(self._cache, self._bits)]
         else:
             # streamed: each batch gets its own bitsets, built for the items asked about
             needed = sorted({c for s in itemsets for c, _ in s})
-            parts = ((b, _UnitBits(*b)) for b in self._batches(needed))
+            parts = ((b, UnitBits(*b)) for b in self._batches(needed, flags=True))
         offset = 0
         for (cols, t, r), bits in parts:
             n = len(t)
@@ -354,7 +359,9 @@ class ItemCounter:
     def match(self, items: Itemset) -> np.ndarray:
         """Which groups of the aggregate (in scan order) hold every item of ``items``."""
         parts = []
-        source = [self._cache] if self._cache is not None else self._batches(c for c, _ in items)
+        source = (
+            self._batches((c for c, _ in items), True) if self._cache is None else [self._cache]
+        )
         for cols, t, _ in source:
             m = np.ones(len(t), dtype=bool)
             for c, v in items:
@@ -403,69 +410,3 @@ class ItemCounter:
                 out_r[idx[order]] += np.bincount(pos[hit], weights=r[hit], minlength=len(sk))
                 if t is not None:
                     out_t[idx[order]] += np.bincount(pos[hit], weights=t[hit], minlength=len(sk))
-
-
-class _UnitBits:
-    """The unit rows of the aggregate (total mass 1, failure mass 0 or 1: plain events) as one
-    bitset per item, built on first use; ``rest`` indexes the other rows.
-
-    An item-set's masses over the unit rows are popcounts of the AND of its items' bitsets (and of
-    the failure bitset): about 16,000 64-bit words per million rows, microseconds per item-set.
-    """
-
-    def __init__(self, cols: dict[int, np.ndarray], t: np.ndarray, r: np.ndarray) -> None:
-        unit = (r == 1.0) & ((t == 0.0) | (t == 1.0))
-        self.cols = cols
-        self.rest = np.flatnonzero(~unit)
-        self.unit = None if len(self.rest) == 0 else self._pack(unit)
-        self.fail = self._pack(t == 1.0)
-        self._items: dict[tuple[int, int], np.ndarray] = {}
-
-    def _pack(self, m: np.ndarray) -> np.ndarray:
-        packed = np.packbits(m.view(np.uint8), bitorder="little")
-        pad = -len(packed) % 8
-        if pad:
-            packed = np.concatenate([packed, np.zeros(pad, np.uint8)])
-        return packed.view(np.uint64)
-
-    def item(self, c: int, code: int) -> np.ndarray:
-        key = (c, code)
-        got = self._items.get(key)
-        if got is None:
-            got = self._pack(self.cols[c] == code)
-            if self.unit is not None:
-                got &= self.unit
-            self._items[key] = got
-        return got
-
-    def count(
-        self,
-        itemsets: Sequence[tuple[tuple[int, int], ...]],
-        mask: np.ndarray | None,
-        target: bool,
-        out_t: np.ndarray,
-        out_r: np.ndarray,
-    ) -> None:
-        """Add each coded item-set's unit-row masses (within ``mask``) to ``out_t``/``out_r``."""
-        within = None if mask is None else self._pack(np.asarray(mask, dtype=bool))
-        # ANDed pairs are reused by the triples that extend them, within a bounded budget
-        pairs: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-        max_pairs = _PAIR_CACHE_BYTES // max(self.fail.nbytes, 1)
-        for i, s in enumerate(itemsets):
-            if len(s) > 2 and s[:2] in pairs:
-                acc = pairs[s[:2]] & self.item(*s[2])
-                rest = s[3:]
-            else:
-                acc = self.item(*s[0]).copy()
-                for it in s[1:2]:
-                    acc &= self.item(*it)
-                if len(s) >= 2 and len(pairs) < max_pairs:
-                    pairs[s[:2]] = acc.copy()
-                rest = s[2:]
-            for it in rest:
-                acc &= self.item(*it)
-            if within is not None:
-                acc &= within
-            out_r[i] += int(np.bitwise_count(acc).sum())
-            if target:
-                out_t[i] += int(np.bitwise_count(acc & self.fail).sum())

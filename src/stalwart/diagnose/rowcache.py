@@ -15,6 +15,7 @@ of a 64-bit hash), so the caller can decide whether grouping them would pay.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,8 +33,9 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _MIX = np.uint64(0x100000001B3)
 
-Chunk = tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]
-"""Codes per column, failure masses, total masses of a run of rows."""
+Chunk = tuple[dict[int, np.ndarray], np.ndarray, np.ndarray | None]
+"""Codes per column, failure masses, total masses of a run of rows (None: plain events, whose
+failure masses are 0/1 flags)."""
 
 
 def code_dtype(values: int) -> np.dtype:
@@ -102,13 +104,17 @@ class RowCache:
             return len(self._kmv)
         return int((_KMV - 1) / (float(self._kmv[-1]) / 2.0**64))
 
-    def read(self, columns: Iterable[int]) -> Iterator[Chunk]:
-        """The rows chunk by chunk, in the order written, with the codes of ``columns`` only."""
+    def read(self, columns: Iterable[int], *, flags: bool = False) -> Iterator[Chunk]:
+        """The rows chunk by chunk, in the order written, with the codes of ``columns`` only;
+        with ``flags``, a chunk of plain events comes as its failure flags (uint8) and None."""
         wanted = [c for c in columns if c in self.dtypes]
         fds = {name: os.open(self._path(name), os.O_RDONLY) for name in self._files(wanted)}
         try:
             for start, n, plain in self.chunks:
                 cols = {c: _pread(fds[f"k{c}"], self.dtypes[c], start, n) for c in wanted}
+                if plain and flags:
+                    yield cols, _pread(fds["t8"], np.dtype(np.uint8), start, n), None
+                    continue
                 if plain:
                     t = _pread(fds["t8"], np.dtype(np.uint8), start, n).astype(np.float64)
                     r = np.ones(n)
@@ -184,16 +190,29 @@ def write_rows(
     sizes: dict[int, int],
     folder: str,
     stop_estimate: int | None = None,
+    chunk_rows: int = 1 << 20,
 ) -> RowCache:
     """Write record batches (codes of ``columns`` in order, then ``t`` and ``r``) to a new cache
-    under ``folder``; ``sizes`` gives each column's number of values (its largest code)."""
+    under ``folder``, in chunks of about ``chunk_rows`` rows (what a pass holds at once);
+    ``sizes`` gives each column's number of values (its largest code)."""
     dtypes = {c: code_dtype(sizes[c]) for c in columns}
     cache = RowCache(tempfile.mkdtemp(prefix="rows-", dir=folder), dtypes)
     cache.stop_estimate = stop_estimate
-    n = len(columns)
-    for rb in batches:
-        cols = {c: rb.column(i).to_numpy(zero_copy_only=False) for i, c in enumerate(columns)}
-        t = rb.column(n).to_numpy(zero_copy_only=False)
-        r = rb.column(n + 1).to_numpy(zero_copy_only=False)
-        cache.append(cols, t, r)
+    pending: list[pa.RecordBatch] = []
+    for rb in itertools.chain(batches, [None]):
+        if rb is not None:
+            pending.append(rb)
+        if pending and (rb is None or sum(b.num_rows for b in pending) >= chunk_rows):
+            _append(cache, pending, columns)
+            pending = []
     return cache
+
+
+def _append(cache: RowCache, batches: list[pa.RecordBatch], columns: list[int]) -> None:
+    def col(i: int) -> np.ndarray:
+        if len(batches) == 1:
+            return batches[0].column(i).to_numpy(zero_copy_only=False)
+        return np.concatenate([b.column(i).to_numpy(zero_copy_only=False) for b in batches])
+
+    n = len(columns)
+    cache.append({c: col(i) for i, c in enumerate(columns)}, col(n), col(n + 1))
