@@ -460,7 +460,10 @@ def test_golden_values_come_from_the_eager_pass_where_the_calls_line_up() -> Non
     eng = FastEngine(odd, (y,))
     assert torch.equal(eng.golden, odd(y))
     faults = sample_faults(odd, 60, seed=4, error=EXPSIGN)
+    before = {k: v.clone() for k, v in odd.state_dict().items()}
     _same(
         vulnerability.run_campaign(odd, y, faults, "dev>0.01"),
         vulnerability.run_campaign(odd, y, faults, "dev>0.01", engine="naive"),
     )
+    after = odd.state_dict()  # the naive loop's in-place flips were all undone
+    assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)
