@@ -394,6 +394,11 @@ def test_one_pixel_convolutions_match_naive(error: inject.BitFlip | None) -> Non
     fast = vulnerability.run_campaign(model, x, faults, crit)
     slow = vulnerability.run_campaign(model, x, faults, crit, engine="naive")
     _same(fast, slow)
+    acts = sample_activation_faults(model, (x,), 80, modules=["conv0"], seed=4, error=error)
+    _same(  # the stacked activation rows run through the one-pixel kernels too
+        vulnerability.run_campaign(model, x, acts, crit),
+        vulnerability.run_campaign(model, x, acts, crit, engine="naive"),
+    )
 
 
 def _shifted(self: TinyResNet, x: torch.Tensor) -> torch.Tensor:
