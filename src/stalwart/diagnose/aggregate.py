@@ -29,7 +29,14 @@ import pyarrow.compute as pc
 
 from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
-from stalwart.diagnose.rowcache import Chunk, RowCache, group_rows, scratch_folder, write_rows
+from stalwart.diagnose.rowcache import (
+    SAMPLE_ROWS,
+    Chunk,
+    RowCache,
+    group_rows,
+    scratch_folder,
+    write_rows,
+)
 from stalwart.diagnose.source import Source
 from stalwart.diagnose.unitbits import UnitBits
 
@@ -238,7 +245,7 @@ class ItemCounter:
     of its groups (``mask``, aligned with the table's scan order)."""
 
     def __init__(
-        self, agg: Aggregate, *, cache_bytes: int = 1 << 30, sample_size: int = 1 << 16
+        self, agg: Aggregate, *, cache_bytes: int = 1 << 30, sample_size: int = SAMPLE_ROWS
     ) -> None:
         self.agg = agg
         self.cache_bytes = cache_bytes
@@ -270,6 +277,9 @@ class ItemCounter:
             cols, t, r = self._cache
             self._bits = UnitBits(cols, t, r)
             self._draw_sample(cols, r)
+        elif self.agg.cache is not None:  # drawn while the rows were written
+            sample = self.agg.cache.sample(self.sample_size)
+            self._sample = None if sample is None else (sample, np.ones(self.sample_size))
 
     def _draw_sample(self, cols: dict[int, np.ndarray], r: np.ndarray) -> None:
         # Groups drawn with probability proportional to their total mass, so a count in the

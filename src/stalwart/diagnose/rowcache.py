@@ -27,8 +27,18 @@ import pyarrow as pa
 
 from stalwart.diagnose.source import Source
 
-__all__ = ["Chunk", "RowCache", "group_rows", "row_hash", "scratch_folder", "write_rows"]
+__all__ = [
+    "SAMPLE_ROWS",
+    "Chunk",
+    "RowCache",
+    "group_rows",
+    "row_hash",
+    "scratch_folder",
+    "write_rows",
+]
 
+SAMPLE_ROWS = 1 << 16
+"""Rows of the mass-proportional sample drawn while writing (``ItemCounter``'s sample size)."""
 _KMV = 4096  # hashes kept by the distinct-count estimate (about 1.6% relative error)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -60,6 +70,9 @@ class RowCache:
     """Stop estimating once more distinct rows than this were seen (the count only grows)."""
     _kmv: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     _fds: dict[str, int] = field(default_factory=dict)
+    _sample: dict[int, np.ndarray] = field(default_factory=dict)
+    _sampled_weight: float = 0.0
+    _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     def _path(self, name: str) -> str:
         return os.path.join(self.folder, name)
@@ -82,6 +95,30 @@ class RowCache:
         self.total_target += float(t.sum())
         self.total_reference += float(r.sum())
         self._estimate(cols, n)
+        self._draw(cols, r, n, plain)
+
+    def _draw(self, cols: dict[int, np.ndarray], r: np.ndarray, n: int, plain: bool) -> None:
+        # SAMPLE_ROWS draws with replacement, each a row with probability proportional to its
+        # total mass, kept while streaming: a slot moves into this chunk with probability (its
+        # mass / the mass so far), to a row drawn by mass within it
+        w = float(r.sum())
+        if w <= 0:
+            return
+        self._sampled_weight += w
+        move = self._rng.random(SAMPLE_ROWS) < w / self._sampled_weight
+        k = int(move.sum())
+        pick = self._rng.integers(0, n, k) if plain else self._rng.choice(n, k, p=r / w)
+        for c, dt in self.dtypes.items():
+            if c not in self._sample:
+                self._sample[c] = np.zeros(SAMPLE_ROWS, dtype=dt)
+            self._sample[c][move] = cols[c][pick]
+
+    def sample(self, size: int) -> dict[int, np.ndarray] | None:
+        """The codes of ``size`` rows drawn by total mass (with replacement), when ``size`` is
+        ``SAMPLE_ROWS`` and the cache holds more rows than that; else None."""
+        if size != SAMPLE_ROWS or self.rows <= size or self._sampled_weight <= 0:
+            return None
+        return dict(self._sample)
 
     def _write(self, name: str, a: np.ndarray, row: int) -> None:
         # files stay open while the rows are written: opening and closing one per chunk cost

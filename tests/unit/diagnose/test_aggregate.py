@@ -129,6 +129,42 @@ def test_out_of_core_run_equals_the_in_memory_run(
     assert ooc.covered == held.covered  # (candidates differ: only in memory is a sample drawn)
 
 
+def test_streamed_sample_is_drawn_by_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the row cache draws ItemCounter's sample while it writes, chunk by chunk: a weighted
+    # item's share of the sample estimates its share of the mass, and the bound holds
+    table = make_failure_log(150_000, columns=4, causes=1, seed=5).table.drop_columns(["host_id"])
+    # past the first 50k rows (plain chunks), rows of c00v0 weigh 3: its share of the mass is
+    # not its share of the rows
+    heavy = (table.column("c00").to_numpy(zero_copy_only=False) == "c00v0") & (
+        np.arange(table.num_rows) >= 50_000
+    )
+    n = np.where(heavy, 3, 1)
+    table = table.append_column("n", pa.array(n))
+    monkeypatch.setattr(aggregate_module, "_BATCH_ROWS", 20_000)
+    monkeypatch.setattr(aggregate_module, "_GROUP_GAIN", 10**9)  # kept as rows, not grouped
+    with open_source(table) as src:
+        masses = event_masses(src, "failed", "n")
+        plan = plan_cleaning(
+            src,
+            ["c00", "c01"],
+            target_sql=masses.target,
+            weight_sql=masses.reference,
+            options=DiagnoseOptions(),
+        )
+        values = {0: ["c00v0", "c00v1"], 1: ["c01v0", "c01v2"]}
+        kw = {"target_sql": masses.target, "reference_sql": masses.reference}
+        agg = aggregate(src, plan, values, in_memory_bytes=0, **kw)
+        counter = ItemCounter(agg, cache_bytes=0)
+        counter.prepare()
+        sets = [((0, "c00v0"),), ((0, "c00v1"),), ((0, "c00v0"), (1, "c01v2"))]
+        _, exact = counter.count(sets, target=False)
+        assert (counter.rows_lower_bound(sets, 6.0) <= exact).all()
+        est = counter.rows_lower_bound(sets, 0.0)
+        share = exact / agg.total_reference
+        sigma = np.sqrt(share * (1 - share) / rowcache.SAMPLE_ROWS) * agg.total_reference
+        assert (np.abs(est - exact) < 5 * sigma).all()
+
+
 @pytest.mark.parametrize("collide", [False, True])
 def test_group_rows_sums_each_distinct_row(collide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(2)
