@@ -446,6 +446,21 @@ class _InPlace(nn.Module):
         return self.head(self.lin(h) - 0.1)
 
 
+class _AddInPlace(nn.Module):
+    """``out += x`` on a module's output after the head read it: fx records an ``add``
+    nobody uses, while the eager run edits the output its hook kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.lin(x))
+        y = self.head(out)
+        out += x
+        return y
+
+
 def test_golden_values_come_from_the_eager_pass_where_the_calls_line_up() -> None:
     from stalwart.vulnerability import tracing
 
@@ -472,3 +487,13 @@ def test_golden_values_come_from_the_eager_pass_where_the_calls_line_up() -> Non
     )
     after = odd.state_dict()  # the naive loop's in-place flips were all undone
     assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)
+    add = _AddInPlace().eval()
+    gm = tracing.trace(add)
+    assert not tracing._unchanged(tracing._eager_calls(gm, add, (y,)))  # bn's output edited
+    eng, full = FastEngine(add, (y,)), tracing._walk(gm, (y,), None)
+    assert full is not None and all(torch.equal(eng.env[n], full[n]) for n in eng.nodes[:-1])
+    faults = sample_faults(add, 60, seed=5, error=EXPSIGN, targets="head.weight")
+    _same(
+        vulnerability.run_campaign(add, y, faults, "dev>0.01"),
+        vulnerability.run_campaign(add, y, faults, "dev>0.01", engine="naive"),
+    )
