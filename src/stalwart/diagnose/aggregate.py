@@ -106,7 +106,8 @@ class Aggregate:
     groups: int
     """Rows of the aggregate (the input's rows when they were not grouped)."""
     arrays: tuple[dict[int, np.ndarray], np.ndarray, np.ndarray] | None = None
-    """In-memory codes per column (uint16), failure masses and total masses."""
+    """In-memory codes per column (uint8, or uint16 past 255 values), failure masses and total
+    masses."""
     cache: RowCache | None = None
     """The coded rows on local disk, when they are not held in ``arrays``."""
 
@@ -231,13 +232,14 @@ def _row_bytes(n_columns: int) -> int:
 def _coded(plan: CleanPlan, c: int, vs: list[str]) -> str:
     """SQL coding column ``c``: 1..k for ``vs`` in order, 0 for any other value."""
     lits = ["'" + v.replace("'", "''") + "'" for v in vs]
+    kind = "UTINYINT" if len(vs) < 256 else "USMALLINT"  # the smallest that holds 0..k
     if OTHER_VALUE in vs or len(vs) > _CASE_VALUES:
         # a kept value is its own unfolded value, so folding is needed only when 'other'
         # itself is one of the values that matter
         expr = plan.exprs[c] if OTHER_VALUE in vs else plan.unfolded[c]
-        return f"coalesce(list_position([{', '.join(lits)}], {expr}), 0)::USMALLINT"
+        return f"coalesce(list_position([{', '.join(lits)}], {expr}), 0)::{kind}"
     whens = " ".join(f"WHEN {lit} THEN {k + 1}" for k, lit in enumerate(lits))
-    return f"(CASE {plan.unfolded[c]} {whens} ELSE 0 END)::USMALLINT"
+    return f"(CASE {plan.unfolded[c]} {whens} ELSE 0 END)::{kind}"
 
 
 class ItemCounter:
