@@ -8,7 +8,9 @@ The log is bench/rca_bench.py's ``scale`` log (20 attribute columns, an ID colum
 depth 1, 2 and 3), written by DuckDB straight to Parquet, never through Python. Each run is a
 fresh process whose resident set size is sampled every 20 ms by a thread (``ru_maxrss`` too),
 so the peak includes DuckDB's buffers, Arrow's pool and NumPy arrays alike; the line says how far
-that peak is from the limit and which phase of the analysis was running when it was reached.
+that peak is from the limit and which phase of the analysis was running when it was reached,
+with the process's CPU time (user + system, all threads) and the 1-minute load average at the
+end (the machine is shared: CPU time is the steadier number).
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ def _one(path: str, memory_limit: str | None) -> None:
     wall = time.perf_counter() - start
     done.set()
     thread.join()
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    maxrss = usage.ru_maxrss * 1024
     print(
         json.dumps(
             {
                 "wall_s": wall,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
                 "peak_bytes": max(maxrss, peak[0]),
                 "peak_at_s": peak[1],
                 "peak_after": peak[2],
@@ -119,7 +123,7 @@ def main() -> None:
             f"{args.rows:,} rows x 20 attribute columns + ID, Parquet {size:.2f} GiB, "
             f"memory_limit {args.memory_limit}, {args.repeat} fresh process(es)"
         )
-        walls, peaks = [], []
+        walls, peaks, cpus = [], [], []
         for _ in range(args.repeat):
             cmd = [sys.executable, __file__, "_one", path, args.memory_limit]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -128,15 +132,18 @@ def main() -> None:
                 return
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             walls.append(out["wall_s"])
+            cpus.append(out["cpu_s"])
             peaks.append(out["peak_bytes"])
             exact = sorted(map(str, out["findings"])) == truth
             print(
-                f"  wall {out['wall_s']:6.1f} s  peak RSS {out['peak_bytes'] / 1e9:5.2f} GB at "
+                f"  wall {out['wall_s']:6.1f} s  CPU {out['cpu_s']:6.1f} s  load "
+                f"{os.getloadavg()[0]:.1f}  peak RSS {out['peak_bytes'] / 1e9:5.2f} GB at "
                 f"{out['peak_at_s']:.1f} s (after {out['peak_after']!r})  exact: {exact}\n"
                 f"  phases {out['timings_s']}  groups {out['groups']:,}"
             )
         line = f"median wall {statistics.median(walls):.1f} s (range {min(walls):.1f}-"
-        line += f"{max(walls):.1f}), peak RSS max {max(peaks) / 1e9:.2f} GB"
+        line += f"{max(walls):.1f}), median CPU {statistics.median(cpus):.1f} s (process, all "
+        line += f"threads), peak RSS max {max(peaks) / 1e9:.2f} GB"
         if args.memory_limit != "none":
             limit = _bytes(args.memory_limit)
             line += f" = {max(peaks) / limit:.2f}x memory_limit ({limit / 1e9:.2f} GB)"
