@@ -66,7 +66,8 @@ class ElasticOptimizer:
         backups, done, t0 = self.job._backups, 0, time.time()
         expected = 1.1 * backups.expected_s() if backups is not None else 0.0
         for i, item in enumerate(micro_batches):
-            late = i > 0 and expected > 0 and (time.time() - t0) * (i + 1) / i > expected
+            now = time.time()  # compute times count from the step's start (job._t0)
+            late = i > 0 and expected > 0 and now - self.job._t0 + (now - t0) / i > expected
             if i > 0 and (late or self.too_late()):
                 break
             yield item
