@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
-import numpy as np
 
 from stalwart.diagnose.aggregate import (
     ItemCounter,
@@ -20,8 +19,8 @@ from stalwart.diagnose.aggregate import (
     in_memory_budget,
 )
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
-from stalwart.diagnose.fpgrowth import fpgrowth_rows
 from stalwart.diagnose.kpi_localize import localize_frame, localize_kpi
+from stalwart.diagnose.mining import closure_fn, coded_values, frequent_items, mine_groups
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
 from stalwart.diagnose.score import (
@@ -191,29 +190,22 @@ def _run(
     fails = failure_groups(src, plan, target_sql=masses.target)
     codes, values = fails.codes, fails.values
     lap("aggregate failures")
-    mined = _mine(codes, fails.target, total_t * opts.min_support, opts, plan.columns)
+    min_weight, budget = total_t * opts.min_support, in_memory_budget(opts.memory_limit)
+    keepers = frequent_items(codes, fails.target, min_weight)
+    mined = mine_groups(codes, fails.target, keepers, min_weight, opts, plan.columns)
     lap("mine")
+    # the values a finding can hold are the frequent single items (measured: writing the coded
+    # rows in a thread while NumPy mines was slower on a loaded 2-core machine)
+    sql = {"target_sql": masses.target, "reference_sql": masses.reference}
+    agg = aggregate(src, plan, coded_values(keepers, values), in_memory_bytes=budget, **sql)
+    lap("aggregate")
     index = {c: i for i, c in enumerate(plan.columns)}
-    closure = _closure_fn(
+    closure = closure_fn(
         codes, values, [[index[c] for c in h if c in index] for h in opts.hierarchies]
     )
     itemsets: dict[Itemset, float] = {
         tuple((c, values[c][v]) for c, v in s): w for s, w in mined.items()
     }
-    used: dict[int, set[str]] = {}
-    for s in itemsets:
-        for c, v in s:
-            used.setdefault(c, set()).add(v)
-    budget = in_memory_budget(opts.memory_limit)
-    agg = aggregate(
-        src,
-        plan,
-        {c: sorted(v) for c, v in used.items()},
-        target_sql=masses.target,
-        reference_sql=masses.reference,
-        in_memory_bytes=budget,
-    )
-    lap("aggregate")
     counter = ItemCounter(agg, cache_bytes=budget)
     counter.prepare()
     scored = _count_levels(itemsets, counter, total_r, base, opts)
@@ -306,68 +298,6 @@ def _neighbours(
             )
         )
     return out
-
-
-def _mine(
-    codes: np.ndarray,
-    t: np.ndarray,
-    min_weight: float,
-    opts: DiagnoseOptions,
-    columns: tuple[str, ...],
-) -> dict[tuple[tuple[int, int], ...], float]:
-    n_cols = codes.shape[1]
-    offsets = np.zeros(n_cols + 1, dtype=np.int64)
-    keepers = []
-    for c in range(n_cols):
-        counts = np.bincount(codes[:, c], weights=t)
-        keepers.append(counts >= min_weight)
-        offsets[c + 1] = offsets[c] + len(counts)
-    items = codes.astype(np.int64) + offsets[:-1]
-    frequent = np.zeros((len(codes), n_cols), dtype=bool)
-    for c in range(n_cols):
-        frequent[:, c] = keepers[c][codes[:, c]]
-    items = np.where(frequent, items, -1)
-    found = fpgrowth_rows(items, t, min_weight=min_weight, max_len=opts.max_len)
-    col_of = np.searchsorted(offsets, np.arange(offsets[-1]), side="right") - 1
-    groups = [set(columns.index(c) for c in h if c in columns) for h in opts.hierarchies]
-    out = {}
-    for s, w in found.items():
-        pairs = tuple((int(col_of[i]), int(i - offsets[col_of[i]])) for i in s)
-        cols = {c for c, _ in pairs}
-        if any(len(cols & g) > 1 for g in groups):
-            continue  # two levels of one hierarchy: the finer one already says it
-        out[pairs] = w
-    return out
-
-
-def _closure_fn(
-    codes: np.ndarray, values: list[list[str]], hierarchies: list[list[int]]
-) -> Callable[[Itemset], frozenset[tuple[int, str]]]:
-    """Item -> the coarser items it implies (learnt from the failure groups)."""
-    implies: dict[tuple[int, str], set[tuple[int, str]]] = {}
-    for h in hierarchies:
-        for j in range(1, len(h)):
-            child, parent = h[j], h[j - 1]
-            pairs = np.unique(codes[:, [child, parent]], axis=0)
-            kids, n = np.unique(pairs[:, 0], return_counts=True)
-            single = set(kids[n == 1].tolist())
-            for k, p in pairs.tolist():
-                if k in single:
-                    implies.setdefault((child, values[child][k]), set()).add(
-                        (parent, values[parent][p])
-                    )
-
-    def closure(items: Itemset) -> frozenset[tuple[int, str]]:
-        out = set(items)
-        todo = list(items)
-        while todo:
-            for up in implies.get(todo.pop(), ()):
-                if up not in out:
-                    out.add(up)
-                    todo.append(up)
-        return frozenset(out)
-
-    return closure
 
 
 def _count_levels(
