@@ -46,6 +46,7 @@ from torch import nn
 from stalwart import inject, models, vulnerability
 from stalwart.vulnerability import tracing
 from stalwart.vulnerability.activation_engine import hooked
+from stalwart.vulnerability.judging import judge
 
 EXPSIGN = inject.BitFlip(bits=list(range(23, 32)))
 BATCH = {"resnet18": 8}
@@ -264,23 +265,22 @@ def engine_judged(model, inputs, faults, crit, indep) -> np.ndarray:
     """``FastEngine.run`` per chunk, every trial whose judgement rounding could decide (or
     with a NaN/Inf output) re-run naively: the campaign's protocol, on any device, for
     weight and activation faults alike."""
-    c = vulnerability.criterion(crit)
+    c = [vulnerability.criterion(crit)]
     eng = vulnerability.FastEngine(model, inputs)
-    naive = vulnerability.NaiveEngine(model, inputs)
+    naive = vulnerability.NaiveEngine(model, inputs, golden=eng.golden)
     failed = np.zeros(len(faults), bool)
     for idx in _chunks(faults, eng):
         chunk = [faults[i] for i in idx]
         out = eng.run(chunk, independent=indep)
-        margin = c.margin(eng.golden, out)
-        bad = ~torch.isfinite(out.reshape(len(out), -1)).all(1)
-        if margin is not None:
-            bad |= margin.reshape(len(out), -1).amin(1) < 1e-5
+        fails, margin = judge(c, eng.golden, out)  # as the campaign judges
+        bad = ~torch.isfinite(out.reshape(len(out), -1)).all(1) | (margin < 1e-5)
         redo = bad.nonzero().flatten().tolist()
         if redo:
             again = [chunk[i] for i in redo]
             act = chunk[0].kind == "activation"  # re-run packed, as the campaign does
             out[redo] = hooked(eng, again, indep) if act else naive.run(again)
-        failed[idx] = c.judge(eng.golden, out).reshape(len(out), -1).any(1).cpu().numpy()
+            fails, _ = judge(c, eng.golden, out)
+        failed[idx] = fails[c[0].name].reshape(len(out), -1).any(1).cpu().numpy()
     return failed
 
 

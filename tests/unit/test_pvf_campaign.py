@@ -149,3 +149,40 @@ def test_fault_list_save_load_roundtrip(tmp_path, digits: models.ReferenceModel)
     faults.save(tmp_path / "f.parquet")
     back = vulnerability.FaultList.load(tmp_path / "f.parquet")
     assert back.faults == faults.faults and back.seed == 4 and back.population == faults.population
+
+
+@pytest.mark.parametrize("shape", [(50, 6), (50,)], ids=["classes", "logit"])
+def test_judging_only_changed_inputs_gives_the_full_verdicts(shape: tuple[int, ...]) -> None:
+    from stalwart.vulnerability import judging
+
+    g = torch.Generator().manual_seed(0)
+    golden = torch.randn(*shape, generator=g)
+    out = golden.unsqueeze(0).repeat(40, *[1] * len(shape))
+    hit = torch.randint(0, 50, (40, 3), generator=g)
+    for k in range(40):  # a few inputs per trial change: large, tiny, NaN, Inf
+        out[k, hit[k]] = out[k, hit[k]] * torch.randn(3, *shape[1:], generator=g) * 3
+    out[3, hit[3, 0]], out[5, hit[5, 1]] = torch.nan, torch.inf
+    out[7, hit[7, 2]] = golden[hit[7, 2]] + 1e-7
+    names = ["top1", "top2", "dev>0.05"] if len(shape) == 2 else ["decision", "ctr>0.01"]
+    crits = vulnerability.criteria.criteria(names, None)
+    assert judging._changed_inputs(golden, out) is not None  # the shortcut is taken
+    fast = judging.judge(crits, golden, out)
+    slow = judging.judge([_Wrapped(c) for c in crits], golden, out)  # not row-wise: full
+    for c in crits:
+        assert torch.equal(fast[0][c.name], slow[0][c.name]), c.name
+    torch.testing.assert_close(fast[1], slow[1], rtol=0, atol=0, equal_nan=True)
+    same = judging.judge(crits, golden, golden.unsqueeze(0).repeat(3, *[1] * len(shape)))
+    assert all(not f.any() for f in same[0].values())  # nothing changed: nothing judged
+
+
+class _Wrapped:
+    """A criterion the campaign does not know to be row-wise (judged on every input)."""
+
+    def __init__(self, c: vulnerability.Criterion) -> None:
+        self.c, self.name, self.set_level = c, c.name, c.set_level
+
+    def judge(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+        return self.c.judge(golden, faulty)
+
+    def margin(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor | None:
+        return self.c.margin(golden, faulty)
