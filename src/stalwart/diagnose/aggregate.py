@@ -122,7 +122,7 @@ def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureG
     never sit in memory all at once (at 100 M rows: millions of rows of 20 strings)."""
     # DuckDB's GROUP BY of twenty text columns costs ten times the scan (failing rows are mostly
     # distinct): the rows come ungrouped and are grouped by their codes, whenever the rows held
-    # since the last grouping outnumber the groups twice over (memory follows the groups)
+    # since the last grouping outnumber the groups (memory follows the groups)
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(plan.exprs))
     rel = src.sql(
         f"SELECT {sel}, ({target_sql})::DOUBLE AS t FROM {{src}} WHERE ({target_sql}) > 0"
@@ -141,7 +141,7 @@ def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureG
     for batch in reader:
         parts.append((_dictionary_codes(batch, lookup), batch.column(n_cols).to_numpy(False)))
         held += batch.num_rows
-        if held >= max(2 * len(t), _BATCH_ROWS):
+        if held >= max(len(t), _BATCH_ROWS):
             codes, t = _regroup(codes, t, parts)
             parts, held = [], 0
     codes, t = _regroup(codes, t, parts)

@@ -210,7 +210,9 @@ def group_rows(codes: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray
         return codes, t
     h = row_hash(list(codes.T), len(codes))
     _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    if not np.array_equal(codes[first][inverse], codes):  # a collision: group exactly
+    # a collision (two distinct rows, one hash) is grouped exactly; checked column by column,
+    # so the check holds one column's temporaries, not a copy of the rows
+    if not all(np.array_equal(col[first][inverse], col) for col in codes.T):
         distinct, inverse = np.unique(codes, axis=0, return_inverse=True)
         return distinct, np.bincount(inverse.ravel(), weights=t, minlength=len(distinct))
     return codes[first], np.bincount(inverse, weights=t, minlength=len(first))
