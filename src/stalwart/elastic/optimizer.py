@@ -48,7 +48,7 @@ class ElasticOptimizer:
         """Whether this step already committed without this member (backup workers only).
 
         Poll it between micro-batches; when True, skip the rest and call :meth:`step` at once
-        (see :func:`stalwart.elastic.backup.too_late`). Always False without backup workers.
+        (see :func:`stalwart.elastic.backup_job.too_late`). Always False without backup workers.
         """
         return too_late(self.job)
 
