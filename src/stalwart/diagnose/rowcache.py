@@ -4,13 +4,14 @@ Every counting round (one per item-set length, two per selected finding) needs e
 Rescanning a DuckDB temporary table for each costs a scan and an Arrow conversion of all
 columns; here the rows are written once, column-major, as the smallest unsigned integers that
 hold each column's codes (one byte for up to 255 values), and each pass reads only the columns
-it counts, chunk by chunk with ``pread`` (the operating system's page cache keeps them hot; the
+it counts, chunk by chunk with plain reads (the operating system's page cache keeps them hot; the
 process holds one chunk at a time, so its resident memory stays that of a chunk).
 
 The masses are stored per written chunk: a chunk of plain events (total mass 1, failure mass 0
 or 1) keeps only its failure flags as bytes; any other chunk keeps both masses as float64.
 While the rows are written, the number of distinct coded rows is estimated (k minimum values
-of a 64-bit hash), so the caller can decide whether grouping them would pay.
+of a 64-bit hash), so the caller can decide whether grouping them would pay, and the sample by
+mass that counting's lower bounds use is drawn.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -69,7 +72,7 @@ class RowCache:
     stop_estimate: int | None = None
     """Stop estimating once more distinct rows than this were seen (the count only grows)."""
     _kmv: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    _fds: dict[str, int] = field(default_factory=dict)
+    _files_open: dict[str, BinaryIO] = field(default_factory=dict)
     _sample: dict[int, np.ndarray] = field(default_factory=dict)
     _sampled_weight: float = 0.0
     _rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
@@ -123,19 +126,19 @@ class RowCache:
     def _write(self, name: str, a: np.ndarray, row: int) -> None:
         # files stay open while the rows are written: opening and closing one per chunk cost
         # seven times the writes themselves (system time, ext4)
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = self._fds[name] = os.open(self._path(name), os.O_WRONLY | os.O_CREAT, 0o600)
-        view, offset = memoryview(a).cast("B"), row * a.itemsize
+        f = self._files_open.get(name)
+        if f is None:
+            f = self._files_open[name] = open(self._path(name), "wb", buffering=0)  # noqa: SIM115
+        f.seek(row * a.itemsize)
+        view = memoryview(a).cast("B")
         while view:
-            done = os.pwrite(fd, view, offset)
-            view, offset = view[done:], offset + done
+            view = view[f.write(view) or 0 :]
 
     def close(self) -> None:
         """Close the files the rows were written to."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for f in self._files_open.values():
+            f.close()
+        self._files_open.clear()
 
     def remove(self) -> None:
         """Delete the cache's files (a grouped cache replaces the rows)."""
@@ -165,8 +168,11 @@ class RowCache:
         """The rows chunk by chunk, in the order written, with the codes of ``columns`` only;
         with ``flags``, a chunk of plain events comes as its failure flags (uint8) and None."""
         wanted = [c for c in columns if c in self.dtypes]
-        fds = {name: os.open(self._path(name), os.O_RDONLY) for name in self._files(wanted)}
-        try:
+        with ExitStack() as stack:
+            fds = {
+                name: stack.enter_context(open(self._path(name), "rb", buffering=0))
+                for name in self._files(wanted)
+            }
             for start, n, plain in self.chunks:
                 cols = {c: _pread(fds[f"k{c}"], self.dtypes[c], start, n) for c in wanted}
                 if plain and flags:
@@ -179,9 +185,6 @@ class RowCache:
                     t = _pread(fds["t"], np.dtype(np.float64), start, n)
                     r = _pread(fds["r"], np.dtype(np.float64), start, n)
                 yield cols, t, r
-        finally:
-            for fd in fds.values():
-                os.close(fd)
 
     def _files(self, wanted: list[int]) -> list[str]:
         names = [f"k{c}" for c in wanted] + ["t8"]
@@ -218,14 +221,15 @@ def group_rows(codes: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return codes[first], np.bincount(inverse, weights=t, minlength=len(first))
 
 
-def _pread(fd: int, dtype: np.dtype, start: int, n: int) -> np.ndarray:
+def _pread(f: BinaryIO, dtype: np.dtype, start: int, n: int) -> np.ndarray:
     out = np.empty(n, dtype=dtype)
     view = memoryview(out).cast("B")
-    offset, done = start * dtype.itemsize, 0
+    f.seek(start * dtype.itemsize)
+    done = 0
     while done < out.nbytes:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(f"row cache file ended early at byte {offset + done}")
+        got = f.readinto(view[done:])
+        if not got:
+            raise OSError(f"row cache file {f.name!r} ended early at byte {f.tell()}")
         done += got
     return out
 
