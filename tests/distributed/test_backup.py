@@ -188,6 +188,7 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     assert noise_scale(pair, [torch.tensor([1.0, 0.0])]) == pytest.approx(0.5 / 0.75)
     assert math.isnan(noise_scale(pair[:1], pair[0]))
     assert backup_count(1, 3) == 2 and backup_count(5, 3) == 1 and backup_count(Dynamic(), 4) == 4
+    assert backup_count(Dynamic(partial=True), 3) == 2 and backup_count(Static(1), 3) == 2
     with pytest.raises(ConfigError):
         Dynamic(window=0)
 
