@@ -182,8 +182,10 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     close = [{0: 1.0, 1: 1.0, 2: 1.3}] * 3
     assert d.choose(close, 3, noise=1e9) == 3, "noisy: every gradient counts"
     assert d.choose(close, 3, noise=0.0) == 2, "exact: the step rate counts"
-    partial = Dynamic(partial=True)  # the slow member's 1/1.3 share counts: k=2 loses little
-    assert partial.choose(close, 3, noise=1e9) == 2
+    slower = [{0: 1.0, 1: 1.0, 2: 1.5}] * 3
+    assert d.choose(slower, 3, noise=1e9) == 3, "dropping a 2/3 share does not pay"
+    partial = Dynamic(partial=True)  # the slow member's share (2/3 less a quarter) counts
+    assert partial.choose(slower, 3, noise=1e9) == 2
     pair = [[torch.tensor([1.0, 0.5])], [torch.tensor([1.0, -0.5])]]
     assert noise_scale(pair, [torch.tensor([1.0, 0.0])]) == pytest.approx(0.5 / 0.75)
     assert math.isnan(noise_scale(pair[:1], pair[0]))

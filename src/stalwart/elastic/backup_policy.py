@@ -23,7 +23,8 @@ noise-dominated. Before the commit's cost is measured (an epoch's first step), `
 2306.10598): the members still computing when the ``k``-th contribution arrives stop at their
 next micro-batch and send what they have, weighted by the share they computed (see
 :mod:`stalwart.elastic.backup`). Then a smaller ``k`` loses less: ``progress`` counts each
-slower member's share ``T(k) / t_i`` of its batch instead of nothing.
+slower member's share ``T(k) / t_i`` of its batch, less what stopping at a micro-batch
+boundary loses (``boundary``), instead of nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class Dynamic:
         min_k: never commit with fewer contributions than this.
         partial: late members send the micro-batches they finished (see :class:`Static`).
         grace: how long the reducer waits for partial contributions, in step intervals.
+        boundary: with ``partial``, the share of a batch a slower member is expected to lose
+            by stopping at a micro-batch boundary (a quarter: one of 4 micro-batches, or half
+            of one of 2); without it, two members with close times made ``k - 1`` look as
+            good as ``k`` and the second one's last micro-batch was lost.
     """
 
     window: int = 10
@@ -78,6 +83,7 @@ class Dynamic:
     min_k: int = 1
     partial: bool = False
     grace: float = 0.5
+    boundary: float = 0.25
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.margin < 0 or self.min_k < 1 or self.grace < 0:
@@ -99,8 +105,10 @@ class Dynamic:
             return size  # nothing measured yet: wait for all
         ordered = [sorted(t.values()) + [math.inf] * (size - len(t)) for t in steps]
         t_k = [statistics.median(o[k - 1] for o in ordered) for k in range(1, size + 1)]
-        share = [statistics.median(k + sum(min(1.0, o[k - 1] / t) for t in o[k:]) for o in ordered)
-                 if self.partial else k for k in range(1, size + 1)]  # fmt: skip
+        lost = self.boundary  # a share stops at a micro-batch boundary: less than T(k)/t_i
+        share = [statistics.median(k + sum(max(0.0, min(1.0, o[k - 1] / t) - lost) for t in o[k:])
+                                   for o in ordered) if self.partial else k
+                 for k in range(1, size + 1)]  # fmt: skip
 
         def rate(k: int) -> float:
             eff = share[k - 1]
