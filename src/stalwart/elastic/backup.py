@@ -188,7 +188,8 @@ class BackupRound:
         is gone) gives up at once instead of waiting for the store's timeout.
 
         Returns:
-            The result, and this member's ticket (arrival order, 1-based; > k: dropped).
+            The result, and this member's ticket (arrival order, 1-based; > k: dropped
+            unless a partial post of it is in ``result.used``).
 
         Raises:
             RuntimeError: abandoned, or the store timed out or is gone (a member died mid-step).
