@@ -2,7 +2,7 @@
 
     stalwart run --nproc 3 examples/slow_workers.py                   # Dynamic(partial=True)
     stalwart run --nproc 3 examples/slow_workers.py --backup 0        # synchronous, for contrast
-    stalwart run --nproc 3 examples/slow_workers.py --reduce adasum --backup 0
+    stalwart run --nproc 3 examples/slow_workers.py --reduce adasum     # synchronous Adasum
     python examples/slow_workers.py                                   # one process (world of one)
 
 Every step is 4 micro-batches of gradient accumulation; a different worker each step is made
@@ -46,7 +46,9 @@ def main() -> None:
     job = Job(stalwart.TrainingState(model=model, optimizer=opt))
     model = job.data_parallel(model, reduce=a.reduce)
     backup = Dynamic(partial=True) if a.backup == "dynamic" else Static(int(a.backup), True)
-    optimizer = job.optimizer(opt, backup=backup if job.size > 1 and a.backup != "0" else 0)
+    # backup steps average through the coordinator's store: Adasum runs synchronous steps
+    use = job.size > 1 and a.backup != "0" and a.reduce == "mean"
+    optimizer = job.optimizer(opt, backup=backup if use else 0)
     held_out = batch(-1, 0)
     t0 = time.time()
     while job.step < a.steps:
