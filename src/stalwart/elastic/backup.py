@@ -259,10 +259,11 @@ class BackupRound:
             times = self._times(epoch, step, size, mine_s)
         if isinstance(self.backup, Dynamic):
             w = self.backup.window
-            full = [ts[:n_grads] for head, ts in parts if head[2] == 1.0]
-            full_mean = avg[:n_grads] if len(full) == len(parts) else [
-                mean([f[j] for f in full]) for j in range(n_grads)] if full else []  # fmt: skip
-            phi = noise_scale(full, full_mean)
+            full = [ts[:n_grads] for head, ts in parts if head[2] == 1.0]  # the noise needs
+            full_mean = avg[:n_grads]  # equal batches: partial shares are left out of it
+            if 2 <= len(full) < len(parts):
+                full_mean = [mean([f[j] for f in full]) for j in range(n_grads)]
+            phi = noise_scale(full, full_mean)  # nan below two full contributions
             noise = tuple(v for v in (*(prev.noise if prev else ()), phi) if not math.isnan(v))[-w:]
             if prev:  # none yet: the commit's cost is unknown, wait for all
                 cost = max(0.0, intervals[-1] - sorted(mine_s.values())[k - 1])
