@@ -193,6 +193,8 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
     assert backup_count(Dynamic(partial=True), 3) == 2 and backup_count(Static(1), 3) == 2
     with pytest.raises(ConfigError):
         Dynamic(window=0)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        Static(-1)
 
 
 def test_wire_round_trip_is_bit_exact_for_any_dtype() -> None:
