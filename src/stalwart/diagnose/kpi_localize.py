@@ -30,10 +30,12 @@ __all__ = ["kpi_leaves", "localize_frame", "localize_kpi", "params"]
 _TINY = 1e-12
 _BATCH = 1 << 20
 """Leaves per batch on their way from DuckDB to NumPy."""
-_LEAF_BYTES = 150
+_LEAF_BYTES = 160
 """Bytes per leaf the search's arrays and its largest per-cuboid temporaries take beside the
 codes and KPI columns (measured on a RiskLoc H case, 24 M leaves of six attributes: peak RSS
-4.26 GB in the second stage, of which about 0.4 GB the interpreter; see ``_check_budget``)."""
+4.26 GB in the second stage, of which about 0.4 GB the interpreter; see ``_check_budget``;
+summing a dense cube's layers together adds about 9 bytes a leaf, 171 -> 180 over the leaves
+on an H-shaped cube of 2.4 M leaves)."""
 _RELEASE_LIMIT = "64MB"
 """DuckDB's limit for a moment after the leaves are fetched, to empty its buffer pool."""
 _PROCESS_BYTES = 250 * 10**6

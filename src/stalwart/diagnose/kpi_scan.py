@@ -77,12 +77,12 @@ def _best(
             if not ok.any():
                 continue
             risk = np.full(n, -np.inf)
-            risk[ok] = purity[ok] - p.misfit_weight * ripple_misfit(st, ids, n, ok[ids])[ok]
+            risk[ok] = purity[ok] - p.misfit_weight * ripple_misfit(st, ids(), n, ok[ids()])[ok]
             s = np.where(risk >= p.risk, s, -np.inf)
             e = int(np.argmax(s))
             if s[e] > floor:
-                row = st.codes[int(np.argmax(ids == e))]
-                best = (float(s[e]), tuple((c, int(row[c])) for c in cols))
+                codes = sums.element_codes(st, cols, ids, e)
+                best = (float(s[e]), tuple(zip(cols, codes, strict=True)))
     return best
 
 
@@ -90,13 +90,13 @@ def _far(st: State, far: float, p: SearchParams, total_ep: float, room: int) -> 
     """Single leaves moved ``far`` or more the anomaly's way (oriented deviation), largest share
     of the deviation first, each as the element of all its attributes."""
     out: list[Cause] = []
-    for i in np.argsort(-st.ep):
-        if len(out) >= room or st.ep[i] <= 0:
+    near = np.flatnonzero((st.ep > 0) & (st.x >= far))
+    for i in near[np.argsort(-st.ep[near], kind="stable")]:
+        if len(out) >= room:
             break
-        if st.x[i] >= far:
-            cause = describe(st, tuple(enumerate(int(v) for v in st.codes[i])), total_ep, p)
-            if cause.purity - cause.misfit >= p.risk:
-                out.append(cause)
+        cause = describe(st, tuple(enumerate(int(v) for v in st.codes[i])), total_ep, p)
+        if cause.purity - cause.misfit >= p.risk:
+            out.append(cause)
     return out
 
 

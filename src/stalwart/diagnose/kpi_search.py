@@ -43,7 +43,7 @@ from stalwart.diagnose.kpi_scores import (
     prepare,
     ripple_misfit,
 )
-from stalwart.diagnose.kpi_sums import ElementSums
+from stalwart.diagnose.kpi_sums import ElementSums, Ids
 from stalwart.diagnose.score import overall_confidence
 
 __all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "search"]
@@ -65,7 +65,7 @@ class _Cuboid:
     """Element scores of one cuboid over the live leaves (misfit only where it can matter)."""
 
     cols: tuple[int, ...]
-    ids: np.ndarray
+    ids: Ids
     ep: np.ndarray
     purity: np.ndarray
     misfit: np.ndarray
@@ -88,8 +88,7 @@ def _score(
     misfit = np.full(n, np.inf)
     want = (ep > floor) & (purity >= p.risk)
     if want.any():
-        leaf = want[ids]
-        misfit[want] = p.misfit_weight * ripple_misfit(st, ids, n, leaf)[want]
+        misfit[want] = p.misfit_weight * ripple_misfit(st, ids(), n, want[ids()])[want]
     return _Cuboid(cols, ids, ep, purity, misfit)
 
 
@@ -126,7 +125,8 @@ def _layer(
         fb = np.where(cub.purity > 0, np.maximum(cub.ep, 0.0) * cub.purity, -np.inf)
         e = int(np.argmax(fb))
         if fb[e] > 0:
-            fallback.append(_Candidate(_items(st, cub, e), float(fb[e]), float(cub.purity[e])))
+            items = tuple(zip(cols, sums.element_codes(st, cols, cub.ids, e), strict=True))
+            fallback.append(_Candidate(items, float(fb[e]), float(cub.purity[e])))
     return best, fallback
 
 
@@ -144,17 +144,12 @@ def _fallback(st: State, picks: list[_Candidate], p: SearchParams) -> _Candidate
     return best
 
 
-def _items(st: State, cub: _Cuboid, e: int) -> tuple[tuple[int, int], ...]:
-    """Element ``e`` of ``cub`` as (column, code) pairs."""
-    row = st.codes[int(np.argmax(cub.ids == e))]
-    return tuple((c, int(row[c])) for c in cub.cols)
-
-
-def _cause(st: State, pick: _Pick, total_ep: float, p: SearchParams) -> tuple[Cause, np.ndarray]:
+def _cause(
+    st: State, sums: ElementSums, pick: _Pick, total_ep: float, p: SearchParams
+) -> tuple[Cause, np.ndarray]:
     cub, e = pick.cuboid, pick.element
-    mask = cub.ids == e
-    row = st.codes[int(np.argmax(mask))]
-    return describe(st, tuple((c, int(row[c])) for c in cub.cols), total_ep, p), mask
+    items = tuple(zip(cub.cols, sums.element_codes(st, cub.cols, cub.ids, e), strict=True))
+    return describe(st, items, total_ep, p), cub.ids() == e
 
 
 def _generalize(
@@ -232,7 +227,7 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
                 break
         if found is None:
             break
-        cause, mask = _cause(st, found, total_ep, p)
+        cause, mask = _cause(st, sums, found, total_ep, p)
         found = None  # its cuboid's per-leaf ids are not needed in the next round
         if causes and cause.ep < p.stop_share * max(c.ep for c in causes):
             break

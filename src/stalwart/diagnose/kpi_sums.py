@@ -3,26 +3,41 @@ the per-leaf scores over each element, kept current as found causes remove leave
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ElementSums", "element_ids", "weights"]
+__all__ = ["ElementSums", "Ids", "cell_ids", "element_ids", "weights"]
 
 _CACHE_IDS = 10_000_000
 """Most element ids (leaves x cuboids) held for the whole search; beyond it, recount each round."""
+
+_DENSE_CELLS = 4
+"""A cube of at most this many cells per leaf (plus 1024) is summed as a dense array."""
+
+Ids = Callable[[], np.ndarray]
+"""A cuboid's element id per live leaf, computed when first asked for (most cuboids' sums are
+read without them)."""
+
+
+def cell_ids(codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]) -> np.ndarray:
+    """Each leaf's element in a cuboid as its cell's index in the cuboid's full grid."""
+    key = codes[:, cols[0]].astype(np.int64)
+    for c in cols[1:]:
+        key *= cards[c]
+        key += codes[:, c]
+    return key
 
 
 def element_ids(
     codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]
 ) -> tuple[np.ndarray, int]:
     """Each leaf's element in a cuboid, as dense-ish ids, and how many ids there are."""
-    key = codes[:, cols[0]].astype(np.int64)
-    size = cards[cols[0]]
-    for c in cols[1:]:
-        key *= cards[c]
-        key += codes[:, c]
-        size *= cards[c]
+    key = cell_ids(codes, cols, cards)
+    size = math.prod(cards[c] for c in cols)
     if size <= 4 * len(codes) + 1024:
         return key, size
     uniq, inv = np.unique(key, return_inverse=True)
@@ -36,33 +51,107 @@ def weights(st: Any) -> tuple[np.ndarray, ...]:
     return st.ep, st.w_abnormal, st.w_all, st.moved, np.abs(st.moved), ab
 
 
+def _lazy(codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]) -> Ids:
+    memo: list[np.ndarray] = []
+
+    def ids() -> np.ndarray:
+        if not memo:
+            memo.append(cell_ids(codes, cols, cards))
+        return memo[0]
+
+    return ids
+
+
 class ElementSums:
     """Each cuboid's element sums over the live leaves, kept current by subtracting the leaves
     a found cause removes: a cuboid is summed once per search, not once per round (skipped
-    when the element ids of every cuboid would not fit in ``_CACHE_IDS``)."""
+    when the element ids of every cuboid would not fit in ``_CACHE_IDS``).
+
+    Beyond that, when the cube is dense (every combination of values a leaf, as in RiskLoc's
+    recipes: at most 4 cells a leaf), a layer's cuboids are summed together: each score is
+    counted once into the full cube's cells and every cuboid of the layer is a sum over the
+    cube's other axes, so a layer of ``C(d, k)`` cuboids costs one pass over the leaves per
+    score, not ``C(d, k)``. The sums of the layer last asked for are kept until leaves are
+    removed.
+    """
 
     def __init__(self, first: Any, cards: tuple[int, ...]) -> None:
         self.codes, self.cards = first.codes, cards
         """Every leaf's codes (the search's first state's, which later states shrink)."""
         self.on = len(first.codes) * (2 ** len(cards) - 1) <= _CACHE_IDS
+        self.dense = not self.on and math.prod(cards) <= _DENSE_CELLS * len(first.codes) + 1024
         self.ids: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         self.sums: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.cell: np.ndarray | None = None
+        """Dense cube: the live leaves' cells, until leaves are removed."""
+        self.memo: dict[int, dict[tuple[int, ...], np.ndarray]] = {}
+        """Dense cube: per score, cuboid sums kept as parents until leaves are removed."""
 
-    def get(self, st: Any, cols: tuple[int, ...]) -> tuple[np.ndarray, int, list[np.ndarray]]:
-        """The live leaves' element ids in ``cols``, how many ids, and the sums."""
+    def get(self, st: Any, cols: tuple[int, ...]) -> tuple[Ids, int, list[np.ndarray]]:
+        """The live leaves' element ids in ``cols`` (when called), how many ids, and the sums."""
+        if self.dense:
+            if cols not in self.sums:
+                self.sums = self._layer(st, len(cols))
+            n = math.prod(self.cards[c] for c in cols)
+            return _lazy(st.codes, cols, self.cards), n, self.sums[cols]
         if not self.on:
             ids, n = element_ids(st.codes, cols, self.cards)
-            return ids, n, [np.bincount(ids, weights=w, minlength=n) for w in weights(st)]
+            sums = [np.bincount(ids, weights=w, minlength=n) for w in weights(st)]
+            return (lambda: ids), n, sums
         if cols not in self.ids:
             full, n = element_ids(self.codes, cols, self.cards)
             self.ids[cols] = (full, n)
             live = full[st.index]
             self.sums[cols] = [np.bincount(live, weights=w, minlength=n) for w in weights(st)]
         full, n = self.ids[cols]
-        return full[st.index], n, self.sums[cols]
+        return (lambda: full[st.index]), n, self.sums[cols]
+
+    def element_codes(self, st: Any, cols: tuple[int, ...], ids: Ids, e: int) -> tuple[int, ...]:
+        """The value codes of element ``e`` of cuboid ``cols`` (from its id when it is the
+        element's cell, without a pass over the leaves)."""
+        if self.dense:
+            return tuple(int(v) for v in np.unravel_index(e, [self.cards[c] for c in cols]))
+        row = st.codes[int(np.argmax(ids() == e))]
+        return tuple(int(row[c]) for c in cols)
+
+    def _layer(self, st: Any, layer: int) -> dict[tuple[int, ...], list[np.ndarray]]:
+        """Every cuboid of ``layer`` attributes: its sums over the live leaves, from the full
+        cube's cell sums (one score's cube at a time). A cuboid is summed from its smallest
+        parent (itself plus the missing attribute of fewest values); parents up to a sixteenth
+        of the cube are kept until leaves are removed, so the full cube is counted once per
+        score and layer at most, and read a few times, not once per cuboid."""
+        full = tuple(range(len(self.cards)))
+        if self.cell is None:
+            self.cell = cell_ids(st.codes, full, self.cards)
+        out: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for i, w in enumerate(weights(st)):
+            memo = self.memo.setdefault(i, {})
+            for cols in itertools.combinations(full, layer):
+                out.setdefault(cols, []).append(self._marginal(memo, cols, w).ravel())
+            memo.pop(full, None)
+        return out
+
+    def _marginal(
+        self, memo: dict[tuple[int, ...], np.ndarray], cols: tuple[int, ...], w: np.ndarray
+    ) -> np.ndarray:
+        if cols in memo:
+            return memo[cols]
+        cards, size = self.cards, math.prod(self.cards)
+        if len(cols) == len(cards):
+            got = np.bincount(self.cell, weights=w, minlength=size).reshape(cards)
+        else:
+            add = min((a for a in range(len(cards)) if a not in cols), key=lambda a: cards[a])
+            parent = tuple(sorted((*cols, add)))
+            got = self._marginal(memo, parent, w).sum(axis=parent.index(add))
+        if len(cols) == len(cards) or got.size * 16 <= size:
+            memo[cols] = got
+        return got
 
     def remove(self, st: Any, mask: np.ndarray) -> None:
         """Take the live leaves in ``mask`` out of every cached cuboid's sums."""
+        if self.dense:
+            self.sums, self.cell, self.memo = {}, None, {}
+            return
         gone = st.keep(mask)
         for cols, (full, n) in self.ids.items():
             ids = full[gone.index]

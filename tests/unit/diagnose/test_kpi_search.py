@@ -176,6 +176,34 @@ def test_small_deep_causes_under_broad_ones_are_found_by_the_second_stage(seed: 
     assert {c.items for c in first.causes} == {((0, 0),), ((0, 1),)}
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuboid_sums_kept_recounted_or_from_the_dense_cube_agree(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The three ways ElementSums counts (cuboids kept for the whole search, recounted every
+    round, or every cuboid of a layer summed from the full cube's cells, as H-sized cubes
+    are) find the same causes with the same scores, on a cube with broad, deep and single-leaf
+    causes where both stages and several removal rounds run."""
+    from stalwart.diagnose import kpi_sums
+
+    codes, cards, actual, forecast = _deep_and_broad(seed)
+    order = np.random.default_rng(seed).permutation(len(codes))  # leaves in any order
+    leaves = kpi_leaves(codes[order], cards, (actual[order],), (forecast[order],))
+    got = {}
+    for mode, cache, dense in (("kept", 10**9, 4), ("recount", 0, 0), ("dense", 0, 4)):
+        monkeypatch.setattr(kpi_sums, "_CACHE_IDS", cache)
+        monkeypatch.setattr(kpi_sums, "_DENSE_CELLS", dense)
+        got[mode] = search(leaves)
+    assert len(got["kept"].causes) >= 4
+    for mode in ("recount", "dense"):
+        assert [c.items for c in got[mode].causes] == [c.items for c in got["kept"].causes]
+        for a, b in zip(got[mode].causes, got["kept"].causes, strict=True):
+            assert a.ep == pytest.approx(b.ep, rel=1e-9, abs=1e-12)
+            assert a.purity == pytest.approx(b.purity, rel=1e-9)
+            assert a.leaves == b.leaves
+        assert got[mode].confidence == pytest.approx(got["kept"].confidence, rel=1e-9)
+
+
 def test_leaves_reach_numpy_in_the_smallest_code_type_and_a_too_small_budget_is_refused() -> None:
     cols, forecast, actual = _cube(0)
     src = open_source(_table(cols, actual, forecast))
