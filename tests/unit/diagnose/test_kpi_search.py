@@ -214,3 +214,52 @@ def test_leaves_reach_numpy_in_the_smallest_code_type_and_a_too_small_budget_is_
     opts = DiagnoseOptions(memory_limit="100MB")
     with pytest.raises(ConfigError, match=r"needs about .* for 360 leaves.* raise memory_limit"):
         localize(_table(cols, actual, forecast), "actual", "forecast", options=opts)
+
+
+def test_rows_summed_in_numpy_or_grouped_in_duckdb_give_the_same_leaves() -> None:
+    """Rows that fit the budget reach NumPy as they are and rows of one leaf are summed there;
+    rows that do not are grouped by DuckDB first. Both give the same leaves and sums, and a
+    column with more than 255 values widens the codes to uint16 either way."""
+    rng = np.random.default_rng(0)
+    n = 100_000
+    a = [f"a{i}" for i in rng.integers(0, 300, n)]
+    b = [f"b{i}" for i in rng.integers(0, 4, n)]
+    actual, forecast = rng.random(n), rng.random(n)
+    src = open_source(pa.table({"a": a, "b": b, "actual": actual, "forecast": forecast}))
+    got = {}
+    # 100,000 rows need ~268 MB as leaves, the 1,200 leaves ~250 MB: the second run groups.
+    for way, limit in (("numpy", None), ("duckdb", "260MB")):
+        codes, values, k = _leaves(src, ('"a"', '"b"'), ["actual", "forecast"], limit)
+        assert codes.dtype == np.uint16 and len(codes) == 1200
+        got[way] = {
+            (values[0][x], values[1][y]): (s, f)
+            for (x, y), s, f in zip(codes.tolist(), k[0], k[1], strict=True)
+        }
+    assert got["numpy"].keys() == got["duckdb"].keys()
+    for leaf, (s, f) in got["numpy"].items():
+        assert got["duckdb"][leaf] == pytest.approx((s, f), rel=1e-12)
+    want = {(x, y): 0.0 for x, y in zip(a, b, strict=True)}
+    for x, y, s in zip(a, b, actual, strict=True):
+        want[(x, y)] += s
+    assert {leaf: v[0] for leaf, v in got["numpy"].items()} == pytest.approx(want, rel=1e-9)
+
+
+def test_noise_cut_from_the_largest_values_equals_the_cut_from_all_of_them() -> None:
+    """The noise cut (the (trim + 1)-th largest distinct move against the anomaly) is taken
+    from a partition of the largest values when there are many: the same value as sorting
+    every distinct value, ties and few distinct values included."""
+    from stalwart.diagnose.kpi_scores import noise_cut
+
+    def by_sorting(x: np.ndarray, trim: int) -> float:
+        against = np.unique(-x[x < 0])
+        return float(against[-1 - min(trim, (len(against) - 1) // 2)]) if len(against) else 0.0
+
+    rng = np.random.default_rng(0)
+    for case in range(400):
+        x = rng.normal(0, 1, int(rng.integers(0, 6000)))
+        if case % 3 == 0:
+            x = np.round(x, int(rng.integers(0, 3)))  # many ties among the largest
+        if case % 7 == 0:
+            x[: len(x) // 2] = -0.5
+        trim = int(rng.integers(0, 12))
+        assert noise_cut(x, trim) == by_sorting(x, trim)
