@@ -197,6 +197,26 @@ def test_dynamic_choice_maximises_contributions_per_second() -> None:
         Static(-1)
 
 
+def test_adasum_with_backup_workers_is_refused_in_either_order() -> None:
+    """A backup step combines contributions through the coordinator's store as a weighted mean,
+    so Adasum and backup workers together used to average silently: now a ConfigError that
+    says what to choose, whichever the loop configures first."""
+    from stalwart import TrainingState
+    from stalwart.elastic import Job
+    from stalwart.elastic.backup_job import check_reduce
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = Job(TrainingState(model=model, optimizer=opt))
+    job.data_parallel(model, reduce="adasum")
+    with pytest.raises(ConfigError, match="use reduce='mean' with backup workers"):
+        job.optimizer(opt, backup=Static(1, partial=True))
+    job.optimizer(opt)  # Adasum alone is fine
+    with pytest.raises(ConfigError, match="reduce='adasum'"):  # data_parallel after optimizer
+        check_reduce("adasum", True)
+    check_reduce("mean", True)
+
+
 def test_wire_round_trip_is_bit_exact_for_any_dtype() -> None:
     tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.zeros(0),
                torch.arange(6, dtype=torch.int64).reshape(2, 3)]  # fmt: skip

@@ -13,11 +13,24 @@ import torch
 
 from stalwart.elastic.backup import BackupRound
 from stalwart.elastic.backup_wire import Result, set_rng_state
+from stalwart.errors import ConfigError
 
 if TYPE_CHECKING:
     from stalwart.elastic.job import Job
 
-__all__ = ["commit_with_backup", "too_late"]
+__all__ = ["check_reduce", "commit_with_backup", "too_late"]
+
+
+def check_reduce(reduce: str, backup: bool) -> None:
+    """Refuse backup workers with a reduction other than the mean: a backup step combines the
+    contributions through the coordinator's store as a weighted mean of the rows computed, so
+    ``data_parallel(reduce="adasum")`` would silently average instead."""
+    if backup and reduce != "mean":
+        raise ConfigError(
+            f"backup workers average the first contributions through the coordinator and "
+            f"cannot combine them by data_parallel(reduce={reduce!r}): use reduce='mean' with "
+            "backup workers, or backup=0 to keep Adasum"
+        )
 
 
 def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any]) -> Any:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stalwart.elastic.backup import BackupRound, Dynamic, Static
-from stalwart.elastic.backup_job import commit_with_backup
+from stalwart.elastic.backup_job import check_reduce, commit_with_backup
 from stalwart.elastic.events import EventLog
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
@@ -111,9 +111,7 @@ class Job:
         self._backups: BackupRound | None = None
         self._listeners: list[Listener] = []
         self._stats, self._own_s = StepStats(stats_window), 0.0
-        self._needs_reconfigure = False
-        self._changed = False
-        self._closed = False
+        self._needs_reconfigure = self._changed = self._closed = False
         env = from_env()
         self._membership = Membership(env, min_size) if env else None
         self._events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
@@ -181,10 +179,11 @@ class Job:
         all-reduce). Returns ``model`` itself: nothing changes in the forward pass.
 
         Raises:
-            ConfigError: ``reduce`` is not one of ``"mean"``, ``"adasum"``.
+            ConfigError: ``reduce`` is not one of ``"mean"``, ``"adasum"``, or Adasum with backup.
         """
         if reduce not in REDUCTIONS:
             raise ConfigError(f"data_parallel(reduce={reduce!r}): use one of {REDUCTIONS}")
+        check_reduce(reduce, self._backups is not None)
         self._reduce = reduce
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         return model
@@ -198,6 +197,7 @@ class Job:
         commits each step with the first ``n - b`` members' gradients, late ones dropped or
         partial (:mod:`stalwart.elastic.backup`); elastic jobs only (needs the coordinator).
         """
+        check_reduce(self._reduce, backup != 0)
         if backup != 0 and self._membership is not None:
             self._backups = BackupRound(self._membership.store, backup)
         elif backup != 0 and self.size > 1:
