@@ -51,12 +51,13 @@ def weights(st: Any) -> tuple[np.ndarray, ...]:
     return st.ep, st.w_abnormal, st.w_all, st.moved, np.abs(st.moved), ab
 
 
-def _lazy(codes: np.ndarray, cols: tuple[int, ...], cards: tuple[int, ...]) -> Ids:
+def _once(compute: Ids) -> Ids:
+    """``compute``, run on the first call only (the state's arrays as they are then)."""
     memo: list[np.ndarray] = []
 
     def ids() -> np.ndarray:
         if not memo:
-            memo.append(cell_ids(codes, cols, cards))
+            memo.append(compute())
         return memo[0]
 
     return ids
@@ -94,7 +95,8 @@ class ElementSums:
                     self.sums = {c: v for c, v in self.sums.items() if len(c) <= d - 2}
                     self.sums.update(self._layers(st, (len(cols),)))
             n = math.prod(self.cards[c] for c in cols)
-            return _lazy(st.codes, cols, self.cards), n, self.sums[cols]
+            codes = st.codes
+            return _once(lambda: cell_ids(codes, cols, self.cards)), n, self.sums[cols]
         if not self.on:
             ids, n = element_ids(st.codes, cols, self.cards)
             sums = [np.bincount(ids, weights=w, minlength=n) for w in weights(st)]
@@ -105,7 +107,8 @@ class ElementSums:
             live = full[st.index]
             self.sums[cols] = [np.bincount(live, weights=w, minlength=n) for w in weights(st)]
         full, n = self.ids[cols]
-        return (lambda: full[st.index]), n, self.sums[cols]
+        index = st.index
+        return _once(lambda: full[index]), n, self.sums[cols]
 
     def element_codes(self, st: Any, cols: tuple[int, ...], ids: Ids, e: int) -> tuple[int, ...]:
         """The value codes of element ``e`` of cuboid ``cols`` (from its id when it is the
