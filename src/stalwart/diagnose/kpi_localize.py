@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from stalwart.diagnose.budget import duckdb_limit, parse_bytes
 from stalwart.diagnose.clean import plan_cleaning
 from stalwart.diagnose.kpi_search import KpiLeaves, Localized, SearchParams, search
+from stalwart.diagnose.kpi_sums import cell_ids
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding
 from stalwart.diagnose.source import Source, quote
@@ -272,9 +273,10 @@ def _group(
     """One row per distinct code tuple (the first's codes), its KPI columns summed; rows
     already distinct come back as they are (checked by counting cells when the cube is
     small enough, without sorting)."""
-    key = np.zeros(len(codes), dtype=np.int64)
-    for i, n in enumerate(cards):
-        key = key * n + codes[:, i]
+    if cards:
+        key = cell_ids(codes, tuple(range(len(cards))), cards)
+    else:
+        key = np.zeros(len(codes), dtype=np.int64)
     size = int(np.prod(cards, dtype=np.float64))
     if size <= 4 * len(codes) + 1024 and np.bincount(key, minlength=size).max(initial=0) <= 1:
         return codes, k
