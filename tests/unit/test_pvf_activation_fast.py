@@ -184,3 +184,56 @@ def test_graph_row_walk_equals_hook_path(make: type[nn.Module]) -> None:
         changed = (out[0] != eng.golden).any(1)
         assert not stopped.any()
         assert 0 < int(changed.sum()) < len(x)  # the change reached a neighbourhood only
+
+
+class UntraceableMixing(Untraceable):
+    """Untraceable and mixing samples (a batch mean): gathered rows must not be trusted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if h.dim() == 2:
+            h = F.relu(h - h.mean(0))
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("make", [Untraceable, UntraceableMixing], ids=["rows", "mixing"])
+def test_untraceable_rows_skip_the_prefix_and_equal_the_hook_path(
+    make: type[nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stalwart.vulnerability.activation_engine import hooked
+
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(12, 8)
+    eng = vulnerability.FastEngine(model, (x,))
+    assert not eng.traced and eng.eager is not None  # its golden run done
+    calls, real = [], nn.Linear.forward  # fc1's own forward (a stub replaces it per module)
+
+    def counted(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        calls.extend([1] if m is model.fc1 else [])
+        return real(m, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", counted)
+    fast, ref = [], []
+    for target, seed in (("fc2", 6), ("fc1", 7)):
+        faults = list(sample_activation_faults(model, (x,), 30, seed=seed, modules=[target]))
+        before = len(calls)
+        fast.append(eng.run(faults))
+        ran = len(calls) - before
+        ref.append(hooked(eng, faults, independent=True))
+        rows, k = torch.tensor([f.sample for f in faults]), torch.arange(len(faults))
+        others = torch.ones(fast[-1].shape[:2], dtype=torch.bool)
+        others[k, rows] = False
+        assert torch.equal(fast[-1][others], eng.golden.expand_as(fast[-1])[others])
+        if make is Untraceable:  # one pass of the faults' rows; fc1 is stubbed for fc2's
+            assert ran == (0 if target == "fc2" else 1)
+            assert torch.allclose(fast[-1], ref[-1], rtol=1e-5, atol=1e-6, equal_nan=True)
+        else:  # the fault-free rows moved with the gathered batch: the hook path decides
+            assert torch.equal(fast[-1].nan_to_num(), ref[-1].nan_to_num())
+    faults = sample_activation_faults(model, (x,), 60, seed=8)
+    kw = {"independent_samples": True}
+    got = vulnerability.run_campaign(model, x, faults, ["top1", "dev>0.1"], **kw)
+    if make is Untraceable:
+        slow = vulnerability.run_campaign(
+            model, x, faults, ["top1", "dev>0.1"], engine="naive", **kw
+        )
+        _same(got, slow)
