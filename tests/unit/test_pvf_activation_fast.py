@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart import inject, models, vulnerability
+from stalwart.errors import ConfigError
 from stalwart.vulnerability import sample_activation_faults
 
 
@@ -237,3 +238,31 @@ def test_untraceable_rows_skip_the_prefix_and_equal_the_hook_path(
             model, x, faults, ["top1", "dev>0.1"], engine="naive", **kw
         )
         _same(got, slow)
+
+
+class Folded(nn.Module):
+    """Untraceable, and fc1 sees two rows per input: its output's rows are not samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x.reshape(-1, 4))
+        if h.dim() == 2:
+            h = F.relu(h)
+        return self.fc2(h.reshape(len(x), -1))
+
+
+def test_a_module_whose_rows_are_not_samples_is_refused_or_run_as_dependent() -> None:
+    torch.manual_seed(0)
+    model, x = Folded().eval(), torch.randn(6, 8)
+    faults = sample_activation_faults(model, (x,), 30, seed=9, modules=["fc1"])
+    assert max(f.sample for f in faults) >= len(x)  # rows of fc1's output, not inputs
+    for engine in ("fast", "naive"):
+        with pytest.raises(ConfigError, match="independent_samples=False"):
+            vulnerability.run_campaign(model, x, faults, "top1", engine=engine)
+    kw = {"independent_samples": False}
+    crit = ["top1", "dev>0.1"]
+    fast = vulnerability.run_campaign(model, x, faults, crit, **kw)
+    _same(fast, vulnerability.run_campaign(model, x, faults, crit, engine="naive", **kw))
