@@ -266,3 +266,21 @@ def test_a_module_whose_rows_are_not_samples_is_refused_or_run_as_dependent() ->
     crit = ["top1", "dev>0.1"]
     fast = vulnerability.run_campaign(model, x, faults, crit, **kw)
     _same(fast, vulnerability.run_campaign(model, x, faults, crit, engine="naive", **kw))
+
+
+def test_untraceable_row_passes_are_capped_by_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.vulnerability import eager_rows
+    from stalwart.vulnerability.activation_engine import hooked
+
+    torch.manual_seed(0)
+    model, x = Untraceable().eval(), torch.randn(12, 8)
+    eng = vulnerability.FastEngine(model, (x,))
+    per_row = eng.eager.act_bytes // len(x)
+    monkeypatch.setattr(eager_rows, "_PASS_BYTES", 5 * per_row)  # 3 faults + 2 golden rows
+    faults = list(sample_activation_faults(model, (x,), 30, seed=6, modules=["fc2"]))
+    passes = []
+    model.register_forward_pre_hook(lambda *_: passes.append(1))
+    fast = eng.run(faults)
+    assert len(passes) >= 10  # 30 faults, 3 a pass
+    ref = hooked(eng, faults, independent=True)
+    assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
