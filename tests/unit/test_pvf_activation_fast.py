@@ -284,3 +284,22 @@ def test_untraceable_row_passes_are_capped_by_memory(monkeypatch: pytest.MonkeyP
     assert len(passes) >= 10  # 30 faults, 3 a pass
     ref = hooked(eng, faults, independent=True)
     assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+class FixedBatch(Untraceable):
+    """Untraceable and refuses any batch but its own: the gathered rows cannot run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) != 12:
+            raise ValueError(f"this model takes batches of 12, not {len(x)}")
+        return super().forward(x)
+
+
+def test_untraceable_model_that_refuses_the_gathered_batch_keeps_the_hook_path() -> None:
+    from stalwart.vulnerability.activation_engine import hooked
+
+    torch.manual_seed(0)
+    model, x = FixedBatch().eval(), torch.randn(12, 8)
+    faults = list(sample_activation_faults(model, (x,), 30, seed=6, modules=["fc2"]))
+    eng = vulnerability.FastEngine(model, (x,))
+    assert torch.equal(eng.run(faults), hooked(eng, faults, independent=True))
