@@ -87,3 +87,30 @@ def test_the_defaults_below_n_and_at_n() -> None:
     # compute-aware H by default only at k = N (below, equal phase times leave one out)
     assert Buffered(k=3).compute_aware_for(3) and not Buffered(k=2).compute_aware_for(3)
     assert Buffered(k=2, compute_aware=True).compute_aware_for(3)
+
+
+def test_a_version_of_more_than_n_contributions_ends_two_rounds() -> None:
+    """A member that posted two phases into one buffer: 4 of 3 members' worth after 2/3 of a
+    round ends two rounds (the second is this version's own average), and over any mix of
+    1-4 contributions a version there is one momentum update per 3 contributions."""
+    lr, beta = 0.5, 0.9
+    theta = [torch.zeros(4, 3, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)]
+    bufs: list[torch.Tensor | None] = [None, None]
+    pending = Pending()
+    d1, d2 = ([t.double() for t in d] for d in _deltas(2, 2))
+    assert delayed_nesterov(theta, d1, bufs, pending, mass=2 / 3, lr=lr, beta=beta) == 0
+    assert delayed_nesterov(theta, d2, bufs, pending, mass=4 / 3, lr=lr, beta=beta) == 2
+    m1 = (2 / 3 * d1[0] + 1 / 3 * d2[0]) / 1  # round 1: all of d1's mass, a third of d2
+    m2 = beta * m1 + d2[0]  # round 2: the rest of d2, one whole round
+    assert torch.allclose(bufs[0], m2)
+    want = -lr * (2 / 3 * d1[0] + 4 / 3 * d2[0]) - lr * beta * (m1 + m2)
+    assert torch.allclose(theta[0], want)
+    assert pending.rounds == 2 and pending.acc is None and pending.mass == 0.0
+    g = torch.Generator().manual_seed(3)
+    pending, bufs, theta = Pending(), [None], [torch.zeros(3)]
+    used = rounds = 0
+    for n in torch.randint(1, 5, (200,), generator=g).tolist():
+        rounds += delayed_nesterov(theta, [torch.ones(3)], bufs, pending, mass=n / 3, lr=0.1,
+                                   beta=0.9)  # fmt: skip
+        used += n
+        assert rounds == used // 3 == pending.rounds

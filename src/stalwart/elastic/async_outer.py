@@ -320,7 +320,7 @@ class AsyncOuter:
         self.adopt(v)  # the aggregator steps from version v exactly
         rates = self._rates()
         weights: list[float] = []
-        moved = False  # the momentum was updated (always, except delayed Nesterov mid-round)
+        moved = 0  # momentum updates (1, except delayed Nesterov: 0 mid-round, 2 for > N parts)
         if fresh:
             deltas, weights = combine(fresh, v, self.d.h)
             moved = self._step(deltas, len(fresh))
@@ -349,11 +349,11 @@ class AsyncOuter:
                     momentum=moved, assign=rec["assign"], members=self._members())  # fmt: skip
         self._forget(v + 1 - _KEEP)
 
-    def _step(self, deltas: list[torch.Tensor], used: int) -> bool:
+    def _step(self, deltas: list[torch.Tensor], used: int) -> int:
         """The outer step of one version: the optimizer's own, or delayed Nesterov (k < N).
 
         Returns:
-            Whether the momentum was updated.
+            How many times the momentum was updated.
         """
         members = self._members()
         params = self.d._global
@@ -363,10 +363,10 @@ class AsyncOuter:
                 g.grad = dlt
             self.d.outer.step()
             self.d.outer.zero_grad(set_to_none=True)
-            return True
+            return 1
         group, state = self.d.outer.param_groups[0], self.d.outer.state
         bufs = [state[g].get("momentum_buffer") for g in params]
-        mass = min(1.0, used / members)
+        mass = used / members  # a member may post two phases into one buffer: > 1
         moved = delayed_nesterov(params, deltas, bufs, self._pending, mass=mass,
                                  lr=group["lr"], beta=group["momentum"])  # fmt: skip
         for g, b in zip(params, bufs, strict=True):

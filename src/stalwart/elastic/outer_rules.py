@@ -19,7 +19,10 @@ updates the momentum once with the round's average and takes the Nesterov step; 
     A, M = e Δ_v, e
 
 so every contribution enters exactly one momentum update, and there is one momentum update
-per ``N`` contributions (for ``k = 2`` of 3: after versions 2, 3, 5, 6, ...).
+per ``N`` contributions (for ``k = 2`` of 3: after versions 2, 3, 5, 6, ...). A fast member
+can post two phases into one buffer, so a version may hold more than ``N`` contributions
+(``μ_v > 1``); the update then repeats while ``M >= 1``, each round it ends adding its
+``β m`` to the step.
 
 So per round the gradient is applied once (in pieces, as it arrives) and the momentum is
 updated and applied once, as in synchronous DiLoCo; with ``μ_v = 1`` for every version this
@@ -110,7 +113,7 @@ def delayed_nesterov(
     mass: float,
     lr: float,
     beta: float,
-) -> bool:
+) -> int:
     """One version's outer step by the delayed Nesterov rule (module docstring), in place.
 
     Args:
@@ -119,33 +122,37 @@ def delayed_nesterov(
         momentum_bufs: the momentum per parameter (None: zero); replaced in place when a
             round completes.
         pending: the round in progress (updated in place).
-        mass: the version's fraction of a round, ``used contributions / members`` (> 0).
+        mass: the version's fraction of a round, ``used contributions / members`` (> 0;
+            above 1 when a member posted two phases into one buffer).
         lr: the outer learning rate.
         beta: the outer momentum.
 
     Returns:
-        True when this version completed a round (the momentum was updated).
+        How many rounds this version completed (momentum updates): 0 or 1, or 2 when a
+        version of more than ``N`` contributions (a member that posted twice) ends two.
     """
     if pending.acc is None:
         pending.acc = [torch.zeros_like(d, dtype=torch.float64) for d in delta]
     for a, d in zip(pending.acc, delta, strict=True):
         a.add_(d.to(torch.float64), alpha=mass)
     pending.mass += mass
-    done = pending.mass >= 1.0 - 1e-9
-    excess = max(0.0, pending.mass - 1.0) if done else 0.0  # carried into the next round
-    carry = []
-    for j, (p, d) in enumerate(zip(params, delta, strict=True)):
-        step = d * mass if mass != 1.0 else d.clone()
-        if done:
+    steps = [d * mass if mass != 1.0 else d.clone() for d in delta]
+    rounds = 0
+    while pending.mass >= 1.0 - 1e-9:  # a version of more than N contributions ends two
+        excess = max(0.0, pending.mass - 1.0)  # carried into the next round
+        for j, d in enumerate(delta):
             spill = d.to(torch.float64) * excess
-            carry.append(spill)
             avg = ((pending.acc[j] - spill) / (pending.mass - excess)).to(d.dtype)
             buf = momentum_bufs[j]
             buf = avg.clone() if buf is None else buf.mul_(beta).add_(avg)
             momentum_bufs[j] = buf
-            step = step.add(buf, alpha=beta)
+            steps[j] = steps[j].add(buf, alpha=beta)
+            pending.acc[j] = spill
+        pending.mass, rounds = excess, rounds + 1
+    for p, step in zip(params, steps, strict=True):
         p.add_(step, alpha=-lr)
-    if done:
-        pending.acc = carry if excess > 1e-9 else None
-        pending.mass, pending.rounds = excess if excess > 1e-9 else 0.0, pending.rounds + 1
-    return done
+    if rounds:
+        if pending.mass <= 1e-9:
+            pending.acc, pending.mass = None, 0.0
+        pending.rounds += rounds
+    return rounds
