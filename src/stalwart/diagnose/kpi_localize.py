@@ -166,12 +166,17 @@ def _release(src: Source, memory_limit: str | None) -> None:
     src.sql(f"SET memory_limit = '{limit}'" if limit else "RESET memory_limit")
 
 
+def _fits(n: int, width: int, memory_limit: str | None) -> bool:
+    """Whether ``n`` leaves of ``width`` bytes of codes and KPI sums each fit the search."""
+    size = parse_bytes(memory_limit)
+    return size is None or _PROCESS_BYTES + n * (width + _LEAF_BYTES) <= size
+
+
 def _check_budget(n: int, width: int, memory_limit: str | None) -> None:
     """Refuse, before the leaves reach NumPy, a search that would outgrow ``memory_limit`` (the
     whole process' budget): ``n`` leaves of ``width`` bytes of codes and KPI sums each."""
-    size = parse_bytes(memory_limit)
     need = _PROCESS_BYTES + n * (width + _LEAF_BYTES)
-    if size is not None and need > size:
+    if not _fits(n, width, memory_limit):
         raise ConfigError(
             f"localize's KPI search needs about {need / 1e9:.1f} GB for {n:,} leaves (distinct "
             f"combinations of the attributes), more than memory_limit={memory_limit!r}: raise "
@@ -198,9 +203,7 @@ def _leaves(
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
     vals = [f"coalesce(CAST({quote(c)} AS DOUBLE), 0)" for c in kpi]
     rows = int(src.sql("SELECT count(*) FROM {src}").fetchall()[0][0])
-    try:
-        _check_budget(rows, len(exprs) + 8 * len(kpi), memory_limit)
-    except ConfigError:
+    if not _fits(rows, len(exprs) + 8 * len(kpi), memory_limit):
         return _grouped_leaves(src, sel, len(exprs), vals, memory_limit)
     cols = ", ".join(f"{v} AS k{i}" for i, v in enumerate(vals))
     reader = src.sql(f"SELECT {sel}, {cols} FROM {{src}}").to_arrow_reader(_BATCH)

@@ -3,6 +3,7 @@ the per-leaf scores over each element, kept current as found causes remove leave
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -51,18 +52,6 @@ def weights(st: Any) -> tuple[np.ndarray, ...]:
     return st.ep, st.w_abnormal, st.w_all, st.moved, np.abs(st.moved), ab
 
 
-def _once(compute: Ids) -> Ids:
-    """``compute``, run on the first call only (the state's arrays as they are then)."""
-    memo: list[np.ndarray] = []
-
-    def ids() -> np.ndarray:
-        if not memo:
-            memo.append(compute())
-        return memo[0]
-
-    return ids
-
-
 class ElementSums:
     """Each cuboid's element sums over the live leaves, kept current by subtracting the leaves
     a found cause removes: a cuboid is summed once per search, not once per round (skipped
@@ -96,7 +85,7 @@ class ElementSums:
                     self.sums.update(self._layers(st, (len(cols),)))
             n = math.prod(self.cards[c] for c in cols)
             codes = st.codes
-            return _once(lambda: cell_ids(codes, cols, self.cards)), n, self.sums[cols]
+            return functools.cache(lambda: cell_ids(codes, cols, self.cards)), n, self.sums[cols]
         if not self.on:
             ids, n = element_ids(st.codes, cols, self.cards)
             sums = [np.bincount(ids, weights=w, minlength=n) for w in weights(st)]
@@ -108,7 +97,7 @@ class ElementSums:
             self.sums[cols] = [np.bincount(live, weights=w, minlength=n) for w in weights(st)]
         full, n = self.ids[cols]
         index = st.index
-        return _once(lambda: full[index]), n, self.sums[cols]
+        return functools.cache(lambda: full[index]), n, self.sums[cols]  # once, on first use
 
     def element_codes(self, st: Any, cols: tuple[int, ...], ids: Ids, e: int) -> tuple[int, ...]:
         """The value codes of element ``e`` of cuboid ``cols`` (from its id when it is the

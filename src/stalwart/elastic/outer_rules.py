@@ -128,8 +128,8 @@ def delayed_nesterov(
         beta: the outer momentum.
 
     Returns:
-        How many rounds this version completed (momentum updates): 0 or 1, or 2 when a
-        version of more than ``N`` contributions (a member that posted twice) ends two.
+        How many rounds this version completed (momentum updates): 0 or 1, more when a
+        version holds more than ``N`` contributions (a member that posted twice).
     """
     if pending.acc is None:
         pending.acc = [torch.zeros_like(d, dtype=torch.float64) for d in delta]
@@ -138,7 +138,7 @@ def delayed_nesterov(
     pending.mass += mass
     steps = [d * mass if mass != 1.0 else d.clone() for d in delta]
     rounds = 0
-    while pending.mass >= 1.0 - 1e-9:  # a version of more than N contributions ends two
+    while pending.mass >= 1.0 - 1e-9:  # more than once for a version of > N contributions
         excess = max(0.0, pending.mass - 1.0)  # carried into the next round
         for j, d in enumerate(delta):
             spill = d.to(torch.float64) * excess
