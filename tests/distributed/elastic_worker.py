@@ -7,6 +7,10 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
                          [--min-size M] [--hold-at STEP --hold-size N] [--stats-window W]
+                         [--batchnorm] [--corrupt-at STEP --corrupt-worker W]
+
+``--corrupt-at`` flips one bit of a weight on worker ``W`` right after it commits step
+``STEP``, once per process (a silent data corruption that only the digests can see).
 """
 
 from __future__ import annotations
@@ -48,15 +52,23 @@ def main() -> None:
     parser.add_argument("--hold-at", type=int, default=-1, help="wait here for --hold-size")
     parser.add_argument("--hold-size", type=int, default=0)
     parser.add_argument("--stats-window", type=int, default=20)
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after layer 0")
+    parser.add_argument("--corrupt-at", type=int, default=-1)
+    parser.add_argument("--corrupt-worker", type=int, default=0)
     a = parser.parse_args()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    torch.manual_seed(0)  # and the other generators: the digest covers them (runs compare)
+    random.seed(0)
+    np.random.seed(0)
+    norm: list[nn.Module] = [nn.BatchNorm1d(16)] if a.batchnorm else []
+    model = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = stalwart.TrainingState(model=model, optimizer=opt)
     job = Job(state, min_size=a.min_size, verify_every=a.verify_every, stats_window=a.stats_window)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
+    wid = int(os.environ.get("STALWART_ELASTIC_WORKER", "0"))
+    corrupt = a.corrupt_at >= 0 and wid == a.corrupt_worker
     while job.step < a.steps:
         while job.step == a.hold_at and job.size < a.hold_size:
             job.refresh()  # wait for a replacement to join, so the test sees a heal
@@ -65,6 +77,10 @@ def main() -> None:
         F.mse_loss(model(x), y).backward()
         time.sleep(a.step_sleep)
         optimizer.step()
+        if corrupt and job.step == a.corrupt_at:
+            corrupt = False  # once: a rollback recomputes this step without it
+            with torch.no_grad():
+                model[0].weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
     job.close()
     print(f"worker {os.environ.get('STALWART_ELASTIC_WORKER', '-')}: done at step {job.step}")
     if a.out is not None:
@@ -123,4 +139,37 @@ def reconcile_policies(rank: int, world_size: int) -> dict[str, tuple[Any, ...]]
             state.model.weight.view(-1)[0] += 1e-6  # one silently different value
     step, found = reconcile(state, step + 1, rank, dist.group.WORLD)
     out["majority"] = (step, digest(state, step), found.received, found.mismatch, found.source)
+    return out
+
+
+def reconcile_rollback(rank: int, world_size: int) -> dict[str, Any]:
+    """Two members split with no majority: both go back to their last agreed state.
+
+    Both agree at step 1 (recorded), take one more step, then rank 0's copy is corrupted (the
+    rank the old tie rule trusted). The split rolls both back to step 1; the same split again
+    before a later agreement is persistent and raises.
+    """
+    import torch.distributed as dist
+
+    from stalwart.elastic.parity import reconcile
+    from stalwart.elastic.state import AgreedState, digest
+    from stalwart.errors import DistributedError
+
+    state, agreed = _tiny_state(), AgreedState()
+    _train_one(state)
+    step, _ = reconcile(state, 1, rank, dist.group.WORLD, agreed)
+    at_one = digest(state, step)
+    out: dict[str, Any] = {"recorded": agreed.step}
+    for attempt in ("first", "again"):
+        _train_one(state)
+        if rank == 0:
+            with torch.no_grad():
+                state.model.weight.view(-1)[0] += 1e-6  # one silently different value
+        try:
+            step, found = reconcile(state, 2, rank, dist.group.WORLD, agreed)
+        except DistributedError as e:
+            out[attempt] = str(e)
+            break
+        out[attempt] = (step, digest(state, step) == at_one, str(found.decision),
+                        found.rolled_back_from, found.mismatch)  # fmt: skip
     return out

@@ -51,7 +51,10 @@ _Nnodes = Annotated[
     str, typer.Option("--nnodes", help="MIN:MAX nodes with --rdzv; the first epoch waits for MIN.")
 ]
 _Json = Annotated[
-    bool, typer.Option("--json", help=JSON_HELP + " (the workers' stdout goes to stderr)")
+    bool,
+    typer.Option(
+        "--json", help=JSON_HELP + " (the workers' stdout goes to stderr)", metavar=""
+    ),  # a plain switch: no `<bool>` in --help
 ]
 
 
@@ -124,7 +127,8 @@ def _summary_table(result: Any) -> Table:
         ("workers started", s.workers),
         ("restarts", result.restarts),
         ("coordinator re-hosted", result.rehosts),
-        ("faults detected", s.faults),
+        ("faults (failed members)", s.faults),
+        ("fault reports (one per survivor)", s.fault_reports),
         ("steps discarded (most on one worker)", s.discarded_steps),
         ("heals (state received)", s.heals),
         ("parity mismatches", s.parity_mismatches),

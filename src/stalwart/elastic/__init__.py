@@ -20,17 +20,19 @@ How it holds together:
   boundaries; each epoch gets a fresh gloo group on ``PrefixStore(f"epoch{n}", store)``.
 * **Commit or discard** (:mod:`~stalwart.elastic.job`): one all-reduce per step carries the
   gradients, floating-point buffers, votes and a change flag. A failed collective discards
-  the step on that member (parameters, optimizer state and RNG as before it) and the next
+  the step on that member (parameters, optimizer state, buffers, RNG as before it); the next
   boundary joins the next epoch without the dead member.
 * **Partial results.** When a member dies inside the all-reduce, some survivors may have
   received the complete result (and committed) while others got an error (and discarded).
   Parity policy (:mod:`~stalwart.elastic.parity`): in the next epoch, members all-gather
   (committed step, digest); the members **ahead** win (their step is a valid step of the old
-  membership), then the majority; everyone else receives the winner's state peer to peer.
+  membership), then a strict majority; everyone else receives the winner's state peer to
+  peer. With no majority (two members, two digests) every member rolls back to its copy of
+  the last agreed state and the loop recomputes: the choice rests on evidence, never rank.
   So after every reconfiguration all members hold the same step and the same bytes.
 * **Verified parity**: digests (xxh3-128 over parameters, optimizer state, RNG and step) are
   compared after every heal and every ``verify_every`` steps; a mismatch is logged as an
-  event and the minority is repaired from the majority before the next commit.
+  event with the rule that decided, and repaired before the next commit.
 * **Events** (:mod:`~stalwart.elastic.events`): JSON lines per worker; the launcher's
   summary (restarts, discarded steps, heals, goodput) is computed from them.
 * **Hangs and stragglers** (:mod:`~stalwart.elastic.heartbeat`, :mod:`~stalwart.elastic.stats`):

@@ -12,6 +12,12 @@ Every member appends one line per step attempt and one per event::
 :class:`JobSummary`: steps reached, faults seen, step attempts discarded, heals, parity
 mismatches, and goodput: committed step time summed over workers divided by the workers'
 lifetimes (first to last line) summed.
+
+**Counting faults.** Every survivor of a failure writes its own ``fault-detected`` (a survivor
+cannot tell who died: gloo reports a closed connection), so one SIGKILL among three members
+gives two reports. A fault counts once per failed member: the reports of one epoch are one
+collective's failure, and its failed members are the epoch's members (listed in each report)
+that reported nothing. The raw count stays in ``fault_reports``.
 """
 
 from __future__ import annotations
@@ -76,7 +82,9 @@ class JobSummary:
     Attributes:
         workers: number of worker processes that wrote events.
         final_step: the highest committed step any worker reached.
-        faults: fault-detected events (one per survivor per fault).
+        faults: failed members: fault-detected reports deduplicated by epoch and member
+            (module docstring); one SIGKILL counts 1 however many survivors saw it.
+        fault_reports: fault-detected events (one per survivor per failure).
         discarded_steps: step attempts discarded, counted on the worker that lost most.
         heals: state-received events.
         parity_mismatches: digest comparisons that found members apart.
@@ -87,6 +95,7 @@ class JobSummary:
     workers: int = 0
     final_step: int = 0
     faults: int = 0
+    fault_reports: int = 0
     discarded_steps: int = 0
     heals: int = 0
     parity_mismatches: int = 0
@@ -99,6 +108,7 @@ def summarize(folder: Path) -> JobSummary:
     events = read_events(folder)
     s = JobSummary(workers=len(events))
     busy = alive = 0.0
+    by_epoch: dict[Any, tuple[set[int], set[int]]] = {}  # epoch -> (reporters, members)
     for wid, lines in events.items():
         if not lines:
             continue
@@ -107,11 +117,17 @@ def summarize(folder: Path) -> JobSummary:
         busy += sum(e.get("dt", 0.0) for e in steps if e["committed"])
         s.discarded_steps = max(s.discarded_steps, sum(not e["committed"] for e in steps))
         s.final_step = max([s.final_step] + [e["step"] for e in steps if e["committed"]])
-        s.faults += sum(e["kind"] == "fault-detected" for e in lines)
+        for e in lines:
+            if e["kind"] == "fault-detected":
+                s.fault_reports += 1
+                reporters, members = by_epoch.setdefault(e.get("epoch"), (set(), set()))
+                reporters.add(wid)
+                members.update(e.get("members", ()))
         s.heals += sum(e["kind"] == "state-received" for e in lines)
         s.parity_mismatches += sum(e["kind"] == "parity-mismatch" for e in lines)
         finish = [e for e in lines if e["kind"] == "finish"]
         if finish:
             s.final_digests[wid] = finish[-1]["digest"]
+    s.faults = sum(max(1, len(members - reporters)) for reporters, members in by_epoch.values())
     s.goodput = busy / alive if alive > 0 else 0.0
     return s

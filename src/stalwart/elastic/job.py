@@ -8,7 +8,7 @@ start), tells the coordinator, and marks the job for reconfiguration. Membership
 at step boundaries: at the next ``zero_grad()`` (or ``step()``), the member joins the next
 epoch published by the coordinator, builds its gloo group on a fresh
 ``PrefixStore(f"epoch{n}", store)``, and reconciles with the other members
-(:mod:`stalwart.elastic.parity`: the member ahead wins, then the majority), so that a
+(:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a rollback), so a
 newcomer and any member behind receive the committed state peer to peer.
 
 A newcomer announced by the coordinator is noticed by rank 0 of the epoch, which raises a
@@ -42,10 +42,10 @@ from stalwart.elastic.backup_job import check_reduce, commit_with_backup
 from stalwart.elastic.events import EventLog
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
-from stalwart.elastic.parity import ParityResult, gather_digests, reconcile
+from stalwart.elastic.parity import Decision, ParityCheck, gather_digests
 from stalwart.elastic.protocol import from_env
 from stalwart.elastic.reduce import REDUCTIONS, reduce_
-from stalwart.elastic.state import RngSnapshot, digest
+from stalwart.elastic.state import BoundarySnapshot, digest
 from stalwart.elastic.stats import StepStats
 from stalwart.errors import ConfigError, DistributedError
 
@@ -107,6 +107,7 @@ class Job:
         self._step = 0
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
+        self._model_buffers: list[torch.Tensor] = []  # all of them: put back on a discard
         self._reduce = "mean"
         self._backups: BackupRound | None = None
         self._listeners: list[Listener] = []
@@ -116,6 +117,7 @@ class Job:
         self._membership = Membership(env, min_size) if env else None
         self._events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
         self._events.write("start", pid=os.getpid())
+        self._parity = ParityCheck(state, self._events)
         if self._membership is not None:
             self._epoch = self._membership.join(0, join_timeout_s)
             self._settle_after_join()
@@ -173,6 +175,7 @@ class Job:
     def data_parallel(self, model: nn.Module, *, reduce: str = "mean") -> nn.Module:
         """Average ``model``'s floating-point buffers over the members at every commit.
 
+        Every buffer (BatchNorm's statistics and counters too) is put back on a discard.
         Gradients are reduced by :meth:`optimizer`'s ``step()``: ``reduce="mean"`` averages
         them (one all-reduce per step, with the buffers); ``reduce="adasum"`` combines them by
         Adasum (:mod:`stalwart.elastic.reduce`: a tree and a broadcast, then the buffers'
@@ -185,7 +188,8 @@ class Job:
             raise ConfigError(f"data_parallel(reduce={reduce!r}): use one of {REDUCTIONS}")
         check_reduce(reduce, self._backups is not None)
         self._reduce = reduce
-        self._buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self._model_buffers = list(model.buffers())
+        self._buffers = [b for b in self._model_buffers if b.is_floating_point()]
         return model
 
     def optimizer(
@@ -212,7 +216,7 @@ class Job:
             fn(event, self._step)
 
     def _mark_boundary(self) -> None:
-        self._rng = RngSnapshot(self.state)
+        self._rng = BoundarySnapshot(self.state, self._model_buffers)
         self._t0 = time.time()
 
     def begin_step(self) -> None:
@@ -316,9 +320,8 @@ class Job:
                 "run the script with `stalwart run` to survive member failures"
             ) from err
         log.warning("epoch %d: collective failed at step %d: %s", self.epoch, self._step, err)
-        self._events.write(
-            "fault-detected", step=self._step, epoch=self.epoch, error=str(err)[:200]
-        )
+        self._events.write("fault-detected", step=self._step, epoch=self.epoch,
+                           members=list(self.members), error=str(err)[:200])  # fmt: skip
         self._membership.report_fault(self.epoch)
         self._epoch = Epoch(self.epoch, self.members, self.rank, None)  # closes our sockets
         self._needs_reconfigure = True
@@ -347,25 +350,15 @@ class Job:
                 self._fault(e)
                 self._epoch = self._membership.join(self.epoch, self.join_timeout_s)
                 continue
-            self._membership.check_progress(self._step, self.epoch)
-            self._needs_reconfigure = False
-            self._changed = True
+            if self._parity.last_decision is not Decision.ROLLBACK:  # rolled back on purpose
+                self._membership.check_progress(self._step, self.epoch)
+            self._needs_reconfigure, self._changed = False, True
             return
 
     def _check_parity(self, why: str) -> str:
         """Reconcile members (see :mod:`stalwart.elastic.parity`); returns the common digest."""
-        self._step, found = reconcile(self.state, self._step, self.rank, self._epoch.group)
-        self._log_parity(why, found)
+        self._step = self._parity.run(self._step, self._epoch, why)
         return self.digest()
-
-    def _log_parity(self, why: str, found: ParityResult) -> None:
-        if found.mismatch:
-            log.warning("parity mismatch (%s) among members: %s", why, found.table)
-            self._events.write("parity-mismatch", step=self._step, epoch=self.epoch,
-                               table=[list(t) for t in found.table], why=why)  # fmt: skip
-        if found.received:
-            self._events.write("state-received", step=self._step, epoch=self.epoch,
-                               source=self.members[found.source or 0], why=why)  # fmt: skip
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -373,14 +366,13 @@ class Job:
         """Agree with the other members that everyone finished at the same step, then leave.
 
         A member whose copy of the last all-reduce failed is healed here, so that no member
-        leaves with a state the others do not have. Idempotent; called at exit if forgotten.
+        leaves with a state the others do not have. Idempotent once done; run at exit if forgotten.
         """
         if self._closed:
             return
-        self._closed = True
         if self._membership is not None:
             deadline = time.monotonic() + self.join_timeout_s
-            while not self._agree_final():
+            while not self._agree_final():  # a rollback raises: the loop must train on
                 if time.monotonic() > deadline:
                     raise DistributedError("members did not agree on the final step in time")
             final = self.digest()
@@ -388,6 +380,7 @@ class Job:
             self._epoch = Epoch(self.epoch, self.members, self.rank, None)
         else:
             final = self.digest()
+        self._closed = True
         self._events.write("finish", step=self._step, epoch=self.epoch, digest=final)
         self._events.close()
 
@@ -399,6 +392,12 @@ class Job:
             if len(set(table)) == 1:
                 return True
             self._check_parity("final")
+            if self._parity.last_decision is Decision.ROLLBACK:
+                raise DistributedError(
+                    f"no majority at the final step: rolled back to step {self._step}, the last "
+                    "agreed; train on to the total and call close() again (or make verify_every "
+                    "divide the total steps, so that the check runs inside the training loop)"
+                )
         except RuntimeError as e:
             if isinstance(e, DistributedError):
                 raise

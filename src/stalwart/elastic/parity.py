@@ -3,35 +3,68 @@
 Policy (the same on every member, computed from the same all-gathered table, so every member
 takes the same decision without further messages):
 
-1. **Ahead wins.** Members are grouped by (committed step, digest). The group with the
-   highest step wins: a member ahead committed a step whose all-reduce completed on it with
-   every member's contribution, so it is a valid step of the old membership, and the members
-   behind (whose copy of that all-reduce failed) roll forward to it rather than everyone
-   rolling back.
-2. **Then the majority.** Among groups at the same step, the one with most members wins; a
-   tie goes to the group holding the lowest rank.
-3. The lowest rank of the winning group broadcasts its state; every member outside that group
+1. **Ahead wins.** Members are grouped by (committed step, digest). The highest step wins: a
+   member ahead committed a step whose all-reduce completed on it with every member's
+   contribution, so it is a valid step of the old membership, and the members behind (whose
+   copy of that all-reduce failed) roll forward to it rather than everyone rolling back.
+2. **Then a strict majority.** Among the members at the highest step, a group holding more
+   than half of them wins (3 members, 2 agree: the odd one is repaired).
+3. **No majority: evidence, never rank.** When the members at the highest step split with
+   no strict majority (two members, two digests; 1-1-1; 2-2), nothing says which copy is
+   right: every member loads the :class:`~stalwart.elastic.state.AgreedState` it recorded at
+   the last parity check where all members agreed, the members compare again (ahead wins
+   among the copies: a member whose last record failed may hold an older one) and the
+   training loop recomputes the steps since (``job.step`` goes back). A transient fault is
+   gone on the recomputation; a second split before the job agrees on a later step is a
+   persistent one (non-deterministic kernels, a faulty device) and raises
+   :class:`~stalwart.errors.DistributedError`. At step 0 everyone is fresh: members whose
+   fresh states differ (seeds) are synced from the lowest rank, which is not a divergence.
+4. The lowest rank of the winning group broadcasts its state; every member outside that group
    loads it. Members then compare digests again, and a second disagreement is an error (the
    state is not deterministic, e.g. a tensor the optimizer does not own changes between
    ``state_dict()`` calls).
+
+The decision is returned (:class:`Decision`, in :class:`ParityResult`); :class:`ParityCheck`,
+the job's collaborator, keeps the agreed copy and writes the decision in its
+``parity-mismatch`` event.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stalwart.elastic.state import digest, receive_state, send_state
+from stalwart.elastic.events import EventLog
+from stalwart.elastic.membership import Epoch
+from stalwart.elastic.state import AgreedState, digest, receive_state, send_state
 from stalwart.errors import DistributedError
 
-__all__ = ["ParityResult", "gather_digests", "reconcile"]
+__all__ = [
+    "Decision",
+    "ParityCheck",
+    "ParityResult",
+    "choose_source",
+    "gather_digests",
+    "reconcile",
+]
 
 log = logging.getLogger(__name__)
+
+
+class Decision(StrEnum):
+    """Which rule of the policy (module docstring) chose the state every member holds."""
+
+    AGREED = "agreed"  # every member already held the same (step, digest)
+    AHEAD = "ahead"  # the members at the highest step agreed among themselves
+    MAJORITY = "majority"  # a strict majority at the highest step
+    FRESH = "fresh"  # step 0, fresh states that differ: synced from the lowest rank
+    ROLLBACK = "rollback"  # no majority: back to the last agreed state, to be recomputed
 
 
 @dataclass(frozen=True)
@@ -40,10 +73,13 @@ class ParityResult:
 
     Attributes:
         agreed: every member already held the same (step, digest).
-        source: the rank whose state won (None when agreed).
-        received: this member loaded the winner's state.
+        source: the rank whose state every member now holds (None when agreed; after a
+            rollback, the rank whose agreed copy was sent).
+        received: this member loaded another member's state.
         mismatch: members at the same step held different digests (silent divergence).
         table: (step, digest) per rank, before any repair.
+        decision: the rule that chose the state.
+        rolled_back_from: the step the members left when ``decision`` is a rollback.
     """
 
     agreed: bool
@@ -51,6 +87,8 @@ class ParityResult:
     received: bool
     mismatch: bool
     table: list[tuple[int, str]]
+    decision: Decision = Decision.AGREED
+    rolled_back_from: int | None = None
 
 
 def gather_digests(
@@ -70,13 +108,35 @@ def gather_digests(
     return table
 
 
-def choose_source(table: list[tuple[int, str]]) -> int:
-    """The rank whose state every member should hold (policy in the module docstring)."""
-    groups: dict[tuple[int, str], list[int]] = {}
-    for rank, entry in enumerate(table):
-        groups.setdefault(entry, []).append(rank)
-    best = max(groups.items(), key=lambda kv: (kv[0][0], len(kv[1]), -min(kv[1])))
-    return min(best[1])
+def choose_source(table: list[tuple[int, str]]) -> tuple[int | None, Decision]:
+    """The rank whose state every member should hold, and the rule that chose it.
+
+    Returns ``(None, Decision.ROLLBACK)`` when the members at the highest step (> 0) split
+    with no strict majority (policy in the module docstring).
+    """
+    top = max(s for s, _ in table)
+    groups: dict[str, list[int]] = {}
+    for rank, (s, d) in enumerate(table):
+        if s == top:
+            groups.setdefault(d, []).append(rank)
+    at_top = sum(len(r) for r in groups.values())
+    best = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
+    if len(groups) == 1:
+        return min(best), Decision.AHEAD
+    if top == 0:
+        return min(best), Decision.FRESH
+    if 2 * len(best) > at_top:
+        return min(best), Decision.MAJORITY
+    return None, Decision.ROLLBACK
+
+
+def _mismatch(table: list[tuple[int, str]]) -> bool:
+    # at step 0 everyone is fresh: the first sync is not a divergence
+    return any(
+        table[i][0] == table[j][0] > 0 and table[i][1] != table[j][1]
+        for i in range(len(table))
+        for j in range(i)
+    )
 
 
 def reconcile(
@@ -84,6 +144,7 @@ def reconcile(
     step: int,
     rank: int,
     group: dist.ProcessGroup | None,
+    agreed: AgreedState | None = None,
 ) -> tuple[int, ParityResult]:
     """Bring every member of ``group`` to the same state; collective, call on every member.
 
@@ -92,31 +153,42 @@ def reconcile(
         step: this member's committed step.
         rank: this member's rank in ``group``.
         group: the epoch's process group (None: a world of one, nothing to do).
+        agreed: this member's copy of the last agreed state: rolled back to when the members
+            split with no majority, and recorded again when they end in agreement. None:
+            a split raises instead.
 
     Returns:
         The committed step this member now holds, and what was found.
 
     Raises:
         RuntimeError: a collective failed (a peer died): the caller starts a new epoch.
-        DistributedError: members still disagree after a repair.
+        DistributedError: members still disagree after a repair; or they split with no
+            majority and there is no agreed state, or it happened again since the last one.
     """
     table = gather_digests(step, digest(state, step), group)
     if len(set(table)) == 1 or group is None:
+        _record(agreed, state, step, table[0][1], group)
         return step, ParityResult(True, None, False, False, table)
-    steps = [s for s, _ in table]
-    mismatch = any(  # at step 0 everyone is fresh: the first sync is not a divergence
-        table[i][0] == table[j][0] > 0 and table[i][1] != table[j][1]
-        for i in range(len(table))
-        for j in range(i)
-    )
-    src = choose_source(table)
-    received = table[rank] != table[src]
-    if rank == src:
-        send_state(state, step, src, group)
+    src, decision = choose_source(table)
+    rolled_from = None
+    if src is None:
+        rolled_from = max(s for s, _ in table)
+        step = _roll_back(state, step, table, agreed)
+        table2 = gather_digests(step, digest(state, step), group)
+        src, received = None, False
+        if len(set(table2)) > 1:
+            src, _ = choose_source(table2)
+            if src is None:
+                raise DistributedError(
+                    f"the members' agreed states differ after rolling back from step "
+                    f"{rolled_from} ({table2}); restart from the durable checkpoint"
+                )
+            received = table2[rank] != table2[src]
+            step = _broadcast(state, step, rank, src, group, load=received)
     else:
-        new_step = receive_state(state, src, group, load=received)
-        step = new_step if received else step
-    log.info("parity: steps %s, rank %d sent its state (step %d)", steps, src, table[src][0])
+        received = table[rank] != table[src]
+        step = _broadcast(state, step, rank, src, group, load=received)
+    log.info("parity (%s): steps %s, rank %s sent its state", decision, [s for s, _ in table], src)
     after = gather_digests(step, digest(state, step), group)
     if len(set(after)) != 1:
         raise DistributedError(
@@ -124,4 +196,83 @@ def reconcile(
             "is not deterministic (does state_dict() return values that change between "
             "calls?) or the members' models differ in structure"
         )
-    return step, ParityResult(False, src, received, mismatch, table)
+    _record(agreed, state, step, after[0][1], group)
+    return step, ParityResult(False, src, received, _mismatch(table), table, decision, rolled_from)
+
+
+def _broadcast(
+    state: Any, step: int, rank: int, src: int, group: dist.ProcessGroup, *, load: bool
+) -> int:
+    """``src`` sends its state; the others take part and load it if ``load``; returns the step."""
+    if rank == src:
+        send_state(state, step, src, group)
+        return step
+    new_step = receive_state(state, src, group, load=load)
+    return new_step if load else step
+
+
+def _roll_back(
+    state: Any, step: int, table: list[tuple[int, str]], agreed: AgreedState | None
+) -> int:
+    """Load this member's agreed copy (a member with none, e.g. a newcomer, keeps its state)."""
+    top = max(s for s, _ in table)
+    if agreed is None or agreed.step is None:
+        if step < top:
+            return step  # not one of the disputed copies: the others' agreed copies win
+        raise DistributedError(
+            f"members hold different states at step {top} ({table}) with no majority, and "
+            "this member has no agreed state to roll back to; restart from the durable "
+            "checkpoint, or run with 3 or more members so that a majority can decide"
+        )
+    if agreed.rollbacks >= 1:
+        raise DistributedError(
+            f"members hold different states at step {top} ({table}) again after rolling "
+            f"back to the agreed step {agreed.step} and recomputing: the divergence is "
+            "persistent (non-deterministic kernels: torch.use_deterministic_algorithms(True); "
+            "or a faulty device). With no majority nothing says which member is right: "
+            "restart from the durable checkpoint, or run with 3 or more members"
+        )
+    log.warning("parity: no majority at step %d; rolling back to step %d", top, agreed.step)
+    return agreed.restore(state)
+
+
+def _record(agreed: AgreedState | None, state: Any, step: int, hexdigest: str, group: Any) -> None:
+    if agreed is not None and group is not None:
+        agreed.record(state, step, hexdigest)
+
+
+class ParityCheck:
+    """A job's parity checks: the agreed copy to roll back to, and the events they write.
+
+    Args:
+        state: the job's replicated state.
+        events: the job's event log: ``parity-mismatch`` (the table, the ``decision``, the
+            worker id whose state was sent as ``source``, ``rolled_back_from``) and
+            ``state-received``.
+    """
+
+    def __init__(self, state: Any, events: EventLog) -> None:
+        self.state = state
+        self.events = events
+        self.agreed = AgreedState()
+        self.last_decision: Decision | None = None
+
+    def run(self, step: int, epoch: Epoch, why: str) -> int:
+        """Reconcile the members of ``epoch`` (collective); returns the step this member holds.
+
+        Raises:
+            RuntimeError: a collective failed; DistributedError: see :func:`reconcile`.
+        """
+        step, found = reconcile(self.state, step, epoch.rank, epoch.group, self.agreed)
+        self.last_decision = found.decision
+        src = None if found.source is None else epoch.members[found.source]
+        if found.mismatch:
+            log.warning("parity mismatch (%s): %s; decided: %s", why, found.table, found.decision)
+            self.events.write("parity-mismatch", step=step, epoch=epoch.number,
+                              table=[list(t) for t in found.table], why=why,
+                              decision=str(found.decision), source=src,
+                              rolled_back_from=found.rolled_back_from)  # fmt: skip
+        if found.received:
+            self.events.write("state-received", step=step, epoch=epoch.number, source=src,
+                              why=why)  # fmt: skip
+        return step

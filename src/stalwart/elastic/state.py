@@ -14,13 +14,16 @@ back under its own rank.
   of a process group: a header (skeleton, leaf names, dtypes, shapes, step) and then one
   flat byte buffer with every tensor, each in one ``broadcast``. Nothing touches disk or the
   coordinator.
+* :class:`BoundarySnapshot` is what a discarded step puts back (RNGs, the model's buffers);
+  :class:`AgreedState` the copy of the state at the last parity point every member agreed
+  on, to roll back to when two members disagree with no majority.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,9 +31,17 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from stalwart.errors import DistributedError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
-__all__ = ["RngSnapshot", "canonical_tree", "digest", "receive_state", "send_state"]
+__all__ = [
+    "AgreedState",
+    "BoundarySnapshot",
+    "canonical_tree",
+    "digest",
+    "receive_state",
+    "send_state",
+]
 
 _REPLICA = "replica"
 
@@ -132,25 +143,82 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
     return int(header["step"])
 
 
-class RngSnapshot:
-    """The RNG states to put back when a step is discarded.
+class BoundarySnapshot:
+    """What a discarded step puts back: the RNGs and the model's buffers at the step's start.
 
-    The global torch, numpy and Python generators, and the named generators of a
-    :class:`stalwart.TrainingState` (``state.generators``), if any.
+    The global torch, numpy and Python generators, the named generators of a
+    :class:`stalwart.TrainingState` (``state.generators``), if any, and copies of ``buffers``
+    (every buffer of the model given to :meth:`~stalwart.elastic.Job.data_parallel`). The
+    forward pass of a step changes buffers in place (BatchNorm's running statistics and
+    ``num_batches_tracked``) from the member's own share of the batch; only the commit
+    averages them. A step discarded after its forward must put them back, or two survivors
+    keep the statistics of their own, different shares: the same committed step, different
+    digests.
     """
 
-    def __init__(self, state: Any = None) -> None:
+    def __init__(self, state: Any = None, buffers: Sequence[torch.Tensor] = ()) -> None:
         self.torch_state = torch.get_rng_state()
         self.numpy_state = np.random.get_state()
         self.python_state = random.getstate()
         named = getattr(state, "generators", None)
         gens = list(named.values()) if isinstance(named, Mapping) else []
         self.named = [(g, g.get_state()) for g in gens]
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
 
     def restore(self) -> None:
-        """Set every generator back to the snapshot."""
+        """Set every generator and buffer back to the snapshot."""
         torch.set_rng_state(self.torch_state)
         np.random.set_state(self.numpy_state)
         random.setstate(self.python_state)
         for gen, st in self.named:
             gen.set_state(st)
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                live.copy_(saved)
+
+
+class AgreedState:
+    """A copy in memory of the state at the last parity check where every member agreed.
+
+    With two members holding different digests there is no majority to say which is right;
+    :func:`stalwart.elastic.parity.reconcile` then puts every member back on this copy and
+    the training loop recomputes from its step (``job.step`` goes back). Recorded after every
+    parity check of a group of two or more that ended in agreement: one more copy of the
+    state per member (parameters, optimizer state, buffers, RNG).
+
+    Attributes:
+        step: the committed step of the copy (None: nothing recorded yet).
+        digest: its digest, equal on every member that recorded it.
+        rollbacks: rollbacks to this copy since the job last agreed on a later step.
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.digest: str | None = None
+        self.rollbacks = 0
+        self._skeleton: Any = None
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    def record(self, state: Any, step: int, hexdigest: str) -> None:
+        """Keep a copy of ``state`` at ``step`` (its agreed ``hexdigest``)."""
+        flat = flatten(canonical_tree(state))
+        if self.step is None or step > self.step:
+            self.rollbacks = 0
+        self.step, self.digest, self._skeleton = step, hexdigest, flat.skeleton
+        self._leaves = {n: leaf.tensor.detach().clone() for n, leaf in flat.leaves.items()}
+
+    def restore(self, state: Any) -> int:
+        """Load the copy into ``state``; returns its step.
+
+        Raises:
+            DistributedError: nothing was recorded.
+        """
+        if self.step is None:
+            raise DistributedError(
+                "no agreed state to roll back to: this member never completed a parity check "
+                "with its peers; restart from the durable checkpoint"
+            )
+        tree = unflatten(self._skeleton, lambda n: self._leaves[n].clone())  # no aliasing
+        state.load_state_dict(_localize(tree))
+        self.rollbacks += 1
+        return self.step
