@@ -4,7 +4,10 @@
 Exit status: 0 when the analysis ran (with findings, or with a clear "nothing found"); 2 for bad
 input (a missing or misspelt column, an unreadable file, a bad option), reported as one short
 red line on stderr with what to do next, never a traceback. ``--json`` prints JSON alone on
-stdout so it can be piped; ``--json-out FILE`` writes it to a file.
+stdout so it can be piped (stderr keeps the summary and notes, never the table);
+``--json-out FILE`` writes it to a file. A ``--label`` that is not a column must be one SQL
+expression over the log's columns (``stalwart.diagnose.expression`` checks it; anything more,
+such as a second statement, a subquery or a file function, exits with 2 and names the part).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def rca(
         typer.Option(
             "--label",
             "-l",
-            help="Failure label: a column or a SQL condition such as \"status != 'ok'\".",
+            help="Failure label: a column, or one SQL condition over the columns such as "
+            "\"status != 'ok'\" (no subqueries, no table or file functions).",
         ),
     ] = None,
     weight: Annotated[
@@ -81,15 +85,16 @@ def rca(
         str | None, typer.Option(help="DuckDB memory limit, e.g. 4GB; spills beyond it.")
     ] = None,
     engine: Annotated[Engine, typer.Option(help="Query engine.")] = Engine["duckdb"],
-    skip_bad_lines: Annotated[bool, typer.Option(help="Skip malformed CSV lines.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    skip_bad_lines: Annotated[
+        bool, typer.Option(metavar="", help="Skip malformed CSV lines.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help=JSON_HELP)] = False,
     json_out: Annotated[
         Path | None, typer.Option("--json-out", help="Also write the JSON result to this file.")
     ] = None,
     html_out: Annotated[Path | None, typer.Option("--html", help="Write an HTML report.")] = None,
 ) -> None:
     """Find the attribute combinations that single out failures, or explain a KPI deviation."""
-    out = Console(stderr=as_json)
     with handled():
         d = _analyse(
             data,
@@ -117,6 +122,12 @@ def rca(
             d.to_json(str(json_out))
         if html_out is not None:
             d.write_html(html_out)
+    _show(d, Console(stderr=as_json), table=not as_json, html_out=html_out)
+
+
+def _show(d: Any, out: Console, *, table: bool, html_out: Path | None) -> None:
+    """The summary and notes on ``out``; the findings' table only when ``table`` (with
+    ``--json`` stdout holds the JSON document alone and stderr only messages)."""
     what = "failures" if d.mode == "events" else "deviation"
     out.print(
         f"{d.total_failures:,.0f} {what} in {d.total_rows:,.0f} rows "
@@ -130,8 +141,10 @@ def rca(
             )
     for note in d.notes:
         out.print(f"[dim]{escape(note)}[/]")
-    if d.findings:
+    if d.findings and table:
         out.print(d.table())
+    elif d.findings:
+        out.print(f"{len(d.findings)} finding(s): see the JSON document")
     else:
         out.print(f"[yellow]{escape(d.message)}[/]")
     if html_out is not None:

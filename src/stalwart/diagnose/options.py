@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stalwart.errors import ConfigError
 
 __all__ = ["DiagnoseOptions"]
+
+_SIZE = re.compile(r"[0-9.]+ ?[A-Za-z]*")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +123,11 @@ class DiagnoseOptions:
         check(2 <= self.buckets <= 50, "buckets", "2 to 50")
         check(0.0 <= self.rare_share < 1.0, "rare_share", "a share in [0, 1)")
         check(self.example_rows >= 0, "example_rows", "0 or more")
+        check(
+            self.memory_limit is None or bool(_SIZE.fullmatch(str(self.memory_limit))),
+            "memory_limit",
+            "a size such as '4GB' or '512MiB' (digits, a unit; it reaches DuckDB's SET)",
+        )
         object.__setattr__(self, "exclude", _names(self.exclude, "exclude"))
         object.__setattr__(self, "keep", _names(self.keep, "keep"))
         hier = tuple(_names(h, "hierarchies") for h in self.hierarchies)

@@ -16,7 +16,8 @@ cannot do.
 A polars ``LazyFrame`` is never collected: polars' streaming engine sinks it, morsel by morsel,
 into a Parquet file in a private temporary folder (``temp_directory`` when given), and DuckDB
 scans that file like any other. Peak memory is bounded by the two engines' batch sizes, not by
-the table, and each of the analysis' passes reads only the columns it needs.
+the table, and each of the analysis' passes reads only the columns it needs. Once the input
+is registered, stalwart's own connection loses external access (``access``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Any
 import duckdb
 import fsspec
 
+from stalwart.diagnose.access import Reads, lock, one_query
+from stalwart.diagnose.access import first_line as _first_line
 from stalwart.diagnose.budget import duckdb_limit
 from stalwart.errors import ConfigError, require
 
@@ -155,6 +158,8 @@ def open_source(
         desc = con.sql(f"DESCRIBE SELECT * FROM {name}").fetchall()
         if not desc:
             raise ConfigError("the input has no columns")
+        if owns:  # never a caller's connection: the lock is for good
+            lock(con, where.reads)
     except BaseException as e:
         if owns:
             con.close()
@@ -180,11 +185,8 @@ class _Where:
     sink: tempfile.TemporaryDirectory[str] | None = None
     fs: Any = None
     """The fsspec filesystem of a URL input (None for local paths)."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    reads: Reads = field(default_factory=Reads)
+    """What the input's view scans after registration (``access.lock`` leaves it readable)."""
 
 
 def _register(con: duckdb.DuckDBPyConnection, name: str, data: Any, where: _Where) -> None:
@@ -196,6 +198,8 @@ def _register(con: duckdb.DuckDBPyConnection, name: str, data: Any, where: _Wher
     if isinstance(data, (str, os.PathLike)):
         text = os.fspath(data)
         if isinstance(data, str) and _SQL_START.match(text) and not Path(text).exists():
+            one_query(text)
+            where.reads.lockable = False
             try:
                 con.execute(f"CREATE TEMP VIEW {name} AS {text}")
             except duckdb.Error as e:
@@ -232,6 +236,7 @@ def _register_lazy(con: duckdb.DuckDBPyConnection, name: str, lazy: Any, where: 
         ) from e
     lit = "'" + path.replace("'", "''") + "'"
     con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
+    where.reads.paths.append(path)
 
 
 def _filesystem(con: duckdb.DuckDBPyConnection, url: str, where: _Where) -> Any:
@@ -279,6 +284,7 @@ def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: 
     is_glob = any(ch in path for ch in "*?[")
     is_dir = False
     if _URL.match(path):
+        where.reads.lockable = False
         fs = _filesystem(con, path, where)
         if not is_glob:
             _check_remote(fs, path)
@@ -296,6 +302,7 @@ def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: 
             con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
         except duckdb.Error as e:
             raise ConfigError(f"{path}: not a readable Parquet file: {_first_line(e)}") from e
+        where.reads.add_parquet(path, is_dir)
         return
     if lower.endswith(_JSONL_SUFFIXES):
         _register_jsonl(con, name, path, lit, where)

@@ -30,6 +30,7 @@ from stalwart.diagnose.result import Diagnosis
 from stalwart.diagnose.source import suggest
 from stalwart.diagnose.spark_clean import SparkCleaning, clean_spark
 from stalwart.diagnose.spark_clean import spark_name as _q
+from stalwart.diagnose.spark_expression import check_spark_expression
 from stalwart.errors import ConfigError, require
 
 __all__ = ["analyze_spark", "localize_spark"]
@@ -73,7 +74,8 @@ def analyze_spark(
 
     Args:
         data: a Spark DataFrame, or a CSV, Parquet or JSON lines path Spark can read.
-        label: a column or a Spark SQL condition that is true for failures.
+        label: a column or a Spark SQL condition that is true for failures: one expression
+            over the columns, checked by ``spark_expression`` before Spark runs it.
         weight: a column counting the events each row stands for.
         columns: the attribute columns; all others but the label and weight when omitted.
         spark: the SparkSession to use; the active (or a new local) one when omitted.
@@ -174,6 +176,8 @@ def _label(df: Any, label: str, F: Any) -> tuple[Any, set[str]]:
         return F.col(_q(label)), {label}
     if all(ch.isalnum() or ch == "_" for ch in label):
         raise ConfigError(f"label: no column {label!r}.{suggest(label, names)}")
+    # checked by the parser F.expr uses, so what runs is the tree that was checked
+    used = check_spark_expression(df, label, names)
     try:
         cond = F.expr(label)
         df.select(cond).limit(1).collect()
@@ -181,7 +185,7 @@ def _label(df: Any, label: str, F: Any) -> tuple[Any, set[str]]:
         raise ConfigError(
             f"label {label!r} is not a valid Spark condition: {str(e).splitlines()[0]}"
         ) from e
-    return cond, {n for n in names if n in label}
+    return cond, used
 
 
 def _attributes(

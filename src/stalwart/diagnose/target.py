@@ -1,5 +1,7 @@
 """Turn the user's label, weight and KPI arguments into SQL for the per-row failure mass (the
 *target*) and the per-row total mass (the *reference*), with clear errors for misspelt columns.
+A label that is not a column is checked by ``expression.check_expression`` first: only one
+expression over the log's columns reaches DuckDB, as DuckDB prints it.
 
 Labelled events: target = weight when the label holds, else 0; reference = weight (1 per row
 without a weight column). KPI deviation (RiskLoc/RobustSpot style, one row per leaf):
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import duckdb
 
+from stalwart.diagnose.expression import check_expression
 from stalwart.diagnose.source import Source, quote, suggest
 from stalwart.errors import ConfigError
 
@@ -45,14 +48,15 @@ def _column(src: Source, name: str, what: str) -> str:
     raise ConfigError(f"{what}: no column {name!r}.{suggest(name, src.columns)}")
 
 
-def _check(src: Source, expr: str, what: str) -> None:
+def _check(src: Source, sql: str, text: str, what: str) -> None:
+    """Bind and run the checked ``sql`` once: wrong types and names fail here, with ``text``."""
     try:
-        src.sql(f"SELECT count(*) FILTER (WHERE {expr}) FROM {{src}}").fetchall()[0]
+        src.sql(f"SELECT count(*) FILTER (WHERE {sql}) FROM {{src}}").fetchall()[0]
     except duckdb.Error as e:
         msg = str(e).splitlines()[0]
         missing = re.search(r'[Cc]olumn "?([^"\s]+)"? not found', msg)
         hint = suggest(missing.group(1), src.columns) if missing else ""
-        raise ConfigError(f"{what} {expr!r} is not a valid condition: {msg}.{hint}") from e
+        raise ConfigError(f"{what} {text!r} is not a valid condition: {msg}.{hint}") from e
 
 
 def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
@@ -90,13 +94,10 @@ def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
         return f"coalesce(lower(trim(CAST({q} AS VARCHAR))) IN ({lits}), false)", {label}
     if _IDENT.match(label) and not any(op in label for op in (" ", "-")):
         raise ConfigError(f"label: no column {label!r}.{suggest(label, src.columns)}")
-    _check(src, label, "label")
-    used = {
-        c
-        for c in src.columns
-        if re.search(r"(?<![\w\"])" + re.escape(c) + r"(?![\w\"])", label) or quote(c) in label
-    }
-    return f"coalesce(({label}), false)", used
+    # Only DuckDB's rendering of a checked expression reaches the log's SQL, never the text.
+    expr = check_expression(label, src.columns, "label")
+    _check(src, expr.sql, label, "label")
+    return f"coalesce({expr.sql}, false)", set(expr.columns)
 
 
 def event_masses(src: Source, label: str, weight: str | None) -> Masses:
