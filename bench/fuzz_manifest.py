@@ -11,6 +11,17 @@ damage (flips, truncation, deletion). Half of the structural edits are *resealed
 checksum recomputed, as a buggy writer or a deliberate author would) so that the structural
 checks, not only the checksum, are exercised.
 
+The ``mix`` kind is always resealed and mixes tensors up: a skeleton leaf naming another
+tensor's entry, two entries' names swapped, a chunk reference pointing at another tensor's
+chunk (or another chunk of the same tensor), a dtype, shape or shard offset edited, an
+``aliases`` record added. Each such case is loaded twice, without a target and into a
+zeroed copy of the saved state (a resume), and judged against what the manifest states:
+the tensor each path's entry assembles from its hash-named chunks. A load that returns
+anything else is ``silent``; a load that returns exactly what the re-sealed manifest
+states, when that differs from what was saved, is ``rewritten`` (a self-consistent
+manifest of other data, e.g. a chunk swapped for another of the same length and hash-valid
+bytes: no reader can tell it from a genuine checkpoint) and is counted apart.
+
 Every case must end in one of: loaded exactly the saved data, or refused with a stalwart
 error. Failures are counted: ``raw`` (a non-stalwart exception), ``silent`` (a load returned
 other data than saved), ``disagree`` (verify and load differ), ``hang`` (a case ran past
@@ -112,6 +123,8 @@ class Fixture:
     manifest: bytes = field(repr=False)
     packs: dict[str, bytes] = field(repr=False)
     trees: dict[int, Any] = field(default_factory=dict, repr=False)
+    chunks: dict[str, bytes] = field(default_factory=dict, repr=False)
+    """Raw bytes of every chunk of step 2, by hash (what any manifest can point at)."""
 
 
 def reseal(doc: dict[str, Any], raw: str = "") -> bytes:
@@ -147,6 +160,10 @@ def build_fixture(root: Path) -> Fixture:
     path.write_bytes(data)
     packs = {c[2] for t in doc["tensors"].values() for s in t["shards"] for c in s["chunks"]}
     fx = Fixture(root, data, {p: (root / p).read_bytes() for p in sorted(packs)})
+    for t in doc["tensors"].values():
+        for sh in t["shards"]:
+            for h, _n, pack, off, length, _codec in sh["chunks"]:
+                fx.chunks[h] = fx.packs[pack][off : off + length]
     with stalwart.Checkpointer(root) as ck:
         fx.trees = {1: ck.load(None, step=1), 2: ck.load(None, step=2)}
     assert same_tree(fx.trees[2], state(2)) and same_tree(fx.trees[1], state(1))
@@ -194,7 +211,8 @@ def _deep(ch: Chooser) -> str:
 def mutate(fx: Fixture, ch: Chooser) -> Case:
     """One random damage of step 2 (manifest bytes, its JSON, or a pack)."""
     base = fx.manifest
-    kind = pick(ch, ["flip", "byte", "truncate", "cut", "edit", "number", "nest", "shard", "pack"])
+    kinds = ["flip", "byte", "truncate", "cut", "edit", "number", "nest", "shard", "pack", "mix"]
+    kind = pick(ch, kinds)
     if kind == "flip":
         data = bytearray(base)
         for _ in range(ch.integer(1, 3)):
@@ -214,6 +232,8 @@ def mutate(fx: Fixture, ch: Chooser) -> Case:
         return _pack_case(fx, ch)
     doc = json.loads(base)
     del doc["checksum"]
+    if kind == "mix":
+        return mix_case(fx, ch)
     seal = ch.integer(0, 1) == 1
     raw = ""
     if kind == "shard":
@@ -262,6 +282,65 @@ def _shard_edit(doc: dict[str, Any], ch: Chooser) -> None:
     else:
         t = pick(ch, list(doc["tensors"].values()))
         t["shards"] = t["shards"] + t["shards"][:1]
+
+
+def _leaves(node: Any) -> list[dict[str, Any]]:
+    """Every tensor node of a skeleton."""
+    if isinstance(node, dict):
+        own = [node] if node.get("k") == "tensor" else []
+        return own + [n for v in node.values() for n in _leaves(v)]
+    if isinstance(node, list):
+        return [n for v in node for n in _leaves(v)]
+    return []
+
+
+def mix_case(fx: Fixture, ch: Chooser) -> Case:
+    """A resealed manifest of step 2 with tensors mixed up (see ``_mix_edit``)."""
+    doc = json.loads(fx.manifest)
+    del doc["checksum"]
+    return Case(f"mix-{_mix_edit(doc, ch)}", reseal(doc), resealed=True)
+
+
+def _mix_edit(doc: dict[str, Any], ch: Chooser) -> str:
+    """Mix tensors up in a way a checksum cannot see (the caller reseals); return the op."""
+    tensors = doc["tensors"]
+    names = list(tensors)
+    a, b = pick(ch, names), pick(ch, names)
+    if not tensors[a]["shards"] or not tensors[b]["shards"]:  # an empty tensor has none
+        a, b = "model.w", pick(ch, [n for n in names if tensors[n]["shards"]])
+    op = pick(ch, ["leaf", "swap", "chunk", "chunks", "dtype", "shape", "offsets", "alias"])
+    if op == "leaf":  # a skeleton leaf names another tensor's entry
+        pick(ch, _leaves(doc["skeleton"]))["v"] = b
+    elif op == "swap":  # two entries trade names
+        tensors[a], tensors[b] = tensors[b], tensors[a]
+    elif op == "chunk":  # one chunk reference re-pointed at any chunk of step 2
+        shard = pick(ch, tensors[a]["shards"])
+        others = [c for t in tensors.values() for s in t["shards"] for c in s["chunks"]]
+        if shard["chunks"]:
+            i = ch.integer(0, len(shard["chunks"]) - 1)
+            shard["chunks"][i] = list(pick(ch, others))
+    elif op == "chunks":  # a shard takes another tensor's whole chunk list
+        pick(ch, tensors[a]["shards"])["chunks"] = list(pick(ch, tensors[b]["shards"])["chunks"])
+    elif op == "dtype":
+        tensors[a]["dtype"] = pick(
+            ch, ["float32", "int32", "float16", "bfloat16", "int8", "uint8", "float64", "bool"]
+        )
+    elif op == "shape":
+        shape = tensors[a]["shape"]
+        if shape:
+            i = ch.integer(0, len(shape) - 1)
+            shape[i] = pick(ch, [0, 1, 2, shape[i] * 2, max(shape[i] // 2, 1)])
+        else:
+            tensors[a]["shape"] = [1]
+    elif op == "offsets":
+        shard = pick(ch, tensors[a]["shards"])
+        if shard["offsets"]:
+            i = ch.integer(0, len(shard["offsets"]) - 1)
+            shard["offsets"][i] = pick(ch, [0, 1, 4, 12, shard["offsets"][i] + 1])
+    else:  # an alias record, plausible or not
+        strides = [pick(ch, [0, 1, 2, 256]) for _ in tensors[a]["shape"]]
+        doc["aliases"] = {a: {"of": b, "offset": ch.integer(0, 8), "strides": strides}}
+    return op
 
 
 def _pack_case(fx: Fixture, ch: Chooser) -> Case:
@@ -354,7 +433,79 @@ def run_case(fx: Fixture, case: Case) -> str:
             (root / key).write_bytes(fx.packs[key])
 
 
+def stated(fx: Fixture, manifest: bytes) -> dict[str, torch.Tensor] | None:
+    """Each tensor as the manifest states it: its shards assembled from hash-named chunks.
+
+    None when the manifest cannot state one (a chunk or a box that no reading could fill);
+    a reader must then refuse it.
+    """
+    doc = json.loads(manifest)
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for name, e in doc["tensors"].items():
+            t = torch.zeros(e["shape"], dtype=stalwart.tree.dtype_from_name(e["dtype"]))
+            # bool stays as bytes: a copy would turn a stored 0xF8 into 1, yet a reader
+            # returns the stored bytes (the format's bools are 0 or 1; others are kept).
+            work = t.view(torch.uint8) if t.dtype == torch.bool else t
+            for sh in e["shards"]:
+                raw = b"".join(fx.chunks[c[0]] for c in sh["chunks"])
+                box = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
+                box = (
+                    box.view(work.dtype).reshape(sh["sizes"])
+                    if box is not None
+                    else torch.empty(sh["sizes"], dtype=work.dtype)
+                )
+                region = work
+                for d, (o, z) in enumerate(zip(sh["offsets"], sh["sizes"], strict=True)):
+                    region = region.narrow(d, o, z)
+                region.copy_(box)
+            out[name] = t
+    except (KeyError, RuntimeError, ValueError, TypeError, StalwartError):
+        return None
+    return out
+
+
+def _zeroed(tree: Any) -> Any:
+    """``tree`` with every tensor and array zeroed (a resume's freshly built state)."""
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, np.ndarray):
+        return np.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _zeroed(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_zeroed(v) for v in tree)
+    return tree
+
+
+def _judge_mix(fx: Fixture, case: Case) -> str:
+    """A mixed-up, resealed manifest: each load refused, or exactly what it states."""
+    verdicts = []
+    for target in (None, _zeroed(fx.trees[2])):
+        with stalwart.Checkpointer(fx.root) as ck:
+            try:
+                tree = ck.load(target, step=2)
+            except StalwartError:
+                verdicts.append("refused")
+                continue
+            except Exception as e:
+                return f"raw:load:{type(e).__name__}"
+        if same_tree(tree, fx.trees[2]):
+            verdicts.append("loaded")
+            continue
+        says = stated(fx, case.manifest)
+        leaves = stalwart.tree.flatten(tree).leaves
+        if says is None or any(
+            fqn not in says or _raw(leaf.tensor) != _raw(says[fqn]) for fqn, leaf in leaves.items()
+        ):
+            return "silent:load" if target is None else "silent:target"
+        verdicts.append("rewritten")
+    return "rewritten" if "rewritten" in verdicts else max(verdicts)  # refused > loaded
+
+
 def _judge(fx: Fixture, case: Case) -> str:
+    if case.kind.startswith("mix-"):
+        return _judge_mix(fx, case)
     with stalwart.Checkpointer(fx.root) as ck:
         try:
             v_ok = verify_step(ck, 2).ok
@@ -418,7 +569,7 @@ def fuzz(
             signal.setitimer(signal.ITIMER_REAL, 0)
         counts[f"{case.kind}{'+sealed' if case.resealed else ''} {outcome}"] += 1
         counts[f"ALL {outcome.split(':')[0]}"] += 1
-        if outcome.split(":")[0] not in ("loaded", "refused"):
+        if outcome.split(":")[0] not in ("loaded", "refused", "rewritten"):
             print(f"case {i}: {case.kind} sealed={case.resealed}: {outcome}", flush=True)
             if keep is not None:
                 _keep(fx, case, keep / f"case-{i:06d}")
@@ -454,7 +605,9 @@ def main() -> None:
     for k in sorted(counts):
         print(f"{counts[k]:7d}  {k}")
     bad = sum(
-        v for k, v in counts.items() if k.startswith("ALL ") and k[4:] not in ("loaded", "refused")
+        v
+        for k, v in counts.items()
+        if k.startswith("ALL ") and k[4:] not in ("loaded", "refused", "rewritten")
     )
     print(f"failures (raw / silent / disagree / hang): {bad}")
 

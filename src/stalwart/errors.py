@@ -11,12 +11,15 @@ once, at the storage boundary, with ``raise ... from``.
     │   ├── ObjectNotFoundError (FileNotFoundError)    a key is not in the store
     │   ├── StorageFullError                           no space left on the device
     │   ├── StoragePermissionError (PermissionError)   read-only or forbidden location
+    │   │   └── UnsafePathError                         a path leaves the root (a link, ..)
     │   └── TransientStorageError                      worth retrying (throttled, timeout)
     ├── CheckpointError
     │   ├── CheckpointNotFoundError (FileNotFoundError) no such root or step
     │   ├── CorruptCheckpointError (ValueError)         hash mismatch, truncated, missing chunk
     │   │   └── UnsafeManifestError                     manifest points outside the store
     │   ├── StateMismatchError (ValueError)             keys, shapes or dtypes differ
+    │   ├── StepExistsError (FileExistsError)           saving would replace a committed step
+    │   ├── StepRetiredError (FileNotFoundError)        a step was deleted while being read
     │   └── UnsupportedValueError (TypeError)           an object the format cannot hold
     ├── DistributedError (RuntimeError)            another rank failed or disagreed
     └── MissingDependencyError (ImportError)       an optional extra is not installed
@@ -41,11 +44,14 @@ __all__ = [
     "ObjectNotFoundError",
     "StalwartError",
     "StateMismatchError",
+    "StepExistsError",
+    "StepRetiredError",
     "StorageError",
     "StorageFullError",
     "StoragePermissionError",
     "TransientStorageError",
     "UnsafeManifestError",
+    "UnsafePathError",
     "UnsupportedValueError",
     "require",
 ]
@@ -73,6 +79,14 @@ class StorageFullError(StorageError):
 
 class StoragePermissionError(StorageError, PermissionError):
     """The location is read-only or access was denied."""
+
+
+class UnsafePathError(StoragePermissionError):
+    """A path under the root is, or passes through, a symbolic link or leaves the root.
+
+    stalwart never reads, writes or deletes outside a root: a link could make a checkpoint's
+    garbage collection delete another root's files, or make a manifest read any file.
+    """
 
 
 class TransientStorageError(StorageError):
@@ -106,6 +120,14 @@ class UnsafeManifestError(CorruptCheckpointError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """The state given to ``load`` does not match the checkpoint (keys, shapes or dtypes)."""
+
+
+class StepExistsError(CheckpointError, FileExistsError):
+    """Saving would replace a committed step; pass ``overwrite=True`` to replace it on purpose."""
+
+
+class StepRetiredError(CheckpointNotFoundError):
+    """A step was deleted (retention, ``ckpt rm``, gc) while it was being read."""
 
 
 class UnsupportedValueError(CheckpointError, TypeError):

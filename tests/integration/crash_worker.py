@@ -247,7 +247,9 @@ def run_job(job: dict[str, Any], rank: int | None = None) -> dict[str, Any]:
                 state = expected_state(step, job["seed"], ranks=own)
             store.note(f"S {step}")
             try:
-                ckpt.save(step, state)
+                # The first step may be the one a kill left in flight, committed or not:
+                # the harness re-saves it on purpose, replacing it if it was committed.
+                ckpt.save(step, state, overwrite=step == first)
             except Exception as e:
                 if rank is None:
                     raise

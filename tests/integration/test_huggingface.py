@@ -14,9 +14,9 @@ pytest.importorskip("accelerate")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from stalwart.checkpoint import Checkpointer, TrainingState  # noqa: E402
+from stalwart.checkpoint import Checkpointer, CheckpointOptions, TrainingState  # noqa: E402
 from stalwart.cli.main import app  # noqa: E402
-from stalwart.errors import ConfigError  # noqa: E402
+from stalwart.errors import ConfigError, StepExistsError  # noqa: E402
 from stalwart.integrations.huggingface import (  # noqa: E402
     StalwartCallback,
     export_pretrained,
@@ -59,15 +59,23 @@ class _StopAt(transformers.TrainerCallback):
         return control
 
 
-def _trainer(out: pathlib.Path, model: Any, callbacks: list[Any]) -> Any:
+class _SaveAtTheEnd(transformers.TrainerCallback):
+    """transformers 4.x's end of training: a save at the last step, whatever the strategy."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step >= state.max_steps and args.save_strategy != "no":
+            control.should_save = True
+        return control
+
+
+def _trainer(out: pathlib.Path, model: Any, callbacks: list[Any], **kw: Any) -> Any:
+    schedule = kw or {"max_steps": 12, "save_strategy": "steps", "save_steps": 3}
     args = transformers.TrainingArguments(
         output_dir=str(out),
-        max_steps=12,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
         warmup_steps=2,
-        save_strategy="steps",
-        save_steps=3,
+        **schedule,
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -109,6 +117,53 @@ def test_trainer_stops_and_resumes_bit_identically(tmp_path: pathlib.Path) -> No
     assert cb2.checkpointer.steps() == [3, 6, 9, 12]
 
 
+def _resume_dirs(tmp: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob("stalwart-resume-*"))
+
+
+def test_resuming_leaves_no_copy_in_the_temp_dir(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    cb = StalwartCallback(tmp_path / "root")
+    _trainer(tmp_path / "run", _model(), [cb, _StopAt(6)]).train()
+    cb2 = StalwartCallback(tmp_path / "root")
+    before = _resume_dirs(tmp)
+    folder = cb2.resume_path()
+    assert folder is not None and folder.startswith(str(tmp)) and _resume_dirs(tmp) != before
+    resumed = _trainer(tmp_path / "run", _model(), [cb2])
+    resumed.train(resume_from_checkpoint=folder)
+    assert resumed.state.global_step == 12 and cb2.checkpointer.steps() == [3, 6, 9, 12]
+    assert _resume_dirs(tmp) == before == []  # removed once the Trainer had read it
+    # Resuming where training already ended runs no step: the folder goes at train end.
+    done = StalwartCallback(tmp_path / "root")
+    _trainer(tmp_path / "run", _model(), [done]).train(resume_from_checkpoint=done.resume_path())
+    assert _resume_dirs(tmp) == []
+
+
+def test_a_step_saved_twice_by_one_run_is_replaced_another_runs_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    # save_strategy="epoch" under transformers 4.x: the last step is saved at the end of
+    # training (on_step_end) and again at the end of its epoch, at one global step; the
+    # Trainer rewrites its checkpoint-8 folder, the callback replaces its step 8.
+    epochs = {"max_steps": 8, "save_strategy": "epoch"}  # 16 samples / 4 a batch: 4 steps
+    saves: list[int] = []
+    record = CheckpointOptions(on_event=lambda e: saves.append(e.step) if e.kind == "save" else 0)
+    cb = StalwartCallback(tmp_path / "root", options=record)
+    _trainer(tmp_path / "run", _model(), [_SaveAtTheEnd(), cb], **epochs).train()
+    assert cb.checkpointer.steps() == [4, 8] and saves == [4, 8, 8]
+    state = json.loads(cb.checkpointer.load(None, 8)["trainer_state"])
+    assert state["global_step"] == 8 and state["epoch"] == 2.0
+
+    other = StalwartCallback(tmp_path / "root")  # a new run, not resumed, into the same root
+    with pytest.raises(StepExistsError, match=r"step 4 from another run.*resume_path\(\)"):
+        _trainer(tmp_path / "other", _model(), [other], **epochs).train()
+
+
 def test_export_pretrained_loads_the_same_weights_with_ties(tmp_path: pathlib.Path) -> None:
     model = _model()
     with torch.no_grad():
@@ -130,6 +185,9 @@ def test_export_pretrained_loads_the_same_weights_with_ties(tmp_path: pathlib.Pa
     # Round trip: the save_pretrained folder imports as a step that loads into the model.
     n = import_pretrained(out, tmp_path / "imported", step=5)
     assert n == len(loaded.state_dict()) - 1  # the tied lm_head is stored once, as wte
+    with pytest.raises(StepExistsError):
+        import_pretrained(out, tmp_path / "imported", step=5)
+    assert import_pretrained(out, tmp_path / "imported", step=5, overwrite=True) == n
     fresh = _model()
     Checkpointer(tmp_path / "imported").load({"model": fresh}, 5, strict=False)
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import json
 import pathlib
+import shutil
 from typing import Any
 
 import pytest
@@ -15,11 +16,13 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from stalwart.checkpoint import Checkpointer  # noqa: E402
+from stalwart.errors import CheckpointNotFoundError  # noqa: E402
 from stalwart.integrations.lightning import (  # noqa: E402
     StalwartCheckpointIO,
     load_from_checkpoint,
     read_checkpoint,
 )
+from stalwart.integrations.lightning_pointer import read_pointer  # noqa: E402
 from stalwart.tree import allow_types  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,7 +123,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path: pathlib.Path, async_save: bo
     ckpts = tmp_path / "run" / "ckpts"
     files = sorted(p.name for p in ckpts.iterdir() if p.suffix == ".ckpt")
     assert files == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
-    pointed = {json.loads((ckpts / f).read_text())["step"] for f in files}
+    pointed = {read_pointer(ckpts / f)["step"] for f in files}
     with Checkpointer(ckpts / "stalwart") as ck:
         assert set(ck.steps()) == pointed
         # epoch=3 and last.ckpt are saved at one global step: the second reuses every chunk.
@@ -180,6 +183,70 @@ def test_remove_checkpoint_keeps_a_step_another_pointer_names(tmp_path: pathlib.
     io.remove_checkpoint(b)
     assert io.checkpointer(str(tmp_path / "root")).steps() == []
     io.teardown()
+
+
+def _save_one(io: StalwartCheckpointIO, path: pathlib.Path, value: float) -> None:
+    io.save_checkpoint({"state_dict": {"w": torch.full((3,), value)}, "global_step": 1}, path)
+
+
+def test_a_copied_or_renamed_run_folder_still_loads(tmp_path: pathlib.Path) -> None:
+    io = StalwartCheckpointIO()  # the root goes beside the checkpoints: run/ckpts/stalwart
+    _save_one(io, tmp_path / "run" / "ckpts" / "last.ckpt", 2.0)
+    io.teardown()
+    body = (tmp_path / "run" / "ckpts" / "last.ckpt").read_text().splitlines()[-1]
+    assert json.loads(body)["root"] == "stalwart"  # relative to the pointer's folder
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    (tmp_path / "run").rename(tmp_path / "renamed")
+    for run in ("copy", "renamed"):
+        pointer = tmp_path / run / "ckpts" / "last.ckpt"
+        assert torch.equal(read_checkpoint(pointer)["state_dict"]["w"], torch.full((3,), 2.0))
+        loaded = StalwartCheckpointIO().load_checkpoint(pointer)
+        assert torch.equal(loaded["state_dict"]["w"], torch.full((3,), 2.0))
+
+
+def test_a_pointer_whose_root_is_gone_says_the_path_came_from_it(tmp_path: pathlib.Path) -> None:
+    io = StalwartCheckpointIO()
+    _save_one(io, tmp_path / "run" / "last.ckpt", 1.0)
+    io.teardown()
+    (tmp_path / "elsewhere").mkdir()
+    lone = tmp_path / "elsewhere" / "last.ckpt"
+    shutil.copy(tmp_path / "run" / "last.ckpt", lone)  # the pointer without its root
+    for load in (read_checkpoint, StalwartCheckpointIO().load_checkpoint):
+        with pytest.raises(CheckpointNotFoundError) as e:
+            load(lone)
+        said = str(e.value)
+        assert str(tmp_path / "elsewhere" / "stalwart") in said and "does not exist" in said
+        assert f"came from the pointer file {lone}" in said and "root=" in said
+    # Told where the root is, it loads.
+    moved = read_checkpoint(lone, root=str(tmp_path / "run" / "stalwart"))
+    assert torch.equal(moved["state_dict"]["w"], torch.ones(3))
+
+
+def test_an_old_pointer_with_an_absolute_root_still_loads(tmp_path: pathlib.Path) -> None:
+    io = StalwartCheckpointIO(tmp_path / "root")
+    _save_one(io, tmp_path / "c" / "new.ckpt", 3.0)
+    io.teardown()
+    step = read_pointer(tmp_path / "c" / "new.ckpt")["step"]
+    old = {"stalwart.lightning.pointer": 1, "root": str(tmp_path / "root"), "step": step}
+    (tmp_path / "c" / "old.ckpt").write_text(json.dumps(old, indent=1))  # as version 1 wrote
+    assert torch.equal(
+        read_checkpoint(tmp_path / "c" / "old.ckpt")["state_dict"]["w"], torch.full((3,), 3.0)
+    )
+
+
+@pytest.mark.parametrize("weights_only", [True, False, None])
+def test_torch_load_of_a_pointer_says_to_install_the_loader(
+    tmp_path: pathlib.Path, weights_only: bool | None
+) -> None:
+    # What Lightning's loader meets in a process where install_loader() never ran: its
+    # cloud_io._load is torch.load of the path (this process has the wrapper installed).
+    io = StalwartCheckpointIO()
+    _save_one(io, tmp_path / "last.ckpt", 1.0)
+    io.teardown()
+    with pytest.raises(RuntimeError, match=r"install_loader\(\) first") as e:
+        torch.load(tmp_path / "last.ckpt", weights_only=weights_only)
+    assert "stalwart pointer, not a torch.save file" in str(e.value)
+    assert "weights_only" not in str(e.value)
 
 
 def test_a_retention_policy_is_refused() -> None:

@@ -172,6 +172,13 @@ def test_export_and_import(app: typer.Typer, root: Path, tmp_path: Path) -> None
     ]
     code, _, err = run(app, "import", pt, new_root, "--step", 3)
     assert code == 2 and "already exists" in err
+    code, out, _ = run(app, "import", pt, new_root, "--step", 3, "--overwrite")
+    assert code == 0 and "as step 3" in out  # replaced on purpose
+    dcp_dir = tmp_path / "dcp"
+    assert run(app, "export", root, dcp_dir, "--format", "dcp")[0] == 0
+    code, _, err = run(app, "import", dcp_dir, new_root, "--step", 4)
+    assert code == 2 and "pass --overwrite" in err and "overwrite=True" not in err
+    assert run(app, "import", dcp_dir, new_root, "--step", 4, "--overwrite")[0] == 0
     junk = tmp_path / "junk.bin"
     junk.write_bytes(os.urandom(64))
     code, out, err = run(app, "import", junk, new_root, "--step", 5)
@@ -233,3 +240,56 @@ def test_log_messages_never_reach_stdout(root: Path) -> None:
     )
     assert json.loads(proc.stdout)["steps"], proc.stdout  # stdout is pure JSON
     assert "a warning while listing" in proc.stderr
+
+
+def test_a_file_given_as_root_is_named_as_a_file(app: typer.Typer, tmp_path: Path) -> None:
+    from stalwart.integrations.lightning_pointer import write_pointer
+
+    weights = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, weights)
+    for cmd in ("ls", "inspect", "verify", "gc"):
+        code, out, err = run(app, cmd, weights)
+        assert code == 2 and "Traceback" not in out + err, cmd
+        assert "is a file, not a checkpoint root folder" in err and "does not exist" not in err
+        assert f"stalwart ckpt import {weights} ROOT" in err
+    # A Lightning pointer file names the root to pass instead.
+    pointer = tmp_path / "ckpts" / "last.ckpt"
+    write_pointer(str(pointer), {"root": str(tmp_path / "ckpts" / "stalwart"), "step": 3})
+    code, _, err = run(app, "ls", pointer)
+    assert code == 2 and "Lightning pointer to step 3" in err
+    assert str(tmp_path / "ckpts" / "stalwart") in err and "--step 3" in err
+
+
+def test_damage_hints_name_the_cli_way_not_fallback(
+    app: typer.Typer, root: Path, tmp_path: Path
+) -> None:
+    with Checkpointer(root) as ck:
+        c = ck.manifest(20).tensors["model.1.weight"].shards[0].chunks[0]
+    with open(root / c.pack, "r+b") as f:
+        f.seek(c.offset)
+        b = f.read(1)
+        f.seek(c.offset)
+        f.write(bytes([b[0] ^ 1]))
+    code, _, err = run(app, "export", root, tmp_path / "out.safetensors", "--step", 20)
+    assert code == 1 and "does not match its hash" in err
+    assert "fallback=True" not in err and "--step N" in err and "ckpt verify" in err
+    code, out, _ = run(app, "verify", root)
+    assert code == 1 and "--step N" in out
+    (root / "manifests" / f"step-{10:020d}.json").write_text("{ not json")
+    code, _, err = run(app, "inspect", root, "--step", 10)
+    assert code == 1 and "fallback=True" not in err and "--step N" in err
+
+
+def test_help_shows_boolean_flags_as_bare_switches(app: typer.Typer) -> None:
+    from typer.main import get_command
+
+    def paths(cmd: object, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+        subs = getattr(cmd, "commands", {})
+        return [path] + [p for n, s in sorted(subs.items()) for p in paths(s, (*path, n))]
+
+    for path in paths(get_command(app), ()):
+        r = CliRunner().invoke(app, [*path, "--help"], env=ENV)
+        assert r.exit_code == 0, path
+        assert "<bool>" not in r.output, (path, r.output)
+    r = CliRunner().invoke(app, ["ckpt", "ls", "--help"], env=ENV)
+    assert "--json " in r.output and "--help " in r.output

@@ -222,8 +222,10 @@ def test_local_list_walks_only_the_prefix_folder(
     scanned: list[str] = []
     real_scandir = os.scandir
 
-    def recording_scandir(path: str) -> object:
-        scanned.append(os.path.relpath(path, tmp_path))
+    def recording_scandir(path: str | int) -> object:
+        # The store walks by descriptor (never through a link): name the folder it holds.
+        where = os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else path
+        scanned.append(os.path.relpath(where, tmp_path))
         return real_scandir(path)
 
     monkeypatch.setattr(os, "scandir", recording_scandir)
@@ -237,16 +239,17 @@ def test_local_list_walks_only_the_prefix_folder(
 def test_local_remove_stale_temps(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path)
     store.write("packs/p1", [b"data"])
-    old = tmp_path / "packs" / f"{TEMP_PREFIX}dead-p2"
-    fresh = tmp_path / f"{TEMP_PREFIX}live-m"
-    old.write_bytes(b"partial")
-    fresh.write_bytes(b"in flight")
+    old = tmp_path / "packs" / f"{TEMP_PREFIX}{uuid.uuid4().hex}-p2"
+    fresh = tmp_path / f"{TEMP_PREFIX}{uuid.uuid4().hex}-m"
+    foreign = tmp_path / f"{TEMP_PREFIX}not-ours"  # not a name the store gives: never removed
+    for p in (old, fresh, foreign):
+        p.write_bytes(b"partial")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert [i.key for i in store.list()] == ["packs/p1"]
     assert store.remove_stale_temps(older_than_s=3600) == 1
     assert not old.exists() and fresh.exists()
-    assert store.remove_stale_temps(older_than_s=0) == 1
-    assert _all_files(tmp_path) == ["packs/p1"]
+    assert store.remove_stale_temps(older_than_s=0) == 1  # nobody holds it: a dead writer's
+    assert _all_files(tmp_path) == [foreign.name, "packs/p1"]
 
 
 def test_local_translates_errnos() -> None:

@@ -186,3 +186,20 @@ def test_a_memory_tier_keeps_only_the_newest_snapshots() -> None:
 
     with pytest.raises(ConfigError, match=r"give keep=KeepLast\(n\)"):
         Tier(name="memory", keep=KeepEvery(100))  # was silently turned into KeepLast(2)
+
+
+def test_a_resaved_step_replaces_it_and_the_abandoned_later_snapshots(tmp_path: Path) -> None:
+    """A run that went back (resume, elastic rollback) re-saves a step the memory tier holds:
+    the old copy and every later snapshot belong to the abandoned timeline."""
+    tc = TieredCheckpointer([Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(3))])
+    for step in range(1, 5):
+        tc.save(step, state_at(step))
+    assert [s.step for s in tc.snapshots] == [2, 3, 4]
+    tc.save(3, {"w": torch.full((64, 64), 30.0), "step": 3})
+    assert [s.step for s in tc.snapshots] == [2, 3]
+    target = blank()
+    report = tc.recover(target)
+    assert (report.source, report.step) == ("memory", 3) and target["w"][0, 0].item() == 30.0
+    for step in (4, 5):  # the tier goes on as usual, reusing the forgotten buffers
+        tc.save(step, state_at(step))
+    assert [s.step for s in tc.snapshots] == [3, 4, 5]

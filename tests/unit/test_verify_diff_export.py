@@ -325,6 +325,28 @@ def test_export_torch(saved: tuple[Checkpointer, dict[str, Any]], tmp_path: Path
         export_step(ck, out, format="torch")
 
 
+def test_export_subtree_verifies_only_what_it_exports(
+    saved: tuple[Checkpointer, dict[str, Any]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    ck, state = saved
+    moment = next(f for f in ck.manifest(7).tensors if f.startswith("optim.state."))
+    pack, offsets = _pack_of(ck, 7, moment)
+    with open(tmp_path / "ck" / pack, "r+b") as f:
+        f.seek(offsets[0])
+        b = f.read(1)
+        f.seek(offsets[0])
+        f.write(bytes([b[0] ^ 0x40]))  # an optimizer moment rots; the weights are intact
+    with pytest.raises(CorruptCheckpointError, match="does not match its hash"):
+        export_step(ck, tmp_path / "all.safetensors", step=7)
+    r = export_step(ck, tmp_path / "model.safetensors", step=7, subtree="model")
+    got = load_file(str(r.path))
+    assert r.tensors == len(state["model"]) and set(got) == set(state["model"])
+    for k, v in state["model"].items():
+        assert torch.equal(got[k], v), k
+
+
 # -- import --------------------------------------------------------------------------------
 
 

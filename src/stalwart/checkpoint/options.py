@@ -95,8 +95,9 @@ class CheckpointOptions:
         compression_level: zstd level (1 is fast and usually enough for weights).
         io_threads: threads per process that hash, compress, read and verify chunks.
         keep: which committed steps survive after each save (default: all).
-        gc_grace_s: unreferenced pack files younger than this are never collected, so a
-            save in flight in another process is safe from garbage collection.
+        gc_grace_s: unreferenced pack files younger than this are never collected. Saves
+            and loads in flight are safe whatever the grace (their leases and locked
+            temporaries protect them); the grace covers writers that take no lease.
         lease_s: how long a reader's or writer's lease protects the steps it uses. A process
             killed mid-save leaves its lease behind, which holds back retention of the
             steps it named until it expires; keep it above your longest save or load.

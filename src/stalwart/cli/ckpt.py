@@ -177,7 +177,7 @@ def verify(
                     for item in r.damaged:
                         table.add_row(str(r.step), escape(item))
                 out.print(table)
-                out.print("load an older intact step, or load with fallback=True")
+                out.print("pass an intact step with --step N (in Python: fallback=True)")
         if not ok:
             raise typer.Exit(1)
 
@@ -348,11 +348,10 @@ def _import_dcp(
     from stalwart.integrations.dcp import import_dcp
 
     with _handled():
-        with _open(root, pairs, must_exist=False) as ck:
-            if step in ck.steps() and not overwrite:
-                raise ConfigError(f"step {step} exists in {root}; pass --overwrite or another step")
+        _open(root, pairs, must_exist=False).close()  # a file given as ROOT is named as one
+        opts = _storage_options(pairs)
         r = import_dcp(
-            src, root, step, trust_pickle=trust_pickle, storage_options=_storage_options(pairs)
+            src, root, step, trust_pickle=trust_pickle, overwrite=overwrite, storage_options=opts
         )
         doc = {"source": str(src), "kind": "dcp", "step": step, "root": root}
         _done(

@@ -17,7 +17,8 @@ from rich.table import Table
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.cli.conventions import JSON_HELP, emit_json, handled
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, StalwartError
+from stalwart.integrations.lightning_pointer import POINTER_KEY, read_pointer
 
 ckpt_app = typer.Typer(
     help="Inspect, verify, compare, export and import checkpoints.", no_args_is_help=True
@@ -92,9 +93,33 @@ def _open(
     options: CheckpointOptions | None = None,
 ) -> Checkpointer:
     local = "://" not in root or root.startswith("file://")
-    if must_exist and local and not Path(root.removeprefix("file://")).is_dir():
+    path = Path(root.removeprefix("file://"))
+    if local and path.is_file():
+        raise ConfigError(_file_as_root(path))
+    if must_exist and local and not path.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist; check the path")
     return Checkpointer(root, options, storage_options=_storage_options(pairs))
+
+
+def _file_as_root(path: Path) -> str:
+    """What to say when a file is given where a checkpoint root (a folder) is expected."""
+    said = f"{path} is a file, not a checkpoint root folder"
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if POINTER_KEY.encode() in head:  # Lightning's pointer names its root
+        try:
+            ptr = read_pointer(path)
+        except (OSError, StalwartError):
+            ptr = None
+        if ptr is not None:
+            return (
+                f"{said}: it is a Lightning pointer to step {ptr['step']} of the root "
+                f"{ptr['root']}; pass that root (and --step {ptr['step']})"
+            )
+    return (
+        f"{said}; pass the folder given to Checkpointer(...) (the one holding manifests and "
+        f"packs), or import the file as a step with `stalwart ckpt import {path} ROOT`"
+    )
 
 
 def _step(ck: Checkpointer, step: int | None) -> int:

@@ -10,9 +10,10 @@ Exit codes (the same for every command)::
     3  UNEXPECTED   a bug or an environment failure nobody anticipated: a short message on
                     stderr; ``stalwart -v ...`` prints the traceback
 
-``--json`` is a switch on every command: the result goes to stdout as one JSON document
-instead of tables (progress and messages go to stderr), so it can be piped. Files are written
-by path options (``--out DIR``, ``--json-out FILE``, ``--html FILE``).
+``--json`` is a switch on every command (help shows every boolean flag as a bare switch): the
+result goes to stdout as one JSON document instead of tables (progress and messages go to
+stderr), so it can be piped. Files are written by path options (``--out DIR``, ``--json-out
+FILE``, ``--html FILE``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from stalwart.errors import CorruptCheckpointError, StalwartError
 
@@ -38,8 +40,10 @@ __all__ = [
     "EXIT_USAGE",
     "JSON_HELP",
     "GuardedGroup",
+    "cli_hint",
     "emit_json",
     "handled",
+    "plain_switches",
 ]
 
 EXIT_OK = 0
@@ -65,9 +69,48 @@ def handled() -> Iterator[None]:
     try:
         yield
     except (StalwartError, OSError) as e:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}")
+        Console(stderr=True).print(f"[red]error:[/] {escape(cli_hint(str(e)))}")
         code = EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
         raise typer.Exit(code) from None
+
+
+_CLI_HINTS = (
+    (  # fallback=True is an argument of Checkpointer.load; the commands take a step
+        re.compile(r"(?:load an earlier step,? or )?use fallback=True"),
+        "pass an earlier step with --step N (`stalwart ckpt verify ROOT` shows which steps "
+        "are intact)",
+    ),
+    (  # overwrite=True of save, import_file, import_dcp, StalwartWriter is --overwrite
+        re.compile(
+            r"pass (?:[\w.]+\(\.\.\., overwrite=True\)(?: or )?)+"
+            r"|pass overwrite=True(?: \((?:CLI: )?--overwrite\))?"
+        ),
+        "pass --overwrite",
+    ),
+)
+
+
+def cli_hint(message: str) -> str:
+    """``message`` with the library's Python advice told the command line's way:
+    ``fallback=True`` becomes ``--step`` of an intact step, ``overwrite=True`` ``--overwrite``."""
+    for pattern, cli in _CLI_HINTS:
+        message = pattern.sub(cli, message)
+    return message
+
+
+def plain_switches(cmd: Any) -> None:
+    """Show boolean flags (``--json``, ``--help``, ``--fresh/--no-fresh``) as bare switches in
+    the help of ``cmd`` and every command under it, not followed by a ``<bool>`` value they
+    do not take. Typer labels every option with its type; an empty metavar hides the label."""
+    _plain([*cmd.params, cmd.get_help_option(typer.Context(cmd))])  # the help option is cached
+    for sub in getattr(cmd, "commands", {}).values():
+        plain_switches(sub)
+
+
+def _plain(params: list[Any]) -> None:
+    for p in params:
+        if isinstance(p, TyperOption) and p.is_flag and p.metavar is None:
+            p.metavar = ""
 
 
 class GuardedGroup(TyperGroup):
@@ -77,6 +120,15 @@ class GuardedGroup(TyperGroup):
     anything else is a bug or an unforeseen failure, reported in one line (the traceback
     with ``-v``) so that scripts can tell it from "damage found" (1).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        plain_switches(self)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        _plain(params)  # typer adds --install-completion and --show-completion after __init__
+        return params
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -105,7 +157,7 @@ def _report(e: Exception, *, verbose: bool) -> int:
     """Print ``e`` on stderr the way its kind deserves; return the exit code."""
     err = Console(stderr=True)
     if isinstance(e, (StalwartError, OSError)):  # a command without its own handled()
-        err.print(f"[red]error:[/] {escape(str(e))}")
+        err.print(f"[red]error:[/] {escape(cli_hint(str(e)))}")
         return EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
     if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
         err.out("".join(traceback.format_exception(e)), highlight=False)

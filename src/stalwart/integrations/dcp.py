@@ -95,6 +95,8 @@ class StalwartWriter(StorageWriter):
         step: the step to save when no ``checkpoint_id`` is passed to ``dcp.save``.
         options: chunking, compression, threads and retention.
         storage_options: passed to fsspec for remote roots.
+        overwrite: replace a committed step (atomically); False refuses it with
+            ``StepExistsError`` in DCP's ``CheckpointException``, as ``FileSystemWriter`` does.
 
     Example:
         >>> dcp.save(state, checkpoint_id=step, storage_writer=StalwartWriter("runs/x"))
@@ -107,10 +109,10 @@ class StalwartWriter(StorageWriter):
         step: int | None = None,
         options: CheckpointOptions | None = None,
         storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
-        self._root_arg = root
-        self.step = step
+        self._root_arg, self.step, self.overwrite = root, step, overwrite
         self.options = options or CheckpointOptions()
         self._storage_options = storage_options
         self._root: Root | None = None
@@ -162,6 +164,7 @@ class StalwartWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._open().check_new_step(self.step, overwrite=self.overwrite)  # before any write
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -350,8 +353,7 @@ class StalwartReader(StorageReader):
             if not self.trust_pickle:
                 raise ConfigError(f"value {fqn!r} is stored as a pickle: {_TRUST_HINT}")
             return io.BytesIO(value)
-        out = io.BytesIO()
-        torch.save(value, out)
+        torch.save(value, out := io.BytesIO())
         out.seek(0)
         return out
 
@@ -373,9 +375,7 @@ class StalwartReader(StorageReader):
             )
             target = planner.resolve_tensor(ri).detach()
             dtype, lengths = dtype_from_name(entry.dtype), tuple(int(n) for n in ri.lengths)
-            direct = (
-                target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
-            )
+            direct = target.is_cpu and target.is_contiguous() and target.dtype == dtype
             dest = target if direct else torch.empty(lengths, dtype=dtype)
             batch.append((ri, target, Box(entry, fqn, offsets, dest)))
             held += 0 if direct else dest.numel() * dest.element_size()

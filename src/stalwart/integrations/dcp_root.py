@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.checkpoint.durable.async_api import refuse_replacing
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import apply_retention
@@ -110,6 +111,16 @@ class Root:
         )
         self.fast_index, stats.fast_index = stats.fast_index, {}
         return {k: s.to_json() for k, s in shards.items()}, stats
+
+    def check_new_step(self, step: int | None, *, overwrite: bool) -> None:
+        """Refuse to replace a committed ``step`` unless ``overwrite`` (one process decides).
+
+        Raises:
+            StepExistsError: ``step`` is committed and ``overwrite`` is False.
+        """
+        if not overwrite and step is not None:
+            fix = "pass StalwartWriter(..., overwrite=True) or import_dcp(..., overwrite=True)"
+            refuse_replacing(step, self.ckpt.steps(), self.store.url, fix=fix)
 
     def commit(
         self, step: int, tensors: Any, tree: Any, results: list[Any], meta: Any, t0: float

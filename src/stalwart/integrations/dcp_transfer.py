@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.persist import PersistStats
 from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.tools.dcp_import import parse_metadata
@@ -248,6 +249,7 @@ def import_dcp(
     options: CheckpointOptions | None = None,
     storage_options: dict[str, Any] | None = None,
     batch_bytes: int = READ_BATCH_BYTES,
+    overwrite: bool = False,
 ) -> TransferResult:
     """Import the DCP checkpoint at ``source`` (folder or fsspec URL) as ``step`` of ``root``.
 
@@ -257,11 +259,12 @@ def import_dcp(
     Args:
         source: the DCP folder or fsspec URL (``s3://bucket/ckpt/step-100``).
         root: the stalwart root to save into.
-        step: the step to save it as (replaced atomically if it exists).
+        step: the step to save it as (a committed one: StepExistsError, unless ``overwrite``).
         trust_pickle: let the source's pickles run unrestricted (only for trusted sources).
         options: chunking, compression and retention of the root.
         storage_options: fsspec options, for the source URL and a remote root alike.
         batch_bytes: tensor bytes held in memory at a time.
+        overwrite: replace a committed ``step`` (atomically).
 
     Raises:
         ConfigError: the source needs pickle and ``trust_pickle`` is False.
@@ -273,6 +276,7 @@ def import_dcp(
     reader = _reader(source, md, storage_options)
     dest = Root(root, options or CheckpointOptions(), storage_options)
     try:
+        dest.check_new_step(step, overwrite=overwrite)  # before anything is read or written
         known = dest.known()
         tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
         shards: dict[Any, Any] = {}
@@ -309,10 +313,7 @@ def import_dcp(
         meta = {"stalwart.source": f"dcp import of {os.fspath(source)}"}
         if pickled:
             meta[PICKLED_KEY] = json.dumps(sorted(pickled))
-        from stalwart.checkpoint.durable.persist import PersistStats
-
-        stats = PersistStats(bytes_total=total, bytes_written=written)
-        dest.commit(step, tensors, tree, [(shards, stats)], meta, t0)
+        dest.commit(step, tensors, tree, [(shards, PersistStats(total, written))], meta, t0)
     finally:
         dest.close()
     return TransferResult(step, len(tensors), len(values), total, written, time.perf_counter() - t0)

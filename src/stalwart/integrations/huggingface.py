@@ -18,7 +18,10 @@ own. The model's config and class name go into the manifest's metadata (``hf.con
 ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``) in a temporary
 folder and returns it; the Trainer then restores everything, RNG and data position included,
 so the resumed run is bit-identical to an uninterrupted one. That folder is a view made at
-resume time; the root stays the record. State of other stateful callbacks (early stopping)
+resume time and deleted once the Trainer has read it; the root stays the record. A step saved
+again by the same run (the last step, once more at the end of its epoch) replaces the first
+save, as the Trainer's own folder would be; a step of another run in the same root is refused
+(``StepExistsError``). State of other stateful callbacks (early stopping)
 is not carried.
 
 **accelerate.** :func:`register_accelerate_hooks` makes ``Accelerator.save_state`` store the
@@ -46,8 +49,18 @@ import numpy as np
 import torch
 
 from stalwart.checkpoint import Checkpointer, CheckpointOptions
-from stalwart.checkpoint.tools.export import model_subtree
-from stalwart.errors import CheckpointNotFoundError, ConfigError, MissingDependencyError
+from stalwart.checkpoint.tools.export import unshared
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    MissingDependencyError,
+    StepExistsError,
+)
+from stalwart.integrations.huggingface_pretrained import (
+    CLASS_KEY,
+    CONFIG_KEY,
+    export_pretrained,
+    import_pretrained,
+)
 
 try:
     import transformers
@@ -65,8 +78,6 @@ __all__ = [
     "register_accelerate_hooks",
 ]
 
-CONFIG_KEY = "hf.config"
-CLASS_KEY = "hf.model_class"
 POINTER_NAME = "stalwart.json"
 
 
@@ -137,6 +148,8 @@ class StalwartCallback(TrainerCallback):
     ) -> None:
         self.checkpointer = Checkpointer(root, options, storage_options=storage_options)
         self.keep_trainer_checkpoints = keep_trainer_checkpoints
+        self._ours: set[int] = set()  # steps this run saved or resumed from
+        self._resume_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def _maybe_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if not control.should_save:
@@ -152,10 +165,44 @@ class StalwartCallback(TrainerCallback):
             "rng": {f"rank{_rank()}": _capture_rng()},
             "trainer_state": json.dumps(_asdict(state), sort_keys=True),
         }
-        self.checkpointer.save(state.global_step, tree, metadata=_model_metadata(model))
+        self._save(state.global_step, tree, _model_metadata(model))
         if not self.keep_trainer_checkpoints:
             control.should_save = False
         return control
+
+    def _save(self, step: int, tree: dict[str, Any], meta: dict[str, str]) -> None:
+        """Save ``step``; a step this run already holds is replaced, as the Trainer replaces
+        its ``checkpoint-N`` folder (the last step saved again at the end of an epoch)."""
+        try:
+            if step in self._ours:
+                self.checkpointer.save(step, tree, metadata=meta, overwrite=True)
+            else:
+                self.checkpointer.save(step, tree, metadata=meta)
+        except StepExistsError as e:
+            raise StepExistsError(
+                f"{self.checkpointer.url} already holds step {step} from another run, and "
+                "StalwartCallback does not replace it. To continue that run, pass "
+                "resume_from_checkpoint=callback.resume_path() to trainer.train; to start "
+                "over, give the callback a new root (or delete the old steps with "
+                "`stalwart ckpt rm`)"
+            ) from e
+        self._ours.add(step)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Delete the folder :meth:`resume_path` wrote: the Trainer has read all of it by
+        the first step after resuming (weights, optimizer, scheduler, state, RNG)."""
+        self._drop_resume_dir()
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Delete the resume folder when training ended before any step (nothing left)."""
+        self._drop_resume_dir()
+        return control
+
+    def _drop_resume_dir(self) -> None:
+        if self._resume_dir is not None:
+            self._resume_dir.cleanup()
+            self._resume_dir = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Save when the Trainer would (its save schedule set ``control.should_save``)."""
@@ -170,7 +217,9 @@ class StalwartCallback(TrainerCallback):
 
         Args:
             step: the step to resume from.
-            folder: where to write it; a new temporary folder when None.
+            folder: where to write it; when None, a temporary folder that the callback
+                deletes once the Trainer has read it (at its first step, or the end of
+                training), or at exit when training never starts.
 
         Returns:
             The folder for ``Trainer.train(resume_from_checkpoint=...)``, or None when the
@@ -185,11 +234,16 @@ class StalwartCallback(TrainerCallback):
             if step is None:
                 return None
         tree = self.checkpointer.load(None, step)
-        out = Path(folder or tempfile.mkdtemp(prefix="stalwart-resume-")) / f"checkpoint-{step}"
+        self._ours.add(step)  # saving it again (the resumed Trainer may) replaces it
+        if folder is None:
+            self._drop_resume_dir()
+            self._resume_dir = tempfile.TemporaryDirectory(prefix="stalwart-resume-")
+            folder = self._resume_dir.name
+        out = Path(folder) / f"checkpoint-{step}"
         out.mkdir(parents=True, exist_ok=True)
         from safetensors.torch import save_file
 
-        weights = {k: v.contiguous() for k, v in tree["model"].items()}
+        weights = unshared(tree["model"])  # tied weights come back sharing memory
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         config = self.checkpointer.manifest(step).metadata.get(CONFIG_KEY)
         if config is not None:
@@ -255,127 +309,3 @@ def register_accelerate_hooks(accelerator: Any, root: str | os.PathLike[str]) ->
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
     return ck
-
-
-def _model_class(name: str | None, given: Any) -> Any:
-    if given is not None:
-        return given
-    cls = getattr(transformers, name, None) if name else None
-    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
-        raise ConfigError(
-            f"cannot tell which transformers class the checkpoint's model is ({name!r}); pass "
-            "model_class=, e.g. export_pretrained(..., model_class=AutoModelForCausalLM)"
-        )
-    return cls
-
-
-def export_pretrained(
-    root: str | os.PathLike[str] | Checkpointer,
-    out: str | os.PathLike[str],
-    *,
-    step: int | None = None,
-    subtree: str | None = "model",
-    model_class: Any = None,
-    config: Any = None,
-) -> Path:
-    """Write ``step``'s model as a ``save_pretrained`` folder that ``from_pretrained`` loads.
-
-    The model is built on the meta device from its config (no weights allocated twice), given
-    the checkpoint's tensors, its tied weights re-tied, and saved by its own
-    ``save_pretrained``: safetensors, ``config.json``, shared weights stored once.
-
-    Args:
-        root: the stalwart root (or its Checkpointer).
-        out: the folder to write.
-        step: the step; the newest when None.
-        subtree: the path of the model's state dict in the tree (``model`` for
-            :class:`StalwartCallback` and ``TrainingState``); None when the step is the bare
-            state dict.
-        model_class: the transformers class; read from the metadata (``hf.model_class``)
-            when None.
-        config: a ``PretrainedConfig``; read from the metadata (``hf.config``) when None.
-
-    Raises:
-        ConfigError: the subtree is not a model's state dict (a whole training state, say),
-            or the class or config is unknown.
-    """
-    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
-    try:
-        step = ck.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint under {ck.url}; nothing to export"
-            )
-        weights = model_subtree(ck.load(None, step), subtree, where=f"{ck.url} step {step}")
-        meta = ck.manifest(step).metadata
-    finally:
-        if ck is not root:
-            ck.close()
-    cls = _model_class(meta.get(CLASS_KEY), model_class)
-    if config is None:
-        if CONFIG_KEY not in meta:
-            raise ConfigError(f"step {step} records no model config; pass config=")
-        config = transformers.AutoConfig.for_model(**json.loads(meta[CONFIG_KEY]))
-    with torch.device("meta"):
-        model = cls(config)
-    model.load_state_dict(weights, strict=False, assign=True)
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ConfigError(
-            f"the checkpoint's model lacks {len(missing)} weights of {cls.__name__} "
-            f"({missing[:5]}...); check subtree= and model_class="
-        )
-    model.save_pretrained(str(out))
-    return Path(out)
-
-
-def import_pretrained(
-    folder: str | os.PathLike[str],
-    root: str | os.PathLike[str] | Checkpointer,
-    *,
-    step: int,
-    subtree: str = "model",
-) -> int:
-    """Save a ``save_pretrained`` folder's weights as ``step`` under ``subtree``.
-
-    Reads ``model.safetensors`` or the shards of ``model.safetensors.index.json`` (no pickle)
-    and keeps ``config.json`` in the metadata. Weights that ``save_pretrained`` leaves out
-    because they are tied stay out: load with ``strict=False`` or re-tie after loading.
-
-    Returns:
-        The number of tensors imported.
-    """
-    from safetensors.torch import load_file
-
-    src = Path(folder)
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (src / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointNotFoundError(
-            f"{src} holds no model.safetensors (or its index); save the model with "
-            "save_pretrained(..., safe_serialization=True) first"
-        )
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(src / name)))
-    meta = {"stalwart.source": f"pretrained:{src.name}"}
-    if (src / "config.json").is_file():
-        config = json.loads((src / "config.json").read_text())
-        meta[CONFIG_KEY] = json.dumps(config)
-        archs = config.get("architectures") or []
-        if archs:
-            meta[CLASS_KEY] = archs[0]
-    tree: Any = weights
-    for key in reversed(subtree.split(".") if subtree else []):
-        tree = {key: tree}
-    ck = root if isinstance(root, Checkpointer) else Checkpointer(root)
-    try:
-        ck.save(step, tree, metadata=meta)
-    finally:
-        if ck is not root:
-            ck.close()
-    return len(weights)

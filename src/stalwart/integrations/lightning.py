@@ -8,10 +8,12 @@ Adopting it is one argument::
 **Layout.** Lightning names and manages checkpoints by file path (``epoch=0-step=10.ckpt``,
 ``last.ckpt``, top-k removal, ``ckpt_path="last"``). The data goes into one stalwart root, so
 consecutive checkpoints share every unchanged chunk; at Lightning's path the plugin writes a
-small JSON *pointer* file naming the root and the step. The root is ``root`` when given, else
-``stalwart/`` inside the checkpoint's folder. Steps in the root count saves (1, 2, 3, ...)
-rather than repeat ``global_step``: Lightning may save twice at one global step (``last.ckpt``
-beside a top-k file) and remove either. Each manifest's metadata records
+small *pointer* file naming the root (relative to the pointer's folder, so a copied or renamed
+run folder still loads) and the step (format: :mod:`~stalwart.integrations.lightning_pointer`).
+The root is ``root`` when given, else ``stalwart/`` inside the checkpoint's folder. Steps in
+the root count saves (1, 2, 3, ...) rather than repeat ``global_step``: Lightning may save
+twice at one global step (``last.ckpt`` beside a top-k file) and remove either, so a save never
+replaces a committed step. Each manifest's metadata records
 ``lightning.global_step``, ``lightning.epoch`` and ``lightning.path``.
 
 **Lifecycle.** A pointer is written only after its step is committed, so a pointer never names
@@ -25,8 +27,10 @@ packs no step uses any more. With ``async_save=True`` saves return once the tens
 plugins and ``torch.load``-s the path through one function, ``lightning.fabric.utilities.
 cloud_io._load``; :func:`install_loader` (run by every :class:`StalwartCheckpointIO`, or called
 once in a process that only loads) wraps it so that a stalwart pointer is read from its root and
-anything else goes to Lightning's loader unchanged. :func:`read_checkpoint` gives the plain
-dict. A path holding an ordinary ``torch.save`` checkpoint still loads, through Lightning's own
+anything else goes to Lightning's loader unchanged. Without it, ``torch.load`` of a pointer
+fails with a message that says to call :func:`install_loader` (the pointer's guard line, not
+torch's advice to pass ``weights_only=False``). :func:`read_checkpoint` gives the plain dict.
+A path holding an ordinary ``torch.save`` checkpoint still loads, through Lightning's own
 loader, so an old run can resume under the plugin.
 
 Hyper-parameters (``argparse.Namespace``, dataclasses, Enums, sets, paths) travel as plain data
@@ -37,11 +41,9 @@ only when listed with :func:`stalwart.tree.allow_types`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +55,12 @@ from stalwart.errors import (
     ConfigError,
     CorruptCheckpointError,
     MissingDependencyError,
+)
+from stalwart.integrations.lightning_pointer import (
+    is_pointer,
+    missing_root,
+    read_pointer,
+    write_pointer,
 )
 
 try:
@@ -67,47 +75,6 @@ except ImportError as e:  # pragma: no cover (the dev extra installs lightning)
 __all__ = ["StalwartCheckpointIO", "install_loader", "load_from_checkpoint", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
-
-POINTER_KEY = "stalwart.lightning.pointer"
-_POINTER_VERSION = 1
-_MAX_POINTER_BYTES = 1 << 16
-
-
-def _read_pointer(path: str) -> dict[str, Any] | None:
-    """The pointer at ``path``; None when ``path`` holds something else (a torch.save file)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_MAX_POINTER_BYTES + 1)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path") from None
-    if not head.lstrip().startswith(b"{"):
-        return None
-    try:
-        ptr = json.loads(head)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is a damaged stalwart pointer file ({e})") from e
-    if not (isinstance(ptr, dict) and isinstance(ptr.get(POINTER_KEY), int)):
-        raise CorruptCheckpointError(f"{path} is JSON but not a stalwart pointer file")
-    if not (isinstance(ptr.get("root"), str) and isinstance(ptr.get("step"), int)):
-        raise CorruptCheckpointError(f"{path}: pointer lacks a root or a step: {ptr!r}")
-    return ptr
-
-
-def _write_pointer(path: str, ptr: dict[str, Any]) -> None:
-    """Write ``ptr`` to ``path`` atomically (temp file, fsync, rename)."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(ptr, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _root_url(root: str | os.PathLike[str]) -> str:
@@ -141,7 +108,7 @@ def install_loader() -> None:
         return
 
     def load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)) and _is_pointer(path_or_url):
+        if isinstance(path_or_url, (str, os.PathLike)) and is_pointer(path_or_url):
             tree = read_checkpoint(path_or_url)
             if isinstance(map_location, (str, torch.device)):
                 tree = _to_device(tree, torch.device(map_location))
@@ -150,16 +117,6 @@ def install_loader() -> None:
 
     load._stalwart = True  # type: ignore[attr-defined]
     cloud_io._load = saving.pl_load = torch_io.pl_load = load
-
-
-def _is_pointer(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a local file that starts like a stalwart pointer."""
-    text = os.fspath(path)
-    if "://" in text or not os.path.isfile(text):
-        return False
-    with open(text, "rb") as f:
-        head = f.read(256)
-    return head.lstrip().startswith(b"{") and POINTER_KEY.encode() in head
 
 
 class StalwartCheckpointIO(CheckpointIO):
@@ -253,7 +210,6 @@ class StalwartCheckpointIO(CheckpointIO):
             "lightning.epoch": str(checkpoint.get("epoch", "")),
         }
         ptr = {
-            POINTER_KEY: _POINTER_VERSION,
             "root": root,
             "step": step,
             "global_step": checkpoint.get("global_step"),
@@ -276,8 +232,8 @@ class StalwartCheckpointIO(CheckpointIO):
 
     def _publish(self, path: str, ptr: dict[str, Any], ck: Checkpointer) -> None:
         """Point ``path`` at the committed step; drop the step it pointed at before."""
-        old = _read_pointer(path) if os.path.exists(path) else None
-        _write_pointer(path, ptr)
+        old = read_pointer(path) if os.path.exists(path) else None
+        write_pointer(path, ptr)
         if old is not None and old["root"] == ptr["root"] and old["step"] != ptr["step"]:
             self._drop_step(path, old, ck)
 
@@ -289,7 +245,7 @@ class StalwartCheckpointIO(CheckpointIO):
             if other == path or not os.path.isfile(other):
                 continue
             with contextlib.suppress(CheckpointNotFoundError, CorruptCheckpointError, OSError):
-                o = _read_pointer(other)
+                o = read_pointer(other)
                 if o and (o["root"], o["step"]) == (ptr["root"], ptr["step"]):
                     return
         with contextlib.suppress(CheckpointNotFoundError):  # already gone: nothing to do
@@ -305,9 +261,10 @@ class StalwartCheckpointIO(CheckpointIO):
         """
         path = os.fspath(path)
         self._wait()
-        ptr = _read_pointer(path)
+        ptr = read_pointer(path)
         if ptr is None:
             return TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only)
+        _require_root(path, ptr)
         tree = self.checkpointer(ptr["root"]).load(None, ptr["step"])
         if isinstance(map_location, (str, torch.device)):
             tree = _to_device(tree, torch.device(map_location))
@@ -321,7 +278,7 @@ class StalwartCheckpointIO(CheckpointIO):
             return
         ptr = None
         with contextlib.suppress(CorruptCheckpointError):
-            ptr = _read_pointer(path) if os.path.isfile(path) else None
+            ptr = read_pointer(path) if os.path.isfile(path) else None
         os.remove(path)
         if ptr is not None:
             self._drop_step(path, ptr, self.checkpointer(ptr["root"]))
@@ -371,14 +328,23 @@ def read_checkpoint(path: str | os.PathLike[str], *, root: str | None = None) ->
         CheckpointNotFoundError: no such file or step.
         CorruptCheckpointError: ``path`` is not a stalwart pointer, or the data is damaged.
     """
-    ptr = _read_pointer(os.fspath(path))
+    ptr = read_pointer(os.fspath(path))
     if ptr is None:
         raise CorruptCheckpointError(
             f"{path} is not a stalwart pointer file; load it with "
             "LightningModule.load_from_checkpoint as usual"
         )
+    if root is None:
+        _require_root(path, ptr)
     with Checkpointer(root or ptr["root"], process_group=_local_group()) as ck:
         return ck.load(None, ptr["step"])
+
+
+def _require_root(path: str | os.PathLike[str], ptr: dict[str, Any]) -> None:
+    """Raise when the root ``ptr`` names is gone, saying the path came from ``path``."""
+    problem = missing_root(path, ptr)
+    if problem is not None:
+        raise CheckpointNotFoundError(problem)
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: str | os.PathLike[str], **kwargs: Any) -> Any:

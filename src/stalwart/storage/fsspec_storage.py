@@ -1,11 +1,13 @@
-"""A byte store on any fsspec filesystem: S3, GCS, Azure, ``memory://``, ``file://`` ...
+"""A byte store on any fsspec filesystem: S3, GCS, Azure, ``memory://`` ... (not local paths).
 
 Atomicity on object stores comes from writing each object with one PUT (``pipe_file`` of the
 whole payload): readers see the old object or the new one, never a prefix. Every call runs
 under a :class:`~stalwart.storage.retry.RetryPolicy`, so throttling and dropped connections
 are retried with backoff, while permanent errors (no such key or bucket, access denied) fail at
 once, translated into :mod:`stalwart.errors`. fsspec and its backends are imported lazily, on
-first construction, with an install hint when one is missing.
+first construction, with an install hint when one is missing. Local paths (``file://``) are
+refused: :class:`~stalwart.storage.local.LocalStorage` serves them and never follows a link
+out of the root, which fsspec's local filesystem would.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def _mtime(info: dict[str, Any]) -> float:
     return 0.0
 
 
+def _is_local(fs: Any) -> bool:
+    """True for fsspec's local filesystem, also behind a ``dir::`` prefix."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem) or isinstance(getattr(fs, "fs", None), LocalFileSystem)
+
+
 class FsspecStorage:
     """Objects under an fsspec URL such as ``s3://bucket/run-7`` or ``memory://scratch``.
 
@@ -103,6 +112,14 @@ class FsspecStorage:
                 f"unknown storage scheme {protocol!r} in {url!r}; known schemes: "
                 f"{', '.join(sorted(known_implementations))}"
             ) from e
+        if _is_local(fs):
+            # fsspec's local filesystem follows symbolic links anywhere under the root; the
+            # local store checks every path component (see stalwart.storage.confine).
+            raise ConfigError(
+                f"{url!r} is a local path: open it with LocalStorage (or open_storage, which "
+                "picks LocalStorage for plain paths and file:// URLs), which never follows a "
+                "link out of the checkpoint root"
+            )
         self.url = url
         self.fs = fs
         self.protocol = protocol

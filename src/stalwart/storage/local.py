@@ -5,11 +5,14 @@ Atomicity comes from writing a temporary file next to the target (``.tmp-<uuid>-
 the directory (and any directory created for it) after. Reads go straight into the caller's
 buffer with ``os.preadv``, so restoring a tensor does not copy through an intermediate ``bytes``.
 A crash can leave temporaries behind; they are invisible to :meth:`LocalStorage.list` and
-:meth:`LocalStorage.remove_stale_temps` deletes them (only names of the exact form it writes).
+:meth:`LocalStorage.remove_stale_temps` deletes those no live writer holds
+(:mod:`stalwart.storage.temps`).
 
-Symbolic links: a folder under the root may be one (``packs/`` on a bigger disk is a common
-setup); an object that is itself a link may point anywhere, so it is never listed, read,
-replaced or deleted (a clear :class:`~stalwart.errors.StorageError` instead).
+Nothing below the root may be a symbolic link, folder or object: every call opens the key's
+folders one by one without following links and refuses a link with
+:class:`~stalwart.errors.UnsafePathError` (:mod:`stalwart.storage.confine` says why and how).
+The root itself may be reached through a link: to keep checkpoints on a bigger disk, put the
+whole root there.
 """
 
 from __future__ import annotations
@@ -18,9 +21,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
-import time
-import uuid
 from collections.abc import Iterable, Iterator
 
 from stalwart.errors import (
@@ -31,34 +31,32 @@ from stalwart.errors import (
     StoragePermissionError,
 )
 from stalwart.storage.base import Buffer, ObjectInfo, validate_key
+from stalwart.storage.confine import NOFOLLOW, Folders, link_error, open_folders, refuse_link, walk
 from stalwart.storage.direct_io import (
     ALIGN,
     AlignedBufferPool,
     ReadBufferPool,
-    open_read,
     read_range,
     write_stream,
 )
+from stalwart.storage.temps import TEMP_PREFIX, create_claimed, remove_stale
 
 __all__ = ["TEMP_PREFIX", "LocalStorage", "fsync_dir"]
 
 logger = logging.getLogger(__name__)
 
-TEMP_PREFIX = ".tmp-"
-"""Name prefix of in-flight temporaries; never a valid object name, never listed."""
-_ANY_TEMP = re.compile(re.escape(TEMP_PREFIX))
-_TEMP_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}-")  # exactly the names write() gives
-
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 _OPEN_FLAGS_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_OPEN_FLAGS_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | NOFOLLOW
 
 
 def translate_os_error(e: OSError, path: str, op: str) -> StorageError:
     """Map an ``OSError`` raised while doing ``op`` on ``path`` to a stalwart storage error."""
     if e.errno == errno.ENOENT:
         return ObjectNotFoundError(f"no object at {path} ({op}): {e.strerror or e}")
+    if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+        return link_error(path, op)
     if e.errno in _FULL_ERRNOS:
         return StorageFullError(
             f"no space left on device writing {path}; free space or choose another root "
@@ -86,7 +84,8 @@ class LocalStorage:
     """Objects as files under a root directory; keys map to ``/``-separated relative paths.
 
     Args:
-        root: the directory holding the objects.
+        root: the directory holding the objects (the path may go through links; nothing
+            below it may be one).
         create: create ``root`` (and its parents) when missing; when ``False`` a missing root
             raises :class:`~stalwart.errors.ObjectNotFoundError`.
     """
@@ -119,34 +118,24 @@ class LocalStorage:
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
 
-    def _path(self, key: str) -> str:
-        path = os.path.join(self.root, *validate_key(key).split("/"))
-        if os.path.islink(path):
-            # A linked object could point anywhere (``/etc/passwd``): never read, replace or
-            # delete through one. Linked *folders* (``packs/`` on a bigger disk) are fine.
-            raise StorageError(
-                f"{path} is a symbolic link; stalwart does not follow links to single objects, "
-                "which may point outside the root. Replace the link with the file itself "
-                "(a folder such as packs/ may be a link)"
-            )
-        return path
+    @contextlib.contextmanager
+    def _object(self, key: str, op: str, *, create: bool = False) -> Iterator[tuple[Folders, str]]:
+        """The open folders of ``key`` and its name there; links refused, errors translated."""
+        *parts, name = validate_key(key).split("/")
+        try:
+            with open_folders(self.root, parts, op=op, create=create) as folders:
+                yield folders, name
+        except StorageError:
+            raise
+        except OSError as e:
+            raise translate_os_error(e, os.path.join(self.root, key), op) from e
+
+    def _open_read(self, key: str) -> int:
+        """A read-only descriptor of ``key``, opened without following any link."""
+        with self._object(key, "read") as (folders, name):
+            return os.open(name, _OPEN_FLAGS_READ, dir_fd=folders.fd)
 
     # -- writing ---------------------------------------------------------------------------
-
-    def _make_parents(self, dirpath: str) -> list[str]:
-        """Create ``dirpath`` and missing ancestors; return the directories created."""
-        missing: list[str] = []
-        cur = dirpath
-        while cur != self.root and not os.path.isdir(cur):
-            missing.append(cur)
-            cur = os.path.dirname(cur)
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                if not os.path.isdir(d):
-                    raise
-        return missing
 
     def write(self, key: str, data: Iterable[Buffer]) -> int:
         """Write ``key`` atomically and durably from consecutive buffers; return its size.
@@ -154,28 +143,20 @@ class LocalStorage:
         A failure (including an exception from ``data`` itself) leaves no object and no
         temporary behind; an existing object under ``key`` stays as it was.
         """
-        path = self._path(key)
-        dirpath, name = os.path.split(path)
-        tmp = os.path.join(dirpath, f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name}")
-        fd = -1
-        try:
-            created = self._make_parents(dirpath)
-            fd = os.open(tmp, _OPEN_FLAGS_WRITE, 0o644)
-            total = write_stream(fd, (_byte_view(b) for b in data), self._buffers)
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, path)
-            # The rename, and every directory entry created for it, must reach the disk too.
-            for d in {dirpath, *(os.path.dirname(c) for c in created)}:
-                fsync_dir(d)
-        except BaseException as e:
-            if fd >= 0:
-                _close_quietly(fd)
-            _unlink_quietly(tmp)
-            if isinstance(e, OSError) and not isinstance(e, StorageError):
-                raise translate_os_error(e, path, "write") from e
-            raise
+        with self._object(key, "write", create=True) as (folders, name):
+            refuse_link(folders, name, "replace")  # the rename would not follow it; be plain
+            fd, tmp = create_claimed(folders.fd, name, _OPEN_FLAGS_WRITE)
+            try:
+                total = write_stream(fd, (_byte_view(b) for b in data), self._buffers)
+                os.fsync(fd)
+                os.replace(tmp, name, src_dir_fd=folders.fd, dst_dir_fd=folders.fd)
+                tmp = ""
+                # The rename, and every directory entry created for it, must reach the disk.
+                folders.fsync()
+            finally:
+                _close_quietly(fd)  # the claim on the temporary ends only after the rename
+                if tmp:
+                    _unlink_quietly(tmp, folders.fd)
         return total
 
     # -- reading ---------------------------------------------------------------------------
@@ -187,11 +168,7 @@ class LocalStorage:
         view = _byte_view(out)
         if view.readonly:
             raise ConfigError("read_into needs a writable buffer, got a read-only memoryview")
-        path = self._path(key)
-        try:
-            fd = os.open(path, _OPEN_FLAGS_READ)
-        except OSError as e:
-            raise translate_os_error(e, path, "read") from e
+        fd = self._open_read(key)
         try:
             total, want = 0, len(view)
             while total < want:
@@ -201,7 +178,7 @@ class LocalStorage:
                 total += n
             return total
         except OSError as e:
-            raise translate_os_error(e, path, "read") from e
+            raise translate_os_error(e, os.path.join(self.root, key), "read") from e
         finally:
             _close_quietly(fd)
 
@@ -216,17 +193,13 @@ class LocalStorage:
         """
         if offset < 0 or length < 0:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
-        path = self._path(key)
         buf = self._read_buffers.get(length + 2 * ALIGN)
         try:
+            fd = self._open_read(key)
             try:
-                fd, direct = open_read(path, direct=False)
+                view = read_range(fd, False, offset, length, buf)
             except OSError as e:
-                raise translate_os_error(e, path, "read") from e
-            try:
-                view = read_range(fd, direct, offset, length, buf)
-            except OSError as e:
-                raise translate_os_error(e, path, "read") from e
+                raise translate_os_error(e, os.path.join(self.root, key), "read") from e
             finally:
                 _close_quietly(fd)
             yield view.toreadonly()
@@ -237,59 +210,65 @@ class LocalStorage:
         """Read ``length`` bytes at ``offset`` (to the end when ``None``)."""
         if offset < 0 or (length is not None and length < 0):
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
-        path = self._path(key)
+        fd = self._open_read(key)
         try:
-            with open(path, "rb") as f:
+            with open(fd, "rb", closefd=False) as f:
                 f.seek(offset)
                 return f.read(-1 if length is None else length)
         except OSError as e:
-            raise translate_os_error(e, path, "read") from e
+            raise translate_os_error(e, os.path.join(self.root, key), "read") from e
+        finally:
+            _close_quietly(fd)
 
     # -- deleting and listing --------------------------------------------------------------
 
     def delete(self, key: str) -> None:
-        """Delete ``key``; a missing key is fine."""
-        path = self._path(key)
+        """Delete ``key``; a missing key (or folder) is fine. A link is refused, not removed."""
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            with self._object(key, "delete") as (folders, name):
+                refuse_link(folders, name, "delete")
+                os.unlink(name, dir_fd=folders.fd)
+        except (FileNotFoundError, ObjectNotFoundError):
             return
-        except OSError as e:
-            raise translate_os_error(e, path, "delete") from e
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects whose key starts with ``prefix``, sorted by key; temporaries are skipped.
 
         A prefix ending in ``/`` walks only that folder; otherwise the prefix's parent folder
-        is walked, descending only into entries whose name starts with the last part.
+        is walked, descending only into entries whose name starts with the last part. A
+        missing folder lists nothing; a linked one is refused (:class:`UnsafePathError`).
         """
         folder, _, stem = prefix.rpartition("/")
-        if folder:
-            validate_key(folder)
         if stem:
             validate_key(stem)
-        dirpath = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        parts = validate_key(folder).split("/") if folder else []
         key_prefix = f"{folder}/" if folder else ""
+        path = os.path.join(self.root, *parts)
         try:
-            infos = list(_walk(dirpath, key_prefix, stem))
+            with open_folders(self.root, parts, op="list") as folders:
+                infos = list(walk(folders.fd, key_prefix, stem=stem, hidden=TEMP_PREFIX))
+        except ObjectNotFoundError:
+            return []  # the folder is not there (yet): nothing in it
+        except StorageError:
+            raise
         except OSError as e:
-            raise translate_os_error(e, dirpath, "list") from e
+            raise translate_os_error(e, path, "list") from e
         infos.sort(key=lambda i: i.key)
         return infos
 
     def remove_stale_temps(self, older_than_s: float) -> int:
-        """Delete temporaries older than ``older_than_s`` seconds left by crashed writers.
+        """Delete temporaries of crashed writes that are older than ``older_than_s`` seconds.
 
-        Returns how many were removed. Use a threshold well above the longest write so that
-        an in-flight writer is never robbed of its temporary.
+        Returns how many were removed. A temporary that a live writer holds is never removed,
+        whatever ``older_than_s`` (see :mod:`stalwart.storage.temps`), and no link is followed.
         """
         if older_than_s < 0:
             raise ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
-        cutoff = time.time() - older_than_s
-        removed = 0
-        for path, mtime in _walk_temps(self.root, follow=True):
-            if mtime < cutoff and _unlink_quietly(path):
-                removed += 1
+        try:
+            with open_folders(self.root, [], op="remove temporaries") as folders:
+                removed = remove_stale(folders.fd, older_than_s)
+        except ObjectNotFoundError:
+            return 0
         if removed:
             logger.info("removed %d stale temporary file(s) under %s", removed, self.root)
         return removed
@@ -298,57 +277,6 @@ class LocalStorage:
         """Release the reusable write buffers (each call opens and closes its own files)."""
         self._buffers.close()
         self._read_buffers.close()
-
-
-def _walk(dirpath: str, key_prefix: str, stem: str = "") -> Iterator[ObjectInfo]:
-    """Objects under ``dirpath`` whose top-level name starts with ``stem``."""
-    try:
-        it = os.scandir(dirpath)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    with it:
-        for entry in it:
-            if not entry.name.startswith(stem):
-                continue
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    yield from _walk(entry.path, f"{key_prefix}{entry.name}/")
-                elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(
-                    TEMP_PREFIX
-                ):  # a linked object is not ours: never listed, so never read or collected
-                    st = entry.stat()
-                    yield ObjectInfo(f"{key_prefix}{entry.name}", st.st_size, st.st_mtime)
-            except FileNotFoundError:
-                continue  # deleted while we looked: not listed
-
-
-def _walk_temps(
-    dirpath: str, *, follow: bool = False, strict: bool = False
-) -> Iterator[tuple[str, float]]:
-    """Temporaries under ``dirpath``: names starting with ``.tmp-``.
-
-    ``follow`` descends into linked folders at this level only (the root's ``packs/`` may be
-    a link to a bigger disk; writes go there, so their temporaries do too). Behind such a
-    link the folder may hold other people's files, so only names of the exact form
-    :meth:`LocalStorage.write` gives (``.tmp-<32 hex>-``) count there (``strict``).
-    """
-    try:
-        it = os.scandir(dirpath)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    with it:
-        for entry in it:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    yield from _walk_temps(entry.path, strict=strict)
-                elif follow and entry.is_symlink() and entry.is_dir():
-                    yield from _walk_temps(entry.path, strict=True)
-                elif (_TEMP_NAME if strict else _ANY_TEMP).match(entry.name) and entry.is_file(
-                    follow_symlinks=False
-                ):
-                    yield entry.path, entry.stat(follow_symlinks=False).st_mtime
-            except FileNotFoundError:
-                continue
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -375,9 +303,6 @@ def _close_quietly(fd: int) -> None:
         logger.debug("closing fd %d failed", fd, exc_info=True)
 
 
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)

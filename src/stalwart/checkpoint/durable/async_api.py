@@ -20,13 +20,13 @@ from stalwart.checkpoint.collective import Group, dedicated_group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
 from stalwart.checkpoint.durable.manifest import MAX_STEP
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, DistributedError, StepExistsError, StorageError
 from stalwart.tree import flatten
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaves", "check_save_args"]
+__all__ = ["AsyncSaves", "check_save_args", "refuse_replacing"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,13 @@ class AsyncSaves:
     def _group(self) -> Group:  # provided by the Checkpointer
         raise NotImplementedError
 
+    @property
+    def url(self) -> str:  # provided by the Checkpointer
+        raise NotImplementedError
+
+    def steps(self) -> list[int]:  # provided by the Checkpointer
+        raise NotImplementedError
+
     def _write(
         self,
         step: int,
@@ -51,8 +58,32 @@ class AsyncSaves:
         metadata: dict[str, str] | None,
         g: Group,
         t0: float,
+        overwrite: bool,
     ) -> SaveResult:  # provided by the Checkpointer
         raise NotImplementedError
+
+    def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
+        """Refuse, on every rank alike, to replace ``step`` unless ``overwrite`` is True.
+
+        Collective: every rank of the group calls it. Rank 0 lists the committed steps and
+        every rank decides on that one listing; a step still saving in the background
+        counts as taken (every rank submitted the same saves, so they agree on it too).
+        A listing that fails (a flaky store) is logged and left to the save itself, which
+        lists again, on every rank alike, before it writes anything.
+
+        Raises:
+            StepExistsError: ``step`` is committed or in flight and ``overwrite`` is False.
+        """
+        if overwrite:
+            return
+        in_flight = [p.step for p in self._async.pending if not p.done()]  # before listing
+        g = self._group
+        try:
+            listing = g.run(f"listing steps before {step}", lambda: [] if g.rank else self.steps())
+        except (StorageError, DistributedError) as e:  # raised on every rank alike
+            log.warning("could not list the steps before step %s (%s); checked at save", step, e)
+            listing = [[]]
+        refuse_replacing(step, listing[0], self.url, in_flight=in_flight)
 
     def save_async(
         self,
@@ -61,6 +92,7 @@ class AsyncSaves:
         *,
         lazy: bool = False,
         metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
     ) -> PendingSave:
         """Start saving ``state`` as ``step``; return once the state may change again.
 
@@ -73,6 +105,8 @@ class AsyncSaves:
         guarded optimizer, lazy saves copy everything now.
         Hashing, dedup, compression, writing and the commit run in a background thread;
         at most ``options.max_inflight_saves`` saves are in flight (a further call waits).
+        A committed step (or one still saving) is refused here, before anything is copied,
+        unless ``overwrite`` is True (see :meth:`save`).
 
         Returns:
             A :class:`PendingSave`: ``done()``, ``wait()`` / ``result()`` (the SaveResult,
@@ -80,10 +114,12 @@ class AsyncSaves:
 
         Raises:
             CheckpointError: an earlier background save failed and nobody had waited on it.
+            StepExistsError: ``step`` is committed or saving and ``overwrite`` is False.
             UnsupportedValueError: the tree holds something that cannot be stored.
         """
         check_save_args(step, metadata)
         self._async.raise_unobserved()
+        self.check_new_step(step, overwrite=overwrite)
         g = self._background_group()
         try:
             flat = flatten(state)
@@ -99,7 +135,7 @@ class AsyncSaves:
                     raise err
                 return capture()
 
-            return self._write(step, checked, metadata, g, time.perf_counter())
+            return self._write(step, checked, metadata, g, time.perf_counter(), overwrite)
 
         defer = self.deferrable() if lazy else frozenset()
         if lazy and not self._guarded:
@@ -119,18 +155,20 @@ class AsyncSaves:
         staged: Future[None],
         *,
         metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
     ) -> PendingSave:
         """Persist a capture made by another tier (one host copy feeds every tier).
 
         ``items`` are the boxes the capture was laid out from, in its order; ``staged``
         completes once every copy has landed. The caller keeps the capture's buffer
-        unchanged until the returned save completes.
+        unchanged until the returned save completes. The caller checks the step first
+        (:meth:`check_new_step`); the background save checks it again before it commits.
         """
         check_save_args(step, metadata)
         g = self._background_group()
 
         def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
-            return self._write(step, capture, metadata, g, time.perf_counter())
+            return self._write(step, capture, metadata, g, time.perf_counter(), overwrite)
 
         return self._async.submit_captured(step, cap, items, skeleton, staged, write)
 
@@ -176,3 +214,31 @@ def check_save_args(step: Any, metadata: Any) -> None:
         )
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ConfigError("metadata must map str to str")
+
+
+def refuse_replacing(
+    step: int,
+    committed: list[int],
+    url: str,
+    *,
+    in_flight: list[int] | None = None,
+    fix: str = "pass overwrite=True (CLI: --overwrite)",
+) -> None:
+    """Raise :class:`StepExistsError` when ``step`` is committed (or still saving) at ``url``.
+
+    Callers skip it when the user passed ``overwrite=True``. Every rank must call it with
+    the same lists (rank 0's listing), so that they all raise the same error.
+    """
+    if step in (in_flight or ()):
+        raise StepExistsError(
+            f"step {step} is still being saved to {url} by an earlier save_async; wait for it "
+            "(pending.wait()), or pass overwrite=True to replace it once it commits"
+        )
+    if step not in committed:
+        return
+    latest = max(committed)
+    raise StepExistsError(
+        f"step {step} is already committed in {url}; to replace it {fix}; to continue a "
+        "run, load the latest step first "
+        f"(ckpt.load(state), latest is {latest}) and save from step {latest + 1} on"
+    )

@@ -24,6 +24,7 @@ exit, saves still in flight are flushed (or their steps are logged as not persis
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -91,7 +92,7 @@ class PendingSave:
 def _staged_items(items: list[LocalItem], cap: Capture) -> list[LocalItem]:
     """``items`` pointing at their copies in the capture's host buffer."""
     return [
-        LocalItem(it.fqn, it.dtype, it.shape, it.offsets, it.sizes, cap.view(rec), it.dtensor)
+        dataclasses.replace(it, tensor=cap.view(rec))
         for it, rec in zip(items, cap.records, strict=True)
     ]
 

@@ -19,12 +19,12 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stalwart.checkpoint.collective import Group, resolve_group
-from stalwart.checkpoint.durable.async_api import AsyncSaves, check_save_args
+from stalwart.checkpoint.durable.async_api import AsyncSaves, check_save_args, refuse_replacing
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.commit import build_manifest
 from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
@@ -52,9 +52,6 @@ from stalwart.storage import open_storage
 from stalwart.storage.base import ObjectInfo, Storage
 from stalwart.storage.local import LocalStorage
 from stalwart.tree import flatten
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
@@ -92,7 +89,6 @@ class Checkpointer(AsyncSaves, Loads):
         self._tensor_pool = ThreadPoolExecutor(
             self.options.io_threads, thread_name_prefix="stalwart-tensor"
         )
-        self._manifests: dict[int, Manifest] = {}
         self._cache = ManifestCache()  # parses, each checked against the store before use
         self.last_load: LoadResult | None = None
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
@@ -131,7 +127,6 @@ class Checkpointer(AsyncSaves, Loads):
                 self._storage.url,  # type: ignore[union-attr]
             )
             os.makedirs(self._storage.root, exist_ok=True)  # type: ignore[union-attr]
-            self._manifests.clear()
             self._cache.clear()
         if self._storage is None:
             if not create and not self._exists():
@@ -182,23 +177,18 @@ class Checkpointer(AsyncSaves, Loads):
         # manifest_cache). ``listed``: the step's entry in a listing made before this call.
         store = self._store(create=False)
         try:
-            m = self._cache.get(store, step, listed=listed, committed=self._manifests.get(step))
+            return self._cache.get(store, step, listed=listed)
         except ObjectNotFoundError:
-            self._manifests.pop(step, None)
             steps = self.steps()
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{short_steps(steps)}" + ("" if steps else " (none yet)")
             ) from None
-        self._manifests[step] = m
-        return m
 
     def _known_chunks(self, steps: list[int]) -> dict[str, ChunkRef]:
         # Manifests as stored now (see _manifest): dedup must never reference a pack that
         # only an out-of-date copy of a manifest names. The listing comes before the reads.
         self._cache.keep_only(set(steps))
-        for s in [s for s in self._manifests if s not in steps]:
-            del self._manifests[s]
         listed = {step_from_key(i.key): i for i in self._store(create=False).list(MANIFEST_PREFIX)}
         known: dict[str, ChunkRef] = {}
         for s in steps:
@@ -213,13 +203,22 @@ class Checkpointer(AsyncSaves, Loads):
 
     # -- save --------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, metadata: dict[str, str] | None = None) -> SaveResult:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> SaveResult:
         """Save ``state`` as ``step``; durable and committed when this returns.
 
-        Every rank of the process group must call it with the same step. Saving a step
-        that already exists replaces it atomically.
+        Every rank of the process group must call it with the same step. A committed step
+        is refused unless ``overwrite`` is True; then it is replaced by one atomic write of
+        its manifest (until then the old step stays loadable; a crash leaves it whole).
 
         Raises:
+            StepExistsError: ``step`` is committed and ``overwrite`` is False (every rank).
             UnsupportedValueError: the tree holds something that cannot be stored.
             StorageError: the store failed (full, read-only, ...); earlier checkpoints stay.
             DistributedError: another rank failed; nothing was committed.
@@ -231,7 +230,7 @@ class Checkpointer(AsyncSaves, Loads):
             flat = flatten(state)
             return local_items(flat), flat.skeleton
 
-        return self._write(step, capture, metadata, self._group, time.perf_counter())
+        return self._write(step, capture, metadata, self._group, time.perf_counter(), overwrite)
 
     def _write(
         self,
@@ -240,11 +239,12 @@ class Checkpointer(AsyncSaves, Loads):
         metadata: dict[str, str] | None,
         g: Group,
         t0: float,
+        overwrite: bool,
     ) -> SaveResult:
         """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
         on_event, meta = self.options.on_event, dict(metadata or {})
         try:
-            r = self._write_step(step, capture, metadata, g, t0)
+            r = self._write_step(step, capture, metadata, g, t0, overwrite)
         except BaseException as e:
             seconds = time.perf_counter() - t0
             failed = CheckpointEvent("save_failed", step, self.url, g.rank, seconds, metadata=meta)
@@ -264,12 +264,14 @@ class Checkpointer(AsyncSaves, Loads):
         metadata: dict[str, str] | None,
         g: Group,
         t0: float,
+        overwrite: bool,
     ) -> SaveResult:
         """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
 
         Rank 0 leases the committed steps before any rank reads their manifests, so that
         another process's retention or GC cannot delete a pack this save deduplicates
-        against between that read and the commit (retention honours leased steps).
+        against between that read and the commit (retention honours leased steps). Every
+        rank refuses a committed ``step`` on that one listing, before anything is written.
         """
         local: dict[str, Any] = {}
         with contextlib.ExitStack() as held:
@@ -284,6 +286,8 @@ class Checkpointer(AsyncSaves, Loads):
                 return steps
 
             steps = g.run(f"listing steps before step {step}", listing)[0]
+            if not overwrite:  # every rank decides on rank 0's listing: all raise alike
+                refuse_replacing(step, steps, self.url)
 
             def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
                 # Everything that can fail on one rank alone (opening the store, reading
@@ -319,12 +323,8 @@ class Checkpointer(AsyncSaves, Loads):
                 )
             results = g.run(f"saving step {step}", persist)
 
-            def commit() -> Manifest | None:
-                if g.rank != 0:
-                    return None
-                return self._commit(step, plan.tensors, skeleton, results, g.world, metadata, t0)
-
-            g.run(f"committing step {step}", commit)
+            done = (step, plan.tensors, plan.aliases, skeleton, results, g.world, metadata, t0)
+            g.run(f"committing step {step}", lambda: None if g.rank else self._commit(*done))
         if g.rank == 0:
             try:
                 self._retain(store)
@@ -338,23 +338,22 @@ class Checkpointer(AsyncSaves, Loads):
         self,
         step: int,
         tensors: dict[str, tuple[str, tuple[int, ...]]],
+        aliases: dict[str, Any],
         skeleton: dict[str, Any],
         results: list[Any],
         world: int,
         metadata: dict[str, str] | None,
         t0: float,
     ) -> Manifest:
-        m = build_manifest(step, tensors, skeleton, results, world, metadata, t0)
+        m = build_manifest(step, tensors, skeleton, results, world, metadata, t0, aliases=aliases)
         data = m.to_bytes()
         self._store(create=True).write(manifest_key(step), [data])
-        self._manifests[step] = m
         self._cache.adopt(step, data, m)  # known bytes: the next check is one read, no parse
         return m
 
     def _retain(self, store: Storage) -> GCReport:
         report = apply_retention(store, self.options.keep, self.steps(), self.manifest)
         for s in report.deleted_steps:
-            self._manifests.pop(s, None)
             self._cache.forget(s)
         return report
 
@@ -372,7 +371,7 @@ class Checkpointer(AsyncSaves, Loads):
                 f"{short_steps(self.steps())}"
             )
         store.delete(manifest_key(step))
-        self._manifests.pop(step, None)
+        self._cache.forget(step)
 
     def gc(self, *, grace_s: float | None = None) -> GCReport:
         """Apply retention, then delete pack files no checkpoint or lease references."""

@@ -7,8 +7,10 @@ The manifest is written last, by one rank, after every rank reported its pack du
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from stalwart.checkpoint.durable.aliases import TensorAlias
 from stalwart.checkpoint.durable.integrity import MAX_TREE_DEPTH, check_skeleton
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
 from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
@@ -24,6 +26,8 @@ def build_manifest(
     world_size: int,
     metadata: dict[str, str] | None,
     t0: float,
+    *,
+    aliases: Mapping[str, TensorAlias] | None = None,
 ) -> Manifest:
     """The manifest of ``step`` from the plan's tensors and every rank's persist results.
 
@@ -35,24 +39,12 @@ def build_manifest(
         world_size: ranks that saved.
         metadata: the user's string metadata.
         t0: ``time.perf_counter()`` at the start of the save, for the stats.
+        aliases: leaves that are views of another leaf's memory (see ``aliases.py``).
 
     Raises:
         UnsupportedValueError: the skeleton is one no reader would accept (too deep).
     """
-    shards: dict[str, list[ShardEntry]] = {fqn: [] for fqn in tensors}
-    for rank_shards, _ in results:
-        for (fqn, _offsets, _sizes), s in rank_shards.items():
-            shards[fqn].append(
-                ShardEntry(
-                    tuple(s["offsets"]),
-                    tuple(s["sizes"]),
-                    tuple(ChunkRef.from_json(c) for c in s["chunks"]),
-                )
-            )
-    entries = {
-        fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
-        for fqn, (dtype, shape) in tensors.items()
-    }
+    entries = _tensor_entries(tensors, results)
     try:  # refuse here what every reader would refuse (a tree too deep to read back)
         check_skeleton(skeleton, entries)
     except CorruptCheckpointError as e:
@@ -74,4 +66,25 @@ def build_manifest(
             "bytes_reused": float(sum(s.bytes_reused for s in stats)),
             "seconds": time.perf_counter() - t0,
         },
+        aliases=dict(aliases or {}),
     )
+
+
+def _tensor_entries(
+    tensors: dict[str, tuple[str, tuple[int, ...]]], results: list[Any]
+) -> dict[str, TensorEntry]:
+    """Each tensor's entry: its shards from every rank's results, in offset order."""
+    shards: dict[str, list[ShardEntry]] = {fqn: [] for fqn in tensors}
+    for rank_shards, _ in results:
+        for (fqn, _offsets, _sizes), s in rank_shards.items():
+            shards[fqn].append(
+                ShardEntry(
+                    tuple(s["offsets"]),
+                    tuple(s["sizes"]),
+                    tuple(ChunkRef.from_json(c) for c in s["chunks"]),
+                )
+            )
+    return {
+        fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
+        for fqn, (dtype, shape) in tensors.items()
+    }

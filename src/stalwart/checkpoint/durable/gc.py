@@ -6,25 +6,34 @@ garbage once no manifest references them. Collection deletes an unreferenced pac
 * its name is one this engine gives its packs (``packs/step-<20 digits>-rank<5 digits>-
   <12 hex>.pack``): anything else under ``packs/`` was not written by stalwart and is left
   alone and reported in :attr:`GCReport.skipped`;
-* it is older than ``grace_s`` (a save in flight elsewhere writes packs before its manifest
-  exists, and those packs must survive until it commits), and
 * no live *lease* names it. A reader takes a lease on the packs of the step it loads, and a
   writer on the packs it deduplicates against, for ``lease_s`` seconds; retention also keeps
-  the manifests of leased steps until the lease ends.
+  the manifests of leased steps until the lease ends;
+* it cannot belong to a save in flight (below), and it is older than ``grace_s`` (for
+  writers that take no lease).
 
 Every decision is taken from what is on the store at that moment (manifests and leases are
 read afresh), never from a copy cached in one process, because another process may have
 replaced or deleted a step since. Retention re-reads leases and manifests *after* its
 un-commit and before deleting packs, so a step committed or leased meanwhile keeps its packs.
 
+Leases hold whatever the grace. Every save holds a lease from before it lists the steps it
+deduplicates against until its manifest is written, so collection also keeps any pack written
+after a live lease was taken (it may belong to that save) and reads in an order that leaves
+no gap: packs are listed first, then leases, then manifests. A pack listed before the leases
+were read was written before then; if its save's lease was gone by then, that save had
+committed, and the manifests read afterwards name the pack. So ``grace_s=0`` is safe while
+stalwart's own saves and loads run; the grace remains for writers that take no lease.
+
 Leases are small JSON objects under ``leases/`` that name their owner (host, pid and pid
 namespace). A lease is dead, ignored and removed when it has expired, or when its owner ran on
 this host, in this pid namespace, and that process no longer exists (a killed job does not
 hold retention back for ``lease_s``).
 
-``packs/`` may be a symbolic link to a folder on a bigger disk; since collection only deletes
-files with pack names that no manifest or lease references, other files in that folder are
-safe. Symbolic links to single objects are never listed, read or deleted.
+Nothing under the root may be a symbolic link (see :mod:`stalwart.storage.confine`): a
+``packs/`` shared by two roots through links would let one root's collection delete the
+other's packs, so the store refuses links and collection stops with an
+:class:`~stalwart.errors.UnsafePathError` before deleting anything.
 """
 
 from __future__ import annotations
@@ -51,17 +60,29 @@ from stalwart.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ObjectNotFoundError,
+    StepRetiredError,
     StoragePermissionError,
+    UnsafePathError,
 )
-from stalwart.storage.base import Storage
+from stalwart.storage.base import ObjectInfo, Storage
 
-__all__ = ["GCReport", "Lease", "apply_retention", "collect_garbage", "read_leases"]
+__all__ = [
+    "GCReport",
+    "Lease",
+    "apply_retention",
+    "check_committed",
+    "collect_garbage",
+    "read_leases",
+]
 
 log = logging.getLogger(__name__)
 LEASE_PREFIX = "leases/"
 PACK_PREFIX = "packs/"
 PACK_NAME = re.compile(r"^packs/step-\d{20}-rank\d{5}-[0-9a-f]{12}\.pack$")
 """The names :class:`~stalwart.Checkpointer` gives its packs; gc deletes no other file."""
+CLOCK_SLACK_S = 2.0
+"""Packs written up to this long before a live lease's file count as written after it
+(file timestamps come from a coarse clock, and from the file server on a network disk)."""
 
 
 def _owner() -> dict[str, Any]:
@@ -109,12 +130,18 @@ class Lease:
         try:
             self.storage.write(self.key, [json.dumps(self.doc).encode()])
             self.held = True
+        except UnsafePathError:
+            raise  # a linked leases/ folder is a broken root, not a read-only one
         except StoragePermissionError:
             # A read-only location (a published checkpoint) cannot be garbage collected by
             # us either; reading it without a lease is safe from our own GC.
             log.info("read-only store %s: reading without a lease", self.storage.url)
             self.held = False
         return self
+
+    def check_committed(self, m: Manifest, where: str, *, deep: bool = False) -> None:
+        """:func:`check_committed` of ``m`` on this lease's store (call it once held)."""
+        check_committed(self.storage, m, where, deep=deep)
 
     def __exit__(self, *exc: object) -> None:
         if not self.held:
@@ -125,10 +152,55 @@ class Lease:
             log.warning("could not remove lease %s", self.key, exc_info=True)
 
 
+def check_committed(store: Storage, m: Manifest, where: str, *, deep: bool = False) -> None:
+    """Raise :class:`StepRetiredError` unless ``m``'s step is still committed on ``store``.
+
+    A reader calls it once its lease is written: retention and gc keep the step's packs from
+    then on, but may have retired the step between the reader's manifest read and its lease.
+    With ``deep`` (when a pack turned out missing) the stored manifest must also be ``m``
+    itself, not a replacement saved meanwhile; a damaged stored manifest passes, so that the
+    caller reports the damage.
+    """
+    key = manifest_key(m.step)
+    try:
+        data = store.read(key) if deep else store.read(key, 0, 1)
+    except ObjectNotFoundError:
+        raise StepRetiredError(
+            f"{where}: step {m.step} was deleted while it was being loaded (retention or "
+            f"`ckpt rm`); load another step: {_committed(store)}"
+        ) from None
+    if not deep:
+        return
+    try:
+        stored = Manifest.from_bytes(data, where=key)
+    except CorruptCheckpointError:
+        return
+    if stored != m:
+        raise StepRetiredError(
+            f"{where}: step {m.step} was replaced by another save while it was being loaded, "
+            "and the packs of the copy being read were collected; load the step again"
+        )
+
+
+def _committed(store: Storage) -> str:
+    steps = sorted(
+        s for s in (step_from_key(i.key) for i in store.list(MANIFEST_PREFIX)) if s is not None
+    )
+    if not steps:
+        return "the root holds no committed step now"
+    shown = ", ".join(map(str, steps[-5:]))
+    return f"committed steps now: {'…, ' if len(steps) > 5 else ''}{shown}"
+
+
 @dataclass
 class _Leases:
     steps: set[int] = field(default_factory=set)
     packs: set[str] = field(default_factory=set)
+    oldest_unix: float | None = None  # when the oldest live lease was written (its mtime)
+
+    def may_own(self, pack: ObjectInfo) -> bool:
+        """True when ``pack`` was written after a live lease was taken (a save in flight)."""
+        return self.oldest_unix is not None and pack.mtime >= self.oldest_unix - CLOCK_SLACK_S
 
 
 def read_leases(storage: Storage, *, remove_expired: bool = False) -> _Leases:
@@ -153,6 +225,8 @@ def read_leases(storage: Storage, *, remove_expired: bool = False) -> _Leases:
             continue
         live.steps |= steps
         live.packs |= packs
+        if live.oldest_unix is None or info.mtime < live.oldest_unix:
+            live.oldest_unix = info.mtime
     return live
 
 
@@ -164,9 +238,10 @@ class GCReport:
         deleted_steps: steps whose manifests were deleted by retention.
         deleted_packs: pack keys removed.
         bytes_freed: bytes of the removed packs.
-        kept_packs: packs still referenced, leased or too young.
+        kept_packs: packs still referenced, leased, maybe a save's in flight, or too young.
         skipped: files under ``packs/`` whose names stalwart never gives a pack; left alone.
-        temps_removed: temporaries of crashed writes, older than the grace, removed.
+        temps_removed: temporaries of crashed writes (older than the grace, held by no live
+            writer) removed.
     """
 
     deleted_steps: list[int] = field(default_factory=list)
@@ -206,11 +281,19 @@ def collect_garbage(
 ) -> GCReport:
     """Delete pack files stalwart wrote that no committed manifest or live lease references.
 
+    An unreferenced pack is kept while a live lease names it, while it may belong to a save
+    in flight (it was written after a live lease was taken), and while it is younger than
+    ``grace_s``. Temporaries go when older than ``grace_s`` and no live writer holds them.
+
     Raises:
         CorruptCheckpointError: a manifest cannot be parsed; nothing is deleted, since the
             packs it references cannot be known. Delete or repair that step first.
+        UnsafePathError: a folder under the root is a symbolic link; nothing is deleted.
     """
     report = report or GCReport()
+    # This order closes every gap (module docstring): packs, then leases, then manifests.
+    packs = storage.list(PACK_PREFIX)
+    leases = read_leases(storage, remove_expired=True)
     try:
         referenced = _referenced_packs(storage)
     except CorruptCheckpointError as e:
@@ -218,13 +301,17 @@ def collect_garbage(
             f"garbage collection stopped without deleting anything: {e}. Remove the "
             "damaged manifest with `stalwart ckpt verify` / `stalwart ckpt rm`, then retry"
         ) from e
-    leased = read_leases(storage, remove_expired=True).packs
     now = time.time()
-    for info in storage.list(PACK_PREFIX):
+    for info in packs:
         if not PACK_NAME.match(info.key):
             report.skipped.append(info.key)
             continue
-        if info.key in referenced or info.key in leased or now - info.mtime < grace_s:
+        if (
+            info.key in referenced
+            or info.key in leases.packs
+            or leases.may_own(info)
+            or now - info.mtime < grace_s
+        ):
             report.kept_packs += 1
             continue
         storage.delete(info.key)

@@ -5,7 +5,8 @@ ask for nonsense. ``Manifest.from_bytes`` runs these checks before anything is a
 read, and both ``load`` and ``verify`` go through it, so they agree on every manifest:
 
 - the skeleton is well formed and at most :data:`MAX_TREE_DEPTH` levels deep, and every
-  tensor it names has an entry;
+  tensor leaf names the entry of its own path (the path's keys joined with ``.``, as the
+  writer names tensors), so a leaf can never load another tensor's bytes;
 - every shard's chunks hold exactly its box's bytes (so no byte of it is left unread);
 - every tensor's shards cover it exactly once (no gap, no overlap), whatever the world size;
 - every chunk lies inside its pack, where the store can say how long the pack is
@@ -78,11 +79,12 @@ def check_skeleton(skeleton: Any, tensors: dict[str, Any]) -> None:
 
     Raises:
         CorruptCheckpointError: a malformed node, a tree deeper than :data:`MAX_TREE_DEPTH`,
-            or a tensor leaf naming a tensor the manifest has no entry for.
+            or a tensor leaf naming a tensor the manifest has no entry for, or the entry of
+            another path than its own.
     """
-    stack: list[tuple[Any, int]] = [(skeleton, 1)]
+    stack: list[tuple[Any, int, tuple[str, ...]]] = [(skeleton, 1, ())]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
         if depth > MAX_TREE_DEPTH:
             raise CorruptCheckpointError(
                 f"skeleton is more than {MAX_TREE_DEPTH} levels deep; stalwart never writes "
@@ -98,17 +100,22 @@ def check_skeleton(skeleton: Any, tensors: dict[str, Any]) -> None:
                 if not (isinstance(item, list) and len(item) == 2):
                     raise CorruptCheckpointError(f"malformed skeleton dict item {brief(item)}")
                 _check_key(item[0])
-                stack.append((item[1], depth + 1))
+                stack.append((item[1], depth + 1, (*path, str(item[0][1]))))
         elif kind in ("list", "tuple"):
             if not isinstance(v, list):
                 raise CorruptCheckpointError(f"skeleton {kind} node holds {brief(v)}")
-            stack.extend((child, depth + 1) for child in v)
+            stack.extend((child, depth + 1, (*path, str(i))) for i, child in enumerate(v))
         elif kind == "stateful":
-            stack.append((v, depth + 1))
+            stack.append((v, depth + 1, path))
         elif kind == "tensor":
             if not isinstance(v, str) or v not in tensors:
                 raise CorruptCheckpointError(
                     f"skeleton names tensor {brief(v)}, which has no entry"
+                )
+            if v != ".".join(path):
+                raise CorruptCheckpointError(
+                    f"the skeleton leaf at {brief('.'.join(path))} names the entry of tensor "
+                    f"{brief(v)}: it would load another tensor's bytes (damaged manifest)"
                 )
             numpy = node.get("numpy", False)
             if not isinstance(numpy, bool) or (numpy and tensors[v].dtype in _NO_NUMPY):

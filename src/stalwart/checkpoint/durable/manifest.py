@@ -23,6 +23,7 @@ from typing import Any
 
 import blake3
 
+from stalwart.checkpoint.durable.aliases import TensorAlias, parse_aliases
 from stalwart.checkpoint.durable.integrity import brief, check_skeleton, tiling_problems
 from stalwart.errors import CorruptCheckpointError
 from stalwart.storage.base import validate_key
@@ -35,6 +36,7 @@ __all__ = [
     "ChunkRef",
     "Manifest",
     "ShardEntry",
+    "TensorAlias",
     "TensorEntry",
     "manifest_key",
     "step_from_key",
@@ -176,6 +178,7 @@ class Manifest:
         created_unix: commit time, seconds since the epoch.
         metadata: free-form string metadata supplied by the user.
         stats: save statistics (bytes written, reused, seconds), informational.
+        aliases: tensors saved as views of another tensor's memory, by name (optional).
     """
 
     step: int
@@ -185,6 +188,7 @@ class Manifest:
     created_unix: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+    aliases: dict[str, TensorAlias] = field(default_factory=dict)
 
     def chunks(self) -> list[ChunkRef]:
         """Every chunk reference, in tensor and shard order (may repeat a chunk)."""
@@ -213,6 +217,8 @@ class Manifest:
             "tensors": {name: t.to_json() for name, t in self.tensors.items()},
             "skeleton": self.skeleton,
         }
+        if self.aliases:  # optional: absent, the bytes are those of a manifest without it
+            doc["aliases"] = {name: a.to_json() for name, a in self.aliases.items()}
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
         digest = blake3.blake3(body).hexdigest().encode("ascii")
         return body[:-1] + _CHECKSUM_HEAD + digest + b'"}'
@@ -284,6 +290,7 @@ class Manifest:
             created_unix=_finite(doc.get("created_unix", 0.0), "created_unix"),
             metadata=meta,
             stats=stats,
+            aliases=parse_aliases(doc.get("aliases", {}), entries),
         )
         return m, problems
 

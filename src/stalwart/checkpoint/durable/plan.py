@@ -6,20 +6,36 @@ replicated, as in DCP), a DTensor holds the box its placements give it. One smal
 all-gather of these descriptions lets every rank compute the same global plan: each distinct
 box is written exactly once in the whole job, by the holder with the fewest bytes assigned
 so far (largest boxes first), so replicated tensors spread their writes across ranks.
+
+Tensors are captured as their values: a conjugated or negated view (``t.conj()``, whose
+conjugation is a lazy bit) is resolved to plain values first. Leaves that share memory
+(``{"a": w, "b": w, "row": w[1]}``) are each stored whole (readers that ignore aliasing get
+equal values), and :func:`find_aliases` records how they overlap so that a load without a
+target can share memory again (the manifest's ``aliases``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from stalwart.checkpoint.capture import storage_key
+from stalwart.checkpoint.durable.manifest import TensorAlias
 from stalwart.errors import DistributedError
 from stalwart.tree import FlatTree, dtype_name
 
-__all__ = ["BoxKey", "LocalItem", "GlobalPlan", "local_box", "local_items", "plan_writes"]
+__all__ = [
+    "BoxKey",
+    "GlobalPlan",
+    "LocalItem",
+    "find_aliases",
+    "local_box",
+    "local_items",
+    "plan_writes",
+]
 
 BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 """(fqn, offsets, sizes): the identity of a shard in the whole job."""
@@ -61,6 +77,7 @@ class LocalItem:
         sizes: the box's extent.
         tensor: the local data of the box (any device, any strides).
         dtensor: the state held a DTensor (the box is its local shard).
+        alias: the leaf shares memory with another leaf, and this is how (or None).
     """
 
     fqn: str
@@ -70,6 +87,7 @@ class LocalItem:
     sizes: tuple[int, ...]
     tensor: torch.Tensor
     dtensor: bool = False
+    alias: TensorAlias | None = None
 
     @property
     def key(self) -> BoxKey:
@@ -81,15 +99,48 @@ class LocalItem:
 
     def describe(self) -> tuple[Any, ...]:
         """The picklable description exchanged between ranks."""
-        return (self.fqn, self.dtype, self.shape, self.offsets, self.sizes, self.nbytes)
+        return (self.fqn, self.dtype, self.shape, self.offsets, self.sizes, self.nbytes, self.alias)
+
+
+def find_aliases(leaves: dict[str, torch.Tensor]) -> dict[str, TensorAlias]:
+    """Which leaves are views of another leaf's memory, and how.
+
+    Leaves are grouped by the memory they live in (and dtype); in each group the largest
+    contiguous leaf (the first in tree order among equals) is the base, and every other
+    leaf whose elements all lie inside the base's is recorded as an :class:`TensorAlias` of it.
+    DTensors, empty tensors, conjugated or negated views are never aliased.
+    """
+    groups: dict[tuple[int, torch.dtype, str], list[tuple[str, torch.Tensor]]] = {}
+    for fqn, t in leaves.items():
+        if is_dtensor(t) or t.numel() == 0 or t.is_conj() or t.is_neg():
+            continue
+        key = (storage_key(t), t.dtype, str(t.device))
+        if key[0]:
+            groups.setdefault(key, []).append((fqn, t))
+    aliases: dict[str, TensorAlias] = {}
+    for members in groups.values():
+        bases = [(f, t) for f, t in members if t.is_contiguous()]
+        if len(members) < 2 or not bases:
+            continue
+        base_fqn, base = max(bases, key=lambda ft: ft[1].numel())  # first among equals
+        lo = base.storage_offset()
+        for fqn, t in members:
+            start = t.storage_offset() - lo
+            last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+            if fqn != base_fqn and start >= 0 and last < base.numel():
+                aliases[fqn] = TensorAlias(base_fqn, start, tuple(int(s) for s in t.stride()))
+    return aliases
 
 
 def local_items(flat: FlatTree) -> list[LocalItem]:
     """Describe every tensor box of ``flat`` that this rank holds (empty boxes skipped)."""
+    aliases = find_aliases({fqn: leaf.tensor for fqn, leaf in flat.leaves.items()})
     items = []
     for leaf in flat.leaves.values():
         t = leaf.tensor
         offsets, sizes, local = local_box(t)
+        if local.is_conj() or local.is_neg():  # lazy bits: store the values they stand for
+            local = local.resolve_conj().resolve_neg()
         items.append(
             LocalItem(
                 fqn=leaf.fqn,
@@ -99,6 +150,7 @@ def local_items(flat: FlatTree) -> list[LocalItem]:
                 sizes=sizes,
                 tensor=local,
                 dtensor=is_dtensor(t),
+                alias=aliases.get(leaf.fqn),
             )
         )
     return items
@@ -111,10 +163,13 @@ class GlobalPlan:
     Attributes:
         tensors: ``fqn -> (dtype, global shape)`` for every tensor of the job.
         writes: boxes this rank writes.
+        aliases: leaves that share memory with another leaf, as every rank holding them
+            described them (a leaf the ranks disagree on is left out).
     """
 
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     writes: list[LocalItem]
+    aliases: dict[str, TensorAlias] = field(default_factory=dict)
 
 
 def plan_writes(
@@ -133,8 +188,11 @@ def plan_writes(
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     holders: dict[BoxKey, list[int]] = {}
     nbytes: dict[BoxKey, int] = {}
+    aliases: dict[str, TensorAlias | None] = {}
     for r, described in enumerate(all_described):
-        for fqn, dtype, shape, offsets, sizes, n in described:
+        for fqn, dtype, shape, offsets, sizes, n, alias in described:
+            if aliases.setdefault(fqn, alias) != alias:
+                aliases[fqn] = None  # ranks disagree: store the leaf, share no memory
             shape, offsets, sizes = tuple(shape), tuple(offsets), tuple(sizes)
             prev = tensors.setdefault(fqn, (dtype, shape))
             if prev != (dtype, shape):
@@ -155,7 +213,11 @@ def plan_writes(
         load[writer] += nbytes[key]
         if writer == rank:
             mine.add(key)
-    return GlobalPlan(tensors=tensors, writes=[it for it in items if it.key in mine])
+    return GlobalPlan(
+        tensors=tensors,
+        writes=[it for it in items if it.key in mine],
+        aliases={f: a for f, a in aliases.items() if a is not None and a.of in tensors},
+    )
 
 
 def merge_skeletons(skeletons: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from stalwart.checkpoint.collective import Group
+from stalwart.checkpoint.durable.aliases import share_aliases
 from stalwart.checkpoint.durable.gc import Lease
 from stalwart.checkpoint.durable.integrity import pack_problems
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
@@ -27,6 +28,7 @@ from stalwart.errors import (
     DistributedError,
     StalwartError,
     StateMismatchError,
+    StepRetiredError,
 )
 from stalwart.storage.base import Storage
 from stalwart.tree import (
@@ -74,6 +76,8 @@ def load_step(
     Raises:
         StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
         CorruptCheckpointError: a chunk is missing, truncated or fails its hash.
+        StepRetiredError: the step was deleted (or replaced and its packs collected) while
+            it was being loaded.
     """
     flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
     targets, problems = match_targets(flat, m.tensors, _entry_problem, strict=strict, where=where)
@@ -88,11 +92,18 @@ def load_step(
         if e is None:
             raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
         tensors[fqn] = _allocate(e, fqn, where)
-    with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s):
+    with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s) as lease:
+        # Retention and gc keep the step from now on; it may have gone since ``m`` was read.
+        lease.check_committed(m, where)
         # One planned read of every tensor: chunks in pack order, read ahead and verified
         # in parallel on the I/O pool; staged copies (GPU targets) on the tensor pool.
         items = [(m.tensors[fqn], fqn, t) for fqn, t in tensors.items()]
-        read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool)
+        try:
+            read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool)
+        except CorruptCheckpointError:
+            lease.check_committed(m, where, deep=True)  # retired meanwhile, not damaged?
+            raise
+    share_aliases(m.aliases, tensors, set(tensors) - set(targets), where)  # views, verified
     for fqn in targets:
         flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
     tree = unflatten(m.skeleton, tensors.__getitem__)
@@ -139,6 +150,7 @@ def match_targets(
             problems.append(found)
         else:
             leaf.check_writable()  # a read-only numpy array: refuse before reading anything
+            _check_no_overlap(fqn, leaf.tensor)
             targets[fqn] = leaf.tensor
     if problems and strict:
         raise StateMismatchError(
@@ -148,6 +160,18 @@ def match_targets(
             + "\npass strict=False to load what matches and leave the rest untouched"
         )
     return targets, problems
+
+
+def _check_no_overlap(fqn: str, t: torch.Tensor) -> None:
+    """Refuse a target whose elements share memory (``expand``): no load can fill it."""
+    local = local_box(t)[2]
+    if local.numel() > 1 and torch._debug_has_internal_overlap(local) == 1:  # MemOverlap::Yes
+        raise StateMismatchError(
+            f"target tensor for {fqn!r} is an expanded or overlapping view (shape "
+            f"{list(local.shape)}, strides {list(local.stride())}): several of its elements "
+            "are one memory location, so it cannot receive distinct values; load into a "
+            "contiguous tensor (t.contiguous() or t.clone()) and put that in the state"
+        )
 
 
 def fill_plain_values(state: Any, tree: Any) -> None:
@@ -333,7 +357,7 @@ def load_first_that_verifies(
         try:
             tree, read, mismatched = load_one(s)
             ok: tuple[str, str] = ("ok", "")
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, StepRetiredError) as e:  # fallback: an older step
             if not fallback and g.world == 1:
                 raise
             ok, err = ("corrupt", str(e)), e
@@ -358,7 +382,7 @@ def load_first_that_verifies(
                 raise err
             raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
         skipped.append((s, bad[0]))
-        log.warning("step %s is damaged, falling back to an older one: %s", s, bad[0])
+        log.warning("step %s is damaged or retired; trying an older one: %s", s, bad[0])
     raise CorruptCheckpointError(
         f"no checkpoint in {where} verifies (tried steps {[s for s, _ in skipped]}); "
         "see the reasons in .damaged",

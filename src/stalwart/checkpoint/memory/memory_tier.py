@@ -50,14 +50,19 @@ class MemoryTier:
                 self.snapshots.append(snap)  # left by a crashed process on this node
                 self._slot_order.append(slot)
 
-    def acquire(self, for_memory: bool) -> tuple[HostBuffer, int]:
-        """A buffer for the next capture, and its keeper slot (-1 for none).
+    def acquire(self, for_memory: bool, step: int | None = None) -> tuple[HostBuffer, int]:
+        """A buffer for the capture of ``step``, and its keeper slot (-1 for none).
+
+        A memory capture of a step the tier holds first forgets that step and every later one
+        (:meth:`_forget_from`), so that retention counts only the timeline the run is on.
 
         A buffer that a durable save is still reading is not waited for when another will
         do: it goes back to the spares and a free spare (or, once, a new buffer) is used, so
         a slow disk write never stalls the training step that evicts its snapshot.
         """
         slot = -1
+        if for_memory and step is not None:
+            self._forget_from(step)
         if not for_memory:
             buffer = self._spare()
         elif len(self.snapshots) >= self.keep:
@@ -111,6 +116,27 @@ class MemoryTier:
         kept = self.erasure.protect(snap) if self.erasure is not None else snap
         self.snapshots.append(kept)
         return kept
+
+    def _forget_from(self, step: int) -> None:
+        """Forget the snapshots of ``step`` and later ones before ``step`` is kept again.
+
+        Saving a step the tier holds means the run went back (a resume, an elastic rollback):
+        those snapshots belong to the abandoned timeline, and recovery must never pick them.
+        """
+        keep = [i for i, s in enumerate(self.snapshots) if s.step < step]
+        if len(keep) == len(self.snapshots):
+            return
+        slots = list(self._slot_order)
+        for i, kept in enumerate(self.snapshots):
+            if i in keep:
+                continue
+            if self.keeper is not None:
+                self.keeper.invalidate(slots[i])
+            elif (buffer := _snapshot_of(kept).buffer) is not None:
+                self._spares.append(buffer)
+        self.snapshots = deque(self.snapshots[i] for i in keep)
+        if self.keeper is not None:
+            self._slot_order = deque(slots[i] for i in keep)
 
     def drop(self) -> None:
         """Forget every snapshot: what a rank restarted on another node starts with."""

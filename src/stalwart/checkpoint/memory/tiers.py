@@ -127,16 +127,22 @@ class TieredCheckpointer:
         names = g.broadcast([t.name for t in due])  # time-based policies: rank 0 decides
         return [t for t in self.tiers if t.name in names]
 
-    def save(self, step: int, state: Any) -> dict[str, Any]:
+    def save(self, step: int, state: Any, *, overwrite: bool = False) -> dict[str, Any]:
         """Save ``step`` to every tier that is due; durable when it returns.
 
         Returns what each tier did: the kept snapshot for the memory tier, the
         ``SaveResult`` for a durable tier.
+
+        Raises:
+            StepExistsError: a due durable tier holds ``step`` and ``overwrite`` is False
+                (see :meth:`save_async`).
         """
-        out = self.save_async(step, state)
+        out = self.save_async(step, state, overwrite=overwrite)
         return {n: (v.wait() if isinstance(v, PendingSave) else v) for n, v in out.items()}
 
-    def save_async(self, step: int, state: Any, *, lazy: bool = False) -> dict[str, Any]:
+    def save_async(
+        self, step: int, state: Any, *, lazy: bool = False, overwrite: bool = False
+    ) -> dict[str, Any]:
         """Copy the state to host once, then feed every due tier from that one copy.
 
         Eager: every tensor is copied before this returns. Lazy: the parameters and state of
@@ -144,6 +150,7 @@ class TieredCheckpointer:
         waits for them); everything else is copied now and values are read now, so the
         saved step is exactly the state of the call. Durable tiers persist in the
         background; the memory snapshot is digested and erasure-protected in the background.
+        A step a due durable tier holds is refused first (see :meth:`check_new_step`).
 
         Returns:
             Per due tier: a ``PendingSave`` (durable tiers); for the memory tier the kept
@@ -153,25 +160,25 @@ class TieredCheckpointer:
         if not due:
             return {}
         self._settle()
+        self.check_new_step(step, due, overwrite=overwrite)
         flat = flatten(state)
         items, skeleton = local_items(flat), flat.skeleton
         mem_due = any(t.root is None for t in due)
         if mem_due:
             self._erasure()  # made by every rank together, before any background work
-        buffer, slot = self.memory.acquire(for_memory=mem_due)
+        buffer, slot = self.memory.acquire(for_memory=mem_due, step=step)
         defer = optimizer_storages(self._optimizers()) if lazy else frozenset()
         cap, finish = stage(items, buffer, defer=defer)
-        staged: Future[None] = Future()
+        staged: Future[None] = Future() if finish is None else self._stager.submit(finish)
         if finish is None:
             staged.set_result(None)
-        else:
-            staged = self._stager.submit(finish)
         self._staged, self._staged_capture = staged, cap
         self.last_capture = cap
         out: dict[str, Any] = {}
         for t in due:
             if t.root is not None:
-                pending = self.durable[t.name].save_captured(step, cap, items, skeleton, staged)
+                ck = self.durable[t.name]
+                pending = ck.save_captured(step, cap, items, skeleton, staged, overwrite=overwrite)
                 self.memory.hold(buffer, pending)
                 out[t.name] = pending
             self._last[t.name] = (step, time.monotonic())
@@ -190,6 +197,21 @@ class TieredCheckpointer:
         else:
             out[name] = keep()
         return out
+
+    def check_new_step(self, step: int, due: list[Tier], *, overwrite: bool = False) -> None:
+        """Refuse ``step`` where a due durable tier committed it (or is saving it).
+
+        Collective: each durable tier decides on rank 0's listing, so every rank raises
+        alike. With ``overwrite`` each durable tier replaces the step atomically. The memory
+        tier never refuses: its snapshots are this run's recent past, and after a rollback
+        the replayed steps are the real ones.
+
+        Raises:
+            StepExistsError: a due durable tier holds ``step`` and ``overwrite`` is False.
+        """
+        for t in due:
+            if t.root is not None:
+                self.durable[t.name].check_new_step(step, overwrite=overwrite)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return list(self._guarded)

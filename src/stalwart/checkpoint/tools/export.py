@@ -44,11 +44,38 @@ from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpo
 from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten
 
-__all__ = ["FORMATS", "ExportResult", "ImportResult", "export_step", "import_file", "model_subtree"]
+__all__ = [
+    "FORMATS",
+    "ExportResult",
+    "ImportResult",
+    "export_step",
+    "import_file",
+    "load_subtree",
+    "model_subtree",
+    "unshared",
+]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "torch")
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` contiguous, each with memory of its own, for ``safetensors.save_file``.
+
+    A load with no target gives tensors that were views of one another at save time (tied
+    embeddings, ``w`` and ``w[1]``) their shared memory back; safetensors refuses shared
+    memory, so every tensor after the first on a storage is copied.
+    """
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for fqn, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[fqn] = t.clone() if ptr in seen and t.numel() else t.contiguous()
+        seen.add(ptr)
+    return out
+
+
 SKELETON_KEY = "stalwart.skeleton"
 _ACCEPTED = "a safetensors file, a torch.save file, or a DCP checkpoint folder (with .metadata)"
 
@@ -134,11 +161,11 @@ def export_step(
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {ckpt.url}; nothing to export"
             )
-    tree = ckpt.load(None, step)
-    if subtree is not None:
-        tree = model_subtree(tree, subtree, where=f"{ckpt.url} step {step}")
+    # A subtree reads (and verifies) its own tensors alone: damage elsewhere in the step (an
+    # optimizer moment, say) does not keep intact weights from being exported.
+    tree = ckpt.load(None, step) if subtree is None else load_subtree(ckpt, step, subtree)
     flat = flatten(tree)
-    tensors = {fqn: leaf.tensor.contiguous() for fqn, leaf in flat.leaves.items()}
+    tensors = unshared({fqn: leaf.tensor for fqn, leaf in flat.leaves.items()})
     if format == "safetensors":
         from safetensors.torch import save_file
 
@@ -161,6 +188,29 @@ def export_step(
         plain = _numpy_to_tensors(tree)
         _atomic_write(path, lambda tmp: torch.save(plain, tmp))
     return ExportResult(path, step, format, len(tensors), path.stat().st_size)
+
+
+def load_subtree(ckpt: Checkpointer, step: int, subtree: str | None) -> dict[str, torch.Tensor]:
+    """The model state dict at ``subtree`` of ``step`` (see :func:`model_subtree`), reading and
+    verifying only its own tensors, so damage elsewhere in the step does not stop it.
+
+    Raises:
+        ConfigError: ``subtree`` is not a state dict of tensors (as :func:`model_subtree`).
+        CheckpointNotFoundError: no such step.
+        CorruptCheckpointError: one of the subtree's own tensors is damaged.
+    """
+    manifest = ckpt.manifest(step)
+    held: dict[int, tuple[torch.Tensor, str]] = {}
+
+    def placeholder(fqn: str) -> torch.Tensor:
+        t = torch.empty(0, dtype=torch.uint8)  # stands in for the leaf until it is picked
+        held[id(t)] = (t, fqn)
+        return t
+
+    picked = model_subtree(
+        unflatten(manifest.skeleton, placeholder), subtree, where=f"{ckpt.url} step {step}"
+    )
+    return {key: ckpt.read_tensor(step, held[id(t)][1])[0] for key, t in picked.items()}
 
 
 def model_subtree(tree: Any, subtree: str | None, *, where: str) -> dict[str, torch.Tensor]:
@@ -287,7 +337,7 @@ def import_file(
         tree = {"safetensors": _read_safetensors, "torch": _read_torch}[kind](path)
     meta = {**(metadata or {}), "stalwart.source": f"{kind}:{path.name}"}
     n = len(flatten(tree).leaves)
-    return ImportResult(kind, n, ckpt.save(step, tree, metadata=meta))
+    return ImportResult(kind, n, ckpt.save(step, tree, metadata=meta, overwrite=overwrite))
 
 
 def _read_safetensors(path: Path) -> Any:
