@@ -152,6 +152,8 @@ _PACKAGES = {
     "pyeclib": "PyECLib",
     "pyspark": "PySpark",
     "s3fs": "s3fs",
+    "lightning": "Lightning 2.x",
+    "transformers": "transformers",
 }
 
 

@@ -50,11 +50,7 @@ import torch
 
 from stalwart.checkpoint import Checkpointer, CheckpointOptions
 from stalwart.checkpoint.tools.export import unshared
-from stalwart.errors import (
-    CheckpointNotFoundError,
-    MissingDependencyError,
-    StepExistsError,
-)
+from stalwart.errors import CheckpointNotFoundError, StepExistsError, require
 from stalwart.integrations.huggingface_pretrained import (
     CLASS_KEY,
     CONFIG_KEY,
@@ -65,11 +61,9 @@ from stalwart.integrations.huggingface_pretrained import (
 try:
     import transformers
     from transformers import TrainerCallback
-except ImportError as e:  # pragma: no cover (the dev extra installs transformers)
-    raise MissingDependencyError(
-        "stalwart.integrations.huggingface needs transformers: pip install "
-        "'stalwart[huggingface]' (or pip install transformers accelerate)"
-    ) from e
+except ImportError:  # pragma: no cover (the dev extra installs transformers)
+    require("transformers", "huggingface", "stalwart.integrations.huggingface")  # raises
+    raise
 
 __all__ = [
     "StalwartCallback",

@@ -18,15 +18,9 @@ import torch
 
 from stalwart.checkpoint import Checkpointer
 from stalwart.checkpoint.tools.export import load_subtree
-from stalwart.errors import CheckpointNotFoundError, ConfigError, MissingDependencyError
+from stalwart.errors import CheckpointNotFoundError, ConfigError, require
 
-try:
-    import transformers
-except ImportError as e:  # pragma: no cover (the dev extra installs transformers)
-    raise MissingDependencyError(
-        "stalwart.integrations.huggingface needs transformers: pip install "
-        "'stalwart[huggingface]' (or pip install transformers accelerate)"
-    ) from e
+transformers = require("transformers", "huggingface", "stalwart.integrations.huggingface")
 
 __all__ = ["CLASS_KEY", "CONFIG_KEY", "export_pretrained", "import_pretrained"]
 

@@ -54,7 +54,7 @@ from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    MissingDependencyError,
+    require,
 )
 from stalwart.integrations.lightning_pointer import (
     is_pointer,
@@ -66,11 +66,9 @@ from stalwart.integrations.lightning_pointer import (
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-except ImportError as e:  # pragma: no cover (the dev extra installs lightning)
-    raise MissingDependencyError(
-        "stalwart.integrations.lightning needs Lightning 2.x: pip install 'stalwart[lightning]' "
-        "(or pip install lightning)"
-    ) from e
+except ImportError:  # pragma: no cover (the dev extra installs lightning)
+    require("lightning.fabric", "lightning", "stalwart.integrations.lightning")  # raises
+    raise
 
 __all__ = ["StalwartCheckpointIO", "install_loader", "load_from_checkpoint", "read_checkpoint"]
 
