@@ -115,6 +115,8 @@ def loader(root: str, seed: int, stop: Any, out: str) -> None:
 
 def collector(root: str, stop: Any, out: str) -> None:
     log = Path(out)
+    while not stop.is_set() and not Path(root).is_dir():
+        time.sleep(0.005)  # before the first save: "the root does not exist" is right, not news
     while not stop.is_set():
         try:
             with stalwart.Checkpointer(root) as ck:
