@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart import inject, models, protect, vulnerability
+from stalwart.inject.bits import layout_of
+from stalwart.inject.error_models import draw_ber
+from stalwart.vulnerability.stats import wilson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence_page import figures, render  # beside this script: the page's text
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def ci(k: int, n: int) -> str:
-    lo, hi = vulnerability.wilson(k, n)
+    lo, hi = wilson(k, n)
     return f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]" if n else "n/a"
 
 
@@ -173,7 +176,7 @@ def bit_profiles(per_bit: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
     lines, profiles, summary = [], {}, {}
     for name, (m, xi) in variants.items():
         dtype = next(p.dtype for n, p in m.named_parameters() if n.endswith("weight"))
-        lay = inject.layout_of(dtype)
+        lay = layout_of(dtype)
         faults = vulnerability.sample_faults(
             m, per_bit * lay.bits, targets="*weight", seed=1, per_tensor=False
         )
@@ -329,7 +332,7 @@ def _gcn_ber(ref: models.ReferenceModel, target: str, rate: float, seed: int) ->
                 out = ref.model(x)
         else:
             rng = np.random.default_rng(seed)
-            idx, masks = inject.draw_ber(inject.layout_of(x.dtype), x.numel(), rate, rng)
+            idx, masks = draw_ber(layout_of(x.dtype), x.numel(), rate, rng)
             bad = x.clone()
             words = bad.view(torch.int32).view(-1)
             flips = torch.from_numpy(np.asarray(masks, dtype=np.uint32).view(np.int32))
@@ -365,7 +368,7 @@ def protection_costs(trials: int, repeats: int) -> tuple[str, dict[str, Any]]:
             if r.overhead != r.overhead
             else f"{r.overhead:+.0%} ({r.overhead_s * 1e3:+.2f} ms)"
         )
-        lo, hi = vulnerability.wilson(r.fixed, max(r.baseline_failures, 1))
+        lo, hi = wilson(r.fixed, max(r.baseline_failures, 1))
         data[r.name] = r
         lines.append(
             f"| {r.name} | {r.basis} | {r.failures} | {r.recovered:.0%} [{lo:.0%}, {hi:.0%}] "

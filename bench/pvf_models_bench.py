@@ -153,7 +153,7 @@ class Fixed(nn.Module):
 
 def flipped(value: torch.Tensor, mask: int) -> float:
     raw = value.detach().reshape(1).clone().view(torch.int32)
-    raw ^= inject.bits.signed_mask(mask, inject.layout_of(torch.float32))
+    raw ^= inject.bits.signed_mask(mask, inject.bits.layout_of(torch.float32))
     return float(raw.view(torch.float32)[0])
 
 
@@ -250,7 +250,9 @@ def pfi_neuron(model, inputs, faults, judge, independent) -> np.ndarray:
     return failed
 
 
-def _chunks(faults: vulnerability.FaultList, eng: vulnerability.FastEngine) -> list[list[int]]:
+def _chunks(
+    faults: vulnerability.FaultList, eng: vulnerability.engine.FastEngine
+) -> list[list[int]]:
     by: dict[tuple[str, str], list[int]] = {}
     for i, f in enumerate(faults):
         by.setdefault((f.kind, f.target if f.kind == "param" else ""), []).append(i)
@@ -266,8 +268,8 @@ def engine_judged(model, inputs, faults, crit, indep) -> np.ndarray:
     with a NaN/Inf output) re-run naively: the campaign's protocol, on any device, for
     weight and activation faults alike."""
     c = [vulnerability.criterion(crit)]
-    eng = vulnerability.FastEngine(model, inputs)
-    naive = vulnerability.NaiveEngine(model, inputs, golden=eng.golden)
+    eng = vulnerability.engine.FastEngine(model, inputs)
+    naive = vulnerability.engine.NaiveEngine(model, inputs, golden=eng.golden)
     failed = np.zeros(len(faults), bool)
     for idx in _chunks(faults, eng):
         chunk = [faults[i] for i in idx]
@@ -287,7 +289,7 @@ def engine_judged(model, inputs, faults, crit, indep) -> np.ndarray:
 def naive_judged(model, inputs, faults, crit) -> np.ndarray:
     """One fault, one full forward (flip in place, or hooks for activations)."""
     c = vulnerability.criterion(crit)
-    naive = vulnerability.NaiveEngine(model, inputs)
+    naive = vulnerability.engine.NaiveEngine(model, inputs)
     failed = np.zeros(len(faults), bool)
     for i, f in enumerate(faults):
         if f.kind == "activation":

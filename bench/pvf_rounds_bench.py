@@ -35,7 +35,9 @@ def old_loop(
     strat = by in ("tensor", "layer", "component")
     per_round = stop.trials
     if strat:
-        per_round = max(1, stop.trials // len(inject.select_tensors(model, "*", quantized=True)))
+        per_round = max(
+            1, stop.trials // len(inject.targets.select_tensors(model, "*", quantized=True))
+        )
     base = inject.BitFlip()
     faults = FaultList([], seed, "", {})
     targets: Any = "*"

@@ -23,10 +23,8 @@ an error that says so.
 from __future__ import annotations
 
 import base64
-import enum
 import json
 import math
-import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,13 +33,7 @@ import numpy as np
 import torch
 
 from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
-from stalwart.values import (
-    _PATH_TYPES,
-    _plain_object,
-    _rebuild,
-    _type_name,
-    allow_types,
-)
+from stalwart.values import allow_types, plain_object, plain_scalar, rebuild
 
 __all__ = [
     "FlatTree",
@@ -202,16 +194,12 @@ def _decode_key(enc: Any) -> Any:
 
 
 def _encode_value(value: Any, path: Path) -> dict[str, Any]:
-    if isinstance(value, enum.Enum):
-        node = _encode_value(value.value, path)
+    tagged = plain_scalar(value)  # an Enum member or a path: its value plus an "as" tag
+    if tagged is not None:
+        node = _encode_value(tagged[0], path)
         if node["k"] in ("tensor", "dict", "list", "tuple"):  # pragma: no cover (scalar only)
             raise UnsupportedValueError(f"enum member at {_fqn(path)!r} has a non-scalar value")
-        return {**node, "as": "enum", "type": _type_name(type(value))}
-    if isinstance(value, pathlib.PurePath):
-        cls = type(value)
-        kind = cls.__name__ if cls.__name__ in _PATH_TYPES else "Path"
-        kind = "Path" if kind in ("PosixPath", "WindowsPath") else kind
-        return {"k": "str", "v": str(value), "as": "path", "type": kind}
+        return {**node, **tagged[1]}
     if value is None:
         return {"k": "none"}
     if isinstance(value, bool):
@@ -297,7 +285,7 @@ def flatten(state: Any) -> FlatTree:
         if isinstance(obj, np.ndarray):
             tensor, source = _numpy_tensor(obj, _fqn(path))
             return add_leaf(tensor, path, numpy=True, source=source)
-        plain = _plain_object(obj)
+        plain = plain_object(obj)
         if plain is not None:
             tag, fields, extra = plain
             return {**visit(fields, path), "as": tag, **extra}
@@ -385,7 +373,7 @@ def unflatten(skeleton: dict[str, Any], tensor_for: Callable[[str], torch.Tensor
         if "as" not in node:
             return value
         try:
-            return _rebuild(node, value)
+            return rebuild(node, value)
         except (TypeError, ValueError) as e:
             if isinstance(e, (CorruptCheckpointError, UnsupportedValueError)):
                 raise

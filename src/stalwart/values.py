@@ -16,7 +16,7 @@ from typing import Any
 
 from stalwart.errors import ConfigError, CorruptCheckpointError, UnsupportedValueError
 
-__all__ = ["allow_types"]
+__all__ = ["allow_types", "plain_object", "plain_scalar", "rebuild", "type_name"]
 
 # Classes that unflatten may rebuild, by "module:qualname"; filled only by allow_types().
 _ALLOWED_TYPES: dict[str, type] = {}
@@ -26,7 +26,8 @@ _PATH_TYPES = {
 }
 
 
-def _type_name(cls: type) -> str:
+def type_name(cls: type) -> str:
+    """How a checkpoint names a class: ``"module:qualname"``."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
@@ -46,7 +47,7 @@ def allow_types(*types: type) -> None:
                 f"allow_types takes Enum and dataclass classes; got {cls!r}. Give other "
                 "objects state_dict()/load_state_dict() methods, or convert them to plain data"
             )
-        _ALLOWED_TYPES[_type_name(cls)] = cls
+        _ALLOWED_TYPES[type_name(cls)] = cls
 
 
 def _is_dataclass(obj: Any) -> bool:
@@ -66,17 +67,29 @@ def _allowed(name: Any, what: str) -> type:
     return cls
 
 
-def _plain_object(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+def plain_object(obj: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
     """``(tag, fields, extra node attributes)`` for a plain-data object, else None."""
     if isinstance(obj, argparse.Namespace):
         return "namespace", dict(vars(obj)), {}
     if _is_dataclass(obj) and not isinstance(obj, type):
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        return "dataclass", fields, {"type": _type_name(type(obj))}
+        return "dataclass", fields, {"type": type_name(type(obj))}
     return None
 
 
-def _rebuild(node: dict[str, Any], value: Any) -> Any:
+def plain_scalar(value: Any) -> tuple[Any, dict[str, str]] | None:
+    """``(plain value, tag attributes)`` for an Enum member (by value) or a ``pathlib`` path (as
+    str), else None; the node of the plain value plus the attributes is what a checkpoint holds."""
+    if isinstance(value, enum.Enum):
+        return value.value, {"as": "enum", "type": type_name(type(value))}
+    if isinstance(value, pathlib.PurePath):
+        kind = type(value).__name__ if type(value).__name__ in _PATH_TYPES else "Path"
+        kind = "Path" if kind in ("PosixPath", "WindowsPath") else kind
+        return str(value), {"as": "path", "type": kind}
+    return None
+
+
+def rebuild(node: dict[str, Any], value: Any) -> Any:
     """Apply a node's ``"as"`` tag to the plain ``value`` built from it."""
     tag = node["as"]
     if tag == "namespace" and isinstance(value, dict):

@@ -85,23 +85,25 @@ def run_diloco(a: argparse.Namespace) -> dict[str, object]:
     if a.mode == "async":
         mode = Buffered(k=a.k, staleness=a.staleness, compute_aware=not a.fixed_h)
     outer = Nesterov(lr=a.outer_lr, momentum=a.outer_momentum)
-    d = DiLoCo(model, inner, h=a.h, outer=outer, mode=mode, verify_every=0)
-    chaos.install(d)
+    diloco = DiLoCo(model, inner, h=a.h, outer=outer, mode=mode, verify_every=0)
+    chaos.install(diloco)
     trace: list[tuple[float, int, float]] = []
     t0 = time.perf_counter()
-    while d.outer_step < a.outer:
+    while diloco.outer_step < a.outer:
         inner.zero_grad()
-        x, y = batch(d.inner_steps, d.rank if mode is None else d.job.members[d.rank])
+        x, y = batch(
+            diloco.inner_steps, diloco.rank if mode is None else diloco.job.members[diloco.rank]
+        )
         F.mse_loss(model(x), y).backward()
         time.sleep(a.compute_s)
-        d.step()
+        diloco.step()
         if a.trace:
-            _trace(trace, t0, d.outer_step, d.global_model)
+            _trace(trace, t0, diloco.outer_step, diloco.global_model)
     loop_s = time.perf_counter() - t0
-    d.close(a.outer)
-    return {"digest": d.job.digest(), "steps": d.outer_step, "inner": d.inner_steps,
-            "loss": held_out(d.global_model), "bytes": d.bytes_sent,
-            "received": d.bytes_received, "loop_s": loop_s, "trace": trace}  # fmt: skip
+    diloco.close(a.outer)
+    return {"digest": diloco.job.digest(), "steps": diloco.outer_step, "inner": diloco.inner_steps,
+            "loss": held_out(diloco.global_model), "bytes": diloco.bytes_sent,
+            "received": diloco.bytes_received, "loop_s": loop_s, "trace": trace}  # fmt: skip
 
 
 def main() -> None:

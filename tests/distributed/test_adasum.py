@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from stalwart.elastic import Job, read_events
+from stalwart.elastic.events import EventKind
 from stalwart.elastic.reduce import adasum_pair, adasum_reference
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule, run_ranks
@@ -131,11 +132,11 @@ def test_elastic_adasum_survives_a_kill_inside_the_reduction(tmp_path: Path) -> 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     events = read_events(tmp_path / "events")
-    assert any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+    assert any(e["kind"] == EventKind.FAULT_DETECTED for lines in events.values() for e in lines)
     by_step: dict[int, set[str]] = {}
     for lines in events.values():
         for e in lines:
-            if e["kind"] == "step" and e.get("digest"):
+            if e["kind"] == EventKind.STEP and e.get("digest"):
                 by_step.setdefault(e["step"], set()).add(e["digest"])
     assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
     finals = [torch.load(p) for p in sorted((tmp_path / "out").glob("final-*.pt"))]

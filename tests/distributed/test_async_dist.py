@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from stalwart.elastic import read_events
+from stalwart.elastic.events import EventKind
 from stalwart.testing import Delay, KillSchedule, run_ranks
 
 from . import async_ranks
@@ -54,7 +55,7 @@ def test_async_diloco_with_k_below_n_converges_with_outer_momentum_0_9(tmp_path:
     assert max(losses) < 0.5 * initial and finals[0]["loss"] < 0.25 * initial, (initial, losses)
     aggregates = sorted(
         (e for lines in read_events(tmp_path / "events").values() for e in lines
-         if e["kind"] == "diloco-aggregate"),
+         if e["kind"] == EventKind.DILOCO_AGGREGATE),
         key=lambda e: e["version"],
     )  # fmt: skip
     assert [e["version"] for e in aggregates][:VERSIONS] == list(range(1, VERSIONS + 1))

@@ -27,6 +27,7 @@ from stalwart.elastic import read_events
 from stalwart.elastic.backup import BackupRound, Dynamic, Static, backup_count
 from stalwart.elastic.backup_policy import noise_scale
 from stalwart.elastic.backup_wire import decode, encode, rng_state, set_rng_state
+from stalwart.elastic.events import EventKind
 from stalwart.elastic.protocol import keys
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
@@ -60,14 +61,16 @@ def _assert_parity(events: dict[int, list[dict[str, Any]]], finals: list[dict[st
     by_step: dict[int, set[str]] = {}
     for lines in events.values():
         for e in lines:
-            if e["kind"] == "step" and e.get("digest"):
+            if e["kind"] == EventKind.STEP and e.get("digest"):
                 by_step.setdefault(e["step"], set()).add(e["digest"])
     assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
-    assert not any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+    assert not any(
+        e["kind"] == EventKind.FAULT_DETECTED for lines in events.values() for e in lines
+    )
 
 
 def _backup_events(events: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
-    return {w: [e for e in lines if e["kind"] == "backup"] for w, lines in events.items()}
+    return {w: [e for e in lines if e["kind"] == EventKind.BACKUP] for w, lines in events.items()}
 
 
 def test_static_backup_commits_with_the_first_two_of_three(tmp_path: Path) -> None:
@@ -158,9 +161,11 @@ def test_a_member_killed_inside_a_backup_step_is_replaced_with_parity(tmp_path: 
     assert len({f["digest"] for f in finals}) == 1, "bit parity at the end"
     for w in (0, 2):
         kinds = [e["kind"] for e in events[w]]
-        assert kinds.count("start") == 1 and kinds.count("finish") == 1, "survivors never restart"
-        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
-        faults = [e["error"] for e in events[w] if e["kind"] == "fault-detected"]
+        assert kinds.count(EventKind.START) == 1 and kinds.count(EventKind.FINISH) == 1, (
+            "survivors never restart"
+        )
+        assert sum(e["kind"] == EventKind.STEP and not e["committed"] for e in events[w]) <= 1
+        faults = [e["error"] for e in events[w] if e["kind"] == EventKind.FAULT_DETECTED]
         assert not any("timeout" in f for f in faults), faults
 
 

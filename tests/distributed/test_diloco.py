@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from stalwart.elastic import read_events
 from stalwart.elastic.async_outer import Buffered, assign_h, combine
 from stalwart.elastic.diloco import Nesterov
+from stalwart.elastic.events import EventKind
 from stalwart.errors import ConfigError
 from stalwart.testing import Delay, Kill, KillSchedule
 
@@ -70,7 +71,9 @@ def test_diloco_converges_like_data_parallel_with_h_times_fewer_bytes(tmp_path: 
     assert loss < 0.5 * initial and loss <= 1.25 * ddp, (loss, ddp, initial)
     params = sum(p.numel() * 4 for p in w.model_and_inner(0.01)[0].parameters())
     assert all(f["bytes"] == params * OUTER for f in finals), "one pseudo-gradient per H steps"
-    assert not any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+    assert not any(
+        e["kind"] == EventKind.FAULT_DETECTED for lines in events.values() for e in lines
+    )
 
 
 def test_a_member_killed_mid_phase_is_replaced_and_the_outer_step_retried(tmp_path: Path) -> None:
@@ -82,8 +85,10 @@ def test_a_member_killed_mid_phase_is_replaced_and_the_outer_step_retried(tmp_pa
     assert finals[0]["loss"] < 0.5 * w.held_out(w.model_and_inner(0.01)[0])
     for wid in (0, 2):
         kinds = [e["kind"] for e in events[wid]]
-        assert kinds.count("start") == 1 and kinds.count("finish") == 1, "survivors never restart"
-        steps = [e for e in events[wid] if e["kind"] == "step"]
+        assert kinds.count(EventKind.START) == 1 and kinds.count(EventKind.FINISH) == 1, (
+            "survivors never restart"
+        )
+        steps = [e for e in events[wid] if e["kind"] == EventKind.STEP]
         discarded = [e["step"] for e in steps if not e["committed"]]
         assert len(discarded) == 1, discarded  # the outer step 2 the dead member never reached
         retried = [e for e in steps if e["committed"] and e["step"] == discarded[0] + 1]
@@ -97,7 +102,7 @@ def test_buffered_async_does_not_wait_for_a_slow_worker(tmp_path: Path) -> None:
     assert len(finals) == 3 and {f["steps"] for f in finals} == {OUTER}
     assert len({f["digest"] for f in finals}) == 1, "every member ends on version OUTER"
     aggregates = sorted(
-        (e for lines in events.values() for e in lines if e["kind"] == "diloco-aggregate"),
+        (e for lines in events.values() for e in lines if e["kind"] == EventKind.DILOCO_AGGREGATE),
         key=lambda e: e["version"],
     )
     assert [e["version"] for e in aggregates][:OUTER] == list(range(1, OUTER + 1))
@@ -114,7 +119,7 @@ def test_buffered_async_does_not_wait_for_a_slow_worker(tmp_path: Path) -> None:
     # test_weights_and_assignment)
     known = [e["assign"]["2"] for e in aggregates if "2" in e["assign"]]
     assert not known or min(known) < H, seen
-    drops = [e for lines in events.values() for e in lines if e["kind"] == "diloco-dropped"]
+    drops = [e for lines in events.values() for e in lines if e["kind"] == EventKind.DILOCO_DROPPED]
     assert all(e["version"] - e["base"] > 1 for e in drops)
     assert finals[0]["loss"] < 0.5 * w.held_out(w.model_and_inner(0.01)[0])
 

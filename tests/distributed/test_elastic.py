@@ -23,9 +23,17 @@ import torch
 from rich.console import Console
 from torch.distributed import TCPStore
 
-from stalwart.elastic import launch, protocol, read_events, recoveries, summarize
-from stalwart.elastic.events import EventLog
+import stalwart
+from stalwart.elastic import Job, launch, protocol, read_events, recoveries, summarize
+from stalwart.elastic.events import (
+    EventKind,
+    EventLog,
+    FaultDetected,
+    StepCommitted,
+    StepDiscarded,
+)
 from stalwart.elastic.heartbeat import Heartbeat, HeartbeatWatch
+from stalwart.elastic.job import World
 from stalwart.elastic.stats import StepStats, StragglerWatch, percentile
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule, run_ranks
@@ -81,7 +89,7 @@ def _periodic_digests_agree(events: dict[int, list[dict[str, Any]]]) -> int:
     by_step: dict[int, set[str]] = {}
     for lines in events.values():
         for e in lines:
-            if e["kind"] == "step" and e.get("digest"):
+            if e["kind"] == EventKind.STEP and e.get("digest"):
                 by_step.setdefault(e["step"], set()).add(e["digest"])
     assert all(len(d) == 1 for d in by_step.values()), by_step
     return len(by_step)
@@ -117,7 +125,9 @@ def test_three_healthy_workers_keep_equal_digests(tmp_path: Path, reference: Any
     events = read_events(tmp_path / "events")
     assert sorted(events) == [0, 1, 2]
     assert _periodic_digests_agree(events) == STEPS // VERIFY_EVERY
-    assert not any(e["kind"] == "fault-detected" for lines in events.values() for e in lines)
+    assert not any(
+        e["kind"] == EventKind.FAULT_DETECTED for lines in events.values() for e in lines
+    )
     finals = _finals(tmp_path / "out")
     assert len({f["digest"] for f in finals.values()}) == 1
     assert {f["step"] for f in finals.values()} == {STEPS}
@@ -149,16 +159,16 @@ def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, ki
     assert sorted(events) == [0, 1, 2, 3], "one replacement, with a fresh worker id"
     for w in survivors:  # never restarted: one start, one finish, a detected fault
         kinds = [e["kind"] for e in events[w]]
-        assert kinds.count("start") == 1 and kinds.count("finish") == 1
-        assert "fault-detected" in kinds
-        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
+        assert kinds.count(EventKind.START) == 1 and kinds.count(EventKind.FINISH) == 1
+        assert EventKind.FAULT_DETECTED in kinds
+        assert sum(e["kind"] == EventKind.STEP and not e["committed"] for e in events[w]) <= 1
         # the launcher publishes the 2-member epoch as soon as it reaps the dead worker,
         # seconds before its replacement (a fresh interpreter) can be ready
-        assert any(e["kind"] == "step" and e["committed"] and len(e["members"]) == 2
+        assert any(e["kind"] == EventKind.STEP and e["committed"] and len(e["members"]) == 2
                    for e in events[w])  # fmt: skip
-    healed = [e for e in events[3] if e["kind"] == "state-received"]
+    healed = [e for e in events[3] if e["kind"] == EventKind.STATE_RECEIVED]
     assert healed and healed[0]["step"] >= kill.step, "the newcomer received committed state"
-    assert any(e["kind"] == "first-commit-after-change" for e in events[3])
+    assert any(e["kind"] == EventKind.FIRST_COMMIT_AFTER_CHANGE for e in events[3])
     _periodic_digests_agree(events)
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == sorted([str(w) for w in survivors] + ["3"])
@@ -171,7 +181,7 @@ def test_killed_worker_is_replaced_and_healed(tmp_path: Path, reference: Any, ki
     assert rec.lost_steps <= 1 and rec.detect_s is not None and rec.resume_s is not None
     assert rec.rejoin_s is not None and rec.rejoin_s > 0
     if hang:  # excluded by heartbeats, not by gloo's timeout (liveness bound, not a benchmark)
-        launcher = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == "hung"]
+        launcher = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == EventKind.HUNG]
         assert [e["wid"] for e in launcher] == [kill.worker]
         assert rec.resume_s < timeout_s / 2
 
@@ -191,18 +201,19 @@ def test_raising_worker_is_replaced_and_a_delayed_one_is_a_straggler(
     assert sorted(events) == [0, 1, 2, 3]
     for w in (0, 2):
         kinds = [e["kind"] for e in events[w]]
-        assert kinds.count("start") == 1 and "fault-detected" in kinds
-        assert sum(e["kind"] == "step" and not e["committed"] for e in events[w]) <= 1
-        stats = [e for e in events[w] if e["kind"] == "step-stats"]
+        assert kinds.count(EventKind.START) == 1 and EventKind.FAULT_DETECTED in kinds
+        assert sum(e["kind"] == EventKind.STEP and not e["committed"] for e in events[w]) <= 1
+        stats = [e for e in events[w] if e["kind"] == EventKind.STEP_STATS]
         assert [e["step"] for e in stats] == list(range(5, STEPS + 1, 5))
     (rec,) = recoveries(tmp_path / "events")
     assert (rec.worker, rec.exit_code, rec.replacement) == (1, 1, 3) and rec.lost_steps <= 1
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == ["0", "2", "3"] and len({f["digest"] for f in finals.values()}) == 1
     _assert_close_to(reference, finals["3"]["params"])
-    stragglers = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == "straggler"]
+    stragglers = [e for e in _launcher_log(tmp_path / "events") if e["kind"] == EventKind.STRAGGLER]
     windows = {w: [(e["step"], round(e["own_median"], 4)) for e in lines
-                   if e["kind"] == "step-stats"] for w, lines in events.items()}  # fmt: skip
+                   if e["kind"] == EventKind.STEP_STATS]
+               for w, lines in events.items()}  # fmt: skip
     assert [e["wid"] for e in stragglers] == [2], (stragglers, windows)
     assert stragglers[0]["ratio"] > 2
     assert "worker 2 (" in stdout
@@ -265,18 +276,57 @@ def test_worker_environment_is_read_in_one_place() -> None:
 
 def test_summary_counts_faults_discards_heals_and_goodput(tmp_path: Path) -> None:
     log = EventLog(tmp_path, 0)
-    log.write("start", t=100.0)
-    log.write("step", t=101.0, step=1, committed=True, epoch=1, members=[0, 1], dt=0.5)
-    log.write("fault-detected", t=101.1, step=1, epoch=1)
-    log.write("step", t=101.4, step=1, committed=False, epoch=1, members=[0, 1], dt=0.25)
-    log.write("state-received", t=101.5, step=1, epoch=2)
-    log.write("finish", t=102.0, step=1, epoch=2, digest="ab")
+    log.write(EventKind.START, t=100.0)
+    log.write(EventKind.STEP, t=101.0, step=1, committed=True, epoch=1, members=[0, 1], dt=0.5)
+    log.write(EventKind.FAULT_DETECTED, t=101.1, step=1, epoch=1)
+    log.write(EventKind.STEP, t=101.4, step=1, committed=False, epoch=1, members=[0, 1], dt=0.25)
+    log.write(EventKind.STATE_RECEIVED, t=101.5, step=1, epoch=2)
+    log.write(EventKind.FINISH, t=102.0, step=1, epoch=2, digest="ab")
     log.close()
     (tmp_path / "worker1.jsonl").write_text('{"t": 1, "wid": 1, "kind": "start"}\n{"t": 2, "wi')
     s = summarize(tmp_path)
     assert (s.workers, s.final_step, s.faults, s.discarded_steps, s.heals) == (2, 1, 1, 1, 1)
     assert s.final_digests == {0: "ab"}
     assert s.goodput == pytest.approx(0.5 / 2.0)  # committed time / summed lifetimes
+
+
+def test_typed_events_write_the_same_lines_as_kind_and_fields(tmp_path: Path) -> None:
+    typed, plain = EventLog(tmp_path, 0, "typed.jsonl"), EventLog(tmp_path, 0, "plain.jsonl")
+    typed.record(StepCommitted(step=2, epoch=1, members=[0, 1], dt=0.5, digest=None))
+    plain.write(EventKind.STEP, step=2, committed=True, epoch=1, members=[0, 1], dt=0.5,
+                digest=None)  # fmt: skip
+    typed.record(StepDiscarded(step=2, epoch=1, members=[0, 1], dt=0.25))
+    plain.write(EventKind.STEP, step=2, committed=False, epoch=1, members=[0, 1], dt=0.25)
+    typed.record(FaultDetected(step=2, epoch=1, members=[0, 1], error="closed"))
+    plain.write(EventKind.FAULT_DETECTED, step=2, epoch=1, members=[0, 1], error="closed")
+    typed.close()
+    plain.close()
+
+    def lines(name: str) -> list[dict[str, Any]]:
+        rows = [json.loads(r) for r in (tmp_path / name).read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "t"} for r in rows]
+
+    assert lines("typed.jsonl") == lines("plain.jsonl")
+    assert list(lines("typed.jsonl")[0]) == [
+        "wid", "kind", "step", "committed", "epoch", "members", "dt", "digest"
+    ]  # fmt: skip
+    assert lines("typed.jsonl")[1]["kind"] == EventKind.STEP == "step"
+
+
+def test_job_world_is_explicit_or_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (protocol.ENV_STORE, "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert World.detect() is World.SINGLE
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert World.detect() is World.TORCHRUN
+    model = torch.nn.Linear(2, 2)
+    state = stalwart.TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    job = Job(state, world="single")  # explicit wins over the environment
+    assert (job.world, job.size, job.elastic) == (World.SINGLE, 1, False)
+    job.close()
+    with pytest.raises(ConfigError, match="stalwart run"):
+        Job(state, world="elastic")
 
 
 def test_launch_refuses_impossible_sizes(tmp_path: Path) -> None:
@@ -346,4 +396,4 @@ def test_demo_section_heals_a_killed_and_a_paused_worker(tmp_path: Path) -> None
     text = out.getvalue()
     assert "digests equal on every member after 2 heals" in text
     assert "SIGSTOP" in text and "healed from" in text
-    assert [e["wid"] for e in _launcher_log(tmp_path) if e["kind"] == "hung"] == [2]
+    assert [e["wid"] for e in _launcher_log(tmp_path) if e["kind"] == EventKind.HUNG] == [2]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from stalwart.elastic import read_events, recoveries
+from stalwart.elastic.events import EventKind
 from stalwart.testing.chaos import Drop, Kill, KillSchedule, LoseCoordinator
 
 from .test_elastic import STEPS, WORKER, _env, _finals, _launch, _launcher_log
@@ -48,19 +49,19 @@ def test_lost_coordinator_is_rehosted_and_survivors_carry_on(tmp_path: Path) -> 
     assert doc["coordinator_rehosts"] == 1 and doc["restarts"] == 1
     assert [(r["worker"], r["replacement"]) for r in doc["recoveries"]] == [(1, 3)]
     log = _launcher_log(tmp_path / "events")
-    (moved,) = [e for e in log if e["kind"] == "coordinator-rehosted"]
+    (moved,) = [e for e in log if e["kind"] == EventKind.COORDINATOR_REHOSTED]
     assert moved["members"] == [0, 1, 2] and moved["why"] == "SIGUSR1"
     events = read_events(tmp_path / "events")
     for w in (0, 2):
         kinds = [e["kind"] for e in events[w]]
-        assert kinds.count("start") == 1 and kinds.count("finish") == 1
-        lost = [e["step"] for e in events[w] if e["kind"] == "step" and not e["committed"]]
+        assert kinds.count(EventKind.START) == 1 and kinds.count(EventKind.FINISH) == 1
+        lost = [e["step"] for e in events[w] if e["kind"] == EventKind.STEP and not e["committed"]]
         assert all(step >= 20 for step in lost) and len(lost) <= 1, lost
-        joined = [e["epoch"] for e in events[w] if e["kind"] == "reconfigured"]
+        joined = [e["epoch"] for e in events[w] if e["kind"] == EventKind.RECONFIGURED]
         assert joined[:2] == [1, 2], "the first epoch, then the one published on the new store"
-        before = [e for e in events[w] if e["kind"] == "step" and e["step"] <= 10]
+        before = [e for e in events[w] if e["kind"] == EventKind.STEP and e["step"] <= 10]
         assert all(e["epoch"] == 1 for e in before)
-    assert any(e["kind"] == "state-received" for e in events[3])
+    assert any(e["kind"] == EventKind.STATE_RECEIVED for e in events[3])
 
 
 def test_dropped_collective_is_detected_and_the_member_replaced(tmp_path: Path) -> None:
@@ -74,9 +75,9 @@ def test_dropped_collective_is_detected_and_the_member_replaced(tmp_path: Path) 
     (rec,) = recoveries(tmp_path / "events")
     assert (rec.worker, rec.exit_code, rec.replacement) == (1, -9, 3) and rec.lost_steps <= 1
     events = read_events(tmp_path / "events")
-    assert any(e["kind"] == "state-received" for e in events[3])
+    assert any(e["kind"] == EventKind.STATE_RECEIVED for e in events[3])
     for w in (0, 2):
-        assert any(e["kind"] == "fault-detected" for e in events[w])
+        assert any(e["kind"] == EventKind.FAULT_DETECTED for e in events[w])
 
 
 def _pid_gone(pid: int) -> bool:
@@ -98,7 +99,7 @@ def test_launcher_death_stops_workers_with_a_clear_error(tmp_path: Path) -> None
     )
     try:
         while not any(
-            e["kind"] == "step" and e["step"] >= 5 for e in read_events(events).get(0, [])
+            e["kind"] == EventKind.STEP and e["step"] >= 5 for e in read_events(events).get(0, [])
         ):
             assert launcher.poll() is None, launcher.stderr.read() if launcher.stderr else ""
             time.sleep(0.05)
@@ -108,7 +109,7 @@ def test_launcher_death_stops_workers_with_a_clear_error(tmp_path: Path) -> None
         if launcher.poll() is None:
             launcher.kill()
     pids = [e["pid"] for lines in read_events(events).values() for e in lines
-            if e["kind"] == "start"]  # fmt: skip
+            if e["kind"] == EventKind.START]  # fmt: skip
     # stderr's EOF comes as the workers close their files on exit; the exit itself may finish a
     # moment later on a loaded box: wait for it (bounded), the point is that they stop
     deadline = time.monotonic() + 30

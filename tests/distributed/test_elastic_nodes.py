@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.elastic import read_events
+from stalwart.elastic.events import EventKind
 from stalwart.elastic.nodes import parse_nnodes, rendezvous
 from stalwart.errors import ConfigError
 from stalwart.testing import Kill, KillSchedule
@@ -67,9 +68,9 @@ def test_a_second_node_joins_and_leaves_the_running_job(tmp_path: Path) -> None:
     assert doc["ok"] and doc["summary"]["final_step"] == STEPS
     events = read_events(tmp_path / "events")
     assert sorted(events) == [0, 1, 2]
-    sizes = [tuple(e["members"]) for e in events[0] if e["kind"] == "reconfigured"]
+    sizes = [tuple(e["members"]) for e in events[0] if e["kind"] == EventKind.RECONFIGURED]
     assert sizes[:3] == [(0, 1), (0, 1, 2), (0, 1)], sizes
-    assert any(e["kind"] == "state-received" for e in events[2]), "the newcomer healed"
+    assert any(e["kind"] == EventKind.STATE_RECEIVED for e in events[2]), "the newcomer healed"
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == ["0", "1"]
     assert len({f["digest"] for f in finals.values()}) == 1
@@ -81,7 +82,7 @@ def _reconfigured(tmp: Path, wid: int) -> bool:
         lines = read_events(tmp / "events").get(wid, [])
     except (OSError, ValueError):  # the file is being written
         return False
-    return any(e["kind"] == "reconfigured" for e in lines)
+    return any(e["kind"] == EventKind.RECONFIGURED for e in lines)
 
 
 def test_rendezvous_hosts_once_and_refuses_nodes_past_max() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from stalwart.elastic import read_events, summarize
-from stalwart.elastic.events import EventLog
+from stalwart.elastic.events import EventKind, EventLog
 from stalwart.elastic.parity import Decision, choose_source
 from stalwart.testing import Kill, KillSchedule, run_ranks
 
@@ -40,7 +40,7 @@ def _run_json(tmp: Path, nproc: int, schedule: KillSchedule | None, *extra: str)
     return doc
 
 
-def _kinds(events: dict[int, list[dict[str, Any]]], kind: str) -> list[dict[str, Any]]:
+def _kinds(events: dict[int, list[dict[str, Any]]], kind: EventKind) -> list[dict[str, Any]]:
     return [e for lines in events.values() for e in lines if e["kind"] == kind]
 
 
@@ -60,8 +60,8 @@ def test_summary_counts_a_fault_once_per_failed_member(tmp_path: Path) -> None:
     # epoch 2: members 0, 1, 3, 4; 3 and 4 died together, 0 and 1 reported (two faults).
     for wid in (0, 1):
         log = EventLog(tmp_path, wid)
-        log.write("fault-detected", step=8, epoch=1, members=[0, 1, 2])
-        log.write("fault-detected", step=20, epoch=2, members=[0, 1, 3, 4])
+        log.write(EventKind.FAULT_DETECTED, step=8, epoch=1, members=[0, 1, 2])
+        log.write(EventKind.FAULT_DETECTED, step=20, epoch=2, members=[0, 1, 3, 4])
         log.close()
     s = summarize(tmp_path)
     assert (s.faults, s.fault_reports) == (3, 4)
@@ -86,13 +86,13 @@ def test_batchnorm_survivors_agree_after_a_kill_and_the_kill_is_one_fault(tmp_pa
     schedule = KillSchedule((Kill(worker=1, step=8, where="boundary"),))
     doc = _run_json(tmp_path, 3, schedule, "--batchnorm", "--hold-at", "20", "--hold-size", "3")
     events = read_events(tmp_path / "events")
-    assert _kinds(events, "parity-mismatch") == []
+    assert _kinds(events, EventKind.PARITY_MISMATCH) == []
     assert doc["summary"]["parity_mismatches"] == 0 and doc["final_digests_equal"]
-    heals = _kinds(events, "state-received")
+    heals = _kinds(events, EventKind.STATE_RECEIVED)
     assert [e["wid"] for e in heals if e["step"] > 0] == [3], "only the newcomer received state"
     _periodic_digests_agree(events)
     # one SIGKILL: two survivors reported it, it counts once
-    assert len(_kinds(events, "fault-detected")) == 2
+    assert len(_kinds(events, EventKind.FAULT_DETECTED)) == 2
     assert doc["summary"]["fault_reports"] == 2 and doc["summary"]["faults"] == 1
     assert [r["worker"] for r in doc["recoveries"]] == [1]
 
@@ -105,13 +105,13 @@ def test_two_members_corrupted_rank0_rolls_back_and_ends_bit_identical(tmp_path:
     # check at step 15 finds two digests and no majority
     doc = _run_json(tmp_path / "sdc", 2, None, "--corrupt-at", "12", "--corrupt-worker", "0")
     events = read_events(tmp_path / "sdc" / "events")
-    mismatches = _kinds(events, "parity-mismatch")
+    mismatches = _kinds(events, EventKind.PARITY_MISMATCH)
     assert sorted(e["wid"] for e in mismatches) == [0, 1]
     for e in mismatches:
         assert e["decision"] == "rollback", e  # decided by evidence, not by rank 0
         assert (e["rolled_back_from"], e["step"]) == (15, 10), e
-    assert _kinds(events, "state-received") == [] or all(
-        e["step"] == 0 for e in _kinds(events, "state-received")
+    assert _kinds(events, EventKind.STATE_RECEIVED) == [] or all(
+        e["step"] == 0 for e in _kinds(events, EventKind.STATE_RECEIVED)
     ), "nobody adopted the other's copy"
     finals = _finals(tmp_path / "sdc" / "out")
     assert {f["step"] for f in finals.values()} == {STEPS}

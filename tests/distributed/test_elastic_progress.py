@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.elastic import read_events
+from stalwart.elastic.events import EventKind
 from stalwart.testing import Kill, KillSchedule
 
 from .test_elastic import RUN_TIMEOUT_S, STEPS, WORKER, _env
@@ -33,5 +34,5 @@ def test_losing_every_member_that_held_the_state_is_an_error_not_a_restart(
     newcomers = [w for w in events if w >= 2]
     assert newcomers, "the launcher replaced the dead workers"
     for wid in newcomers:  # no replacement committed a single step of a restarted job
-        assert not any(e["kind"] == "step" and e["committed"] for e in events[wid]), wid
+        assert not any(e["kind"] == EventKind.STEP and e["committed"] for e in events[wid]), wid
     assert not list((tmp_path / "out").glob("final-*.pt")), "no run finished as if all was well"

@@ -14,9 +14,9 @@ from torch import nn
 
 from stalwart import inject, vulnerability
 from stalwart.errors import UnsupportedValueError
-from stalwart.vulnerability import FastEngine, sample_activation_faults, sample_faults
+from stalwart.vulnerability import sample_activation_faults, sample_faults
 from stalwart.vulnerability.activation_engine import pack_samples
-from stalwart.vulnerability.engine import edited_words
+from stalwart.vulnerability.engine import FastEngine, edited_words
 
 EXPSIGN = inject.BitFlip(bits=list(range(23, 32)))
 
@@ -153,10 +153,10 @@ def test_change_masked_after_the_faulty_layer_skips_the_rest() -> None:
     x = torch.randn(20, 6)
     eng = FastEngine(model, (x,))
     faults = [inject.Fault("0.weight", i, 1 << 20) for i in range(6)]  # row 0: channel 0
-    eng._suffix_run = None  # type: ignore[assignment]  # must not be reached
+    eng.suffix_run = None  # type: ignore[assignment]  # must not be reached
     out = eng.run(faults)
     assert torch.equal(out, eng.golden.expand_as(out))
-    ref = vulnerability.NaiveEngine(model, (x,)).run(faults)
+    ref = vulnerability.engine.NaiveEngine(model, (x,)).run(faults)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
@@ -200,7 +200,7 @@ def test_edited_words_apply_each_fault_op() -> None:
         inject.Fault("t", 2, 0b0010, "clear"),
         inject.Fault("t", 3, 7, "assign"),
     ]
-    new = edited_words(raw, torch.arange(4), faults, inject.layout_of(torch.float32))
+    new = edited_words(raw, torch.arange(4), faults, inject.bits.layout_of(torch.float32))
     assert new.tolist() == [0b1011, 0b1111, 0b1000, 7]
 
 
@@ -208,7 +208,7 @@ def test_edited_words_apply_each_fault_op() -> None:
 def test_engine_runs_on_cuda_and_matches_cpu_naive() -> None:
     model, x = _resnet()
     faults = sample_faults(model, 30, per_tensor=True, seed=5, error=EXPSIGN, targets="*.weight")
-    slow = vulnerability.NaiveEngine(model, (x,)).run(list(faults))
+    slow = vulnerability.engine.NaiveEngine(model, (x,)).run(list(faults))
     eng = FastEngine(model.cuda(), (x.cuda(),))
     by_target: dict[str, list[int]] = {}
     for i, f in enumerate(faults):

@@ -22,7 +22,7 @@ DTYPES = [
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(inject.layout_of(t.dtype).storage).clone()
+    return t.detach().view(inject.bits.layout_of(t.dtype).storage).clone()
 
 
 def _tensor(dtype: torch.dtype) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _tensor(dtype: torch.dtype) -> torch.Tensor:
 def test_every_bit_flips_exactly_one_storage_bit_and_undoes(dtype: torch.dtype) -> None:
     t = _tensor(dtype)
     before = _raw(t)
-    layout = inject.layout_of(dtype)
+    layout = inject.bits.layout_of(dtype)
     for bit in range(layout.bits):
         with inject.bitflip(t, index=7, bit=bit) as inj:
             diff = (_raw(t) ^ before).view(-1)
@@ -98,7 +98,7 @@ def test_stuck_at_and_random_value() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 def test_error_models_replay_and_undo(model_: inject.ErrorModel, dtype: torch.dtype) -> None:
     lin = nn.Linear(6, 5).to(dtype)
-    layout = inject.layout_of(dtype)
+    layout = inject.bits.layout_of(dtype)
     idx, masks, op = model_.draw(layout, lin.weight.numel(), 20, np.random.default_rng(1))
     idx2, masks2, _ = model_.draw(layout, lin.weight.numel(), 20, np.random.default_rng(1))
     assert idx.tolist() == idx2.tolist() and masks == masks2  # seeded: replayable
@@ -163,7 +163,7 @@ def test_gradient_and_optimizer_state_faults() -> None:
 def test_bad_input_errors_say_what_to_do() -> None:
     model = nn.Linear(3, 2)
     with pytest.raises(ConfigError, match=r"matches no parameter.*available: weight, bias"):
-        inject.select_tensors(model, "conv*")
+        inject.targets.select_tensors(model, "conv*")
     with pytest.raises(ConfigError, match=r"bit 32 is outside float32.*0..31"):
         inject.bitflip(model, "weight", index=0, bit=32)
     with pytest.raises(ConfigError, match=r"bit 16 is outside bfloat16.*0..15"):
@@ -176,4 +176,7 @@ def test_bad_input_errors_say_what_to_do() -> None:
         inject.bitflip(model, "weigth", index=0, bit=1)
     with pytest.raises(ConfigError, match=r"no .grad yet"):
         inject.apply_faults(model, [Fault("weight", 0, 1, kind="grad")])
-    assert set(inject.select_tensors(model, "*", module_types=[nn.Linear])) == {"weight", "bias"}
+    assert set(inject.targets.select_tensors(model, "*", module_types=[nn.Linear])) == {
+        "weight",
+        "bias",
+    }

@@ -92,9 +92,9 @@ def test_exceptions_and_ber_undo(qmlp: nn.Module) -> None:
 
 
 def test_targets_listed_and_bad_names(qmlp: nn.Module) -> None:
-    names = list(inject.select_tensors(qmlp, "0.*", quantized=True))
+    names = list(inject.targets.select_tensors(qmlp, "0.*", quantized=True))
     assert names == ["0.weight", "0.weight:scale", "0.weight:zero_point"]
-    t = inject.select_tensors(qmlp, "*:scale", quantized=True)
+    t = inject.targets.select_tensors(qmlp, "*:scale", quantized=True)
     assert {v.dtype for v in t.values()} == {torch.float64}
     with pytest.raises(ConfigError, match="not a quantized tensor"):
         inject.bitflip(nn.Linear(2, 2), "weight:scale", index=0, bit=1)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import stalwart
-from stalwart import AnyOf, CheckpointEvent, CheckpointOptions, KeepBest, KeepLast
+from stalwart import AnyOf, CheckpointOptions, KeepBest, KeepLast
 from stalwart.checkpoint.policy import kept_steps
+from stalwart.checkpoint.results import CheckpointEvent
 from stalwart.errors import ConfigError, UnsupportedValueError
 
 pytestmark = pytest.mark.timeout(120)

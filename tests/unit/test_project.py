@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,9 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "stalwart"
 
 _CORE = {
     "errors",
+    "moved",
+    "environment",
+    "frames",
     "tree",
     "values",
     "storage",
@@ -32,17 +36,29 @@ _CORE = {
 # Every package must be listed: a new room states its place in the house when it is made.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "moved": set(),
+    "frames": {"errors"},
+    "environment": {"errors"},
     "values": {"errors"},
     "tree": {"errors", "values"},
     "storage": {"errors", "tree"},
-    "checkpoint": {"errors", "tree", "storage"},
-    "elastic": {"errors", "tree", "storage", "checkpoint"},
+    "checkpoint": {"errors", "environment", "frames", "moved", "tree", "storage"},
+    "elastic": {"errors", "environment", "frames", "tree", "storage", "checkpoint"},
     "fingerprint": set(),
     "models": {"errors", "fingerprint"},
-    "inject": {"errors", "tree"},
-    "vulnerability": {"errors", "tree", "inject", "fingerprint"},
-    "protect": {"errors", "tree", "storage", "checkpoint", "inject", "vulnerability", "models"},
-    "diagnose": {"errors"},
+    "inject": {"errors", "moved", "tree"},
+    "vulnerability": {"errors", "frames", "moved", "tree", "inject", "fingerprint"},
+    "protect": {
+        "errors",
+        "frames",
+        "tree",
+        "storage",
+        "checkpoint",
+        "inject",
+        "vulnerability",
+        "models",
+    },
+    "diagnose": {"errors", "frames"},
     "testing": {"errors", "tree", "storage", "checkpoint"},
     "integrations": _CORE,
     "demos": _CORE | {"testing", "__init__"},
@@ -72,6 +88,24 @@ def test_public_surface_is_sorted_and_importable() -> None:
     assert stalwart.__all__ == sorted(stalwart.__all__)
     for name in stalwart.__all__:
         assert hasattr(stalwart, name), name
+
+
+def test_front_door_holds_only_what_a_user_calls() -> None:
+    """STYLE.md: front doors are small; results, events and errors live in named modules."""
+    assert len(stalwart.__all__) <= 15, stalwart.__all__
+
+
+@pytest.mark.parametrize("name", sorted(stalwart.MOVED))
+def test_names_that_left_the_front_door_still_work_with_a_warning(name: str) -> None:
+    where = stalwart.MOVED[name]
+    assert name not in stalwart.__all__
+    with pytest.warns(DeprecationWarning, match=rf"stalwart\.{name} moved to {where}"):
+        old = getattr(stalwart, name)
+    assert old is getattr(importlib.import_module(where), name)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from stalwart import {name}", {})  # the import statement finds it too
+    with pytest.raises(AttributeError):
+        stalwart.NoSuchName  # noqa: B018
 
 
 def test_dependencies_flow_one_way() -> None:

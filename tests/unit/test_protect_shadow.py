@@ -27,7 +27,7 @@ def test_shadow_corrects_protected_bits_before_each_forward(dtype: torch.dtype) 
     model, lin = _linear(dtype)
     clean = lin.weight.detach().clone()
     sbp = protect.ShadowBitProtection(model, ("sign", "exponent"))
-    lay = inject.layout_of(dtype)
+    lay = inject.bits.layout_of(dtype)
     top, mant = lay.bits - 2, 0  # an exponent bit and a mantissa bit
     faults = [
         inject.Fault("fc.weight", 0, 1 << top),  # protected: corrected

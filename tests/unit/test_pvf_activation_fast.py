@@ -122,7 +122,7 @@ def test_stacked_rows_equal_hook_path() -> None:
 
     model, x = _model(Residual)
     faults = _faults(model, x)
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     fast, ref = eng.run(faults), hooked(eng, faults, independent=True)
     rows, k = torch.tensor([f.sample for f in faults]), torch.arange(len(faults))
     own, want = fast[k, rows], ref[k, rows]
@@ -139,14 +139,14 @@ def test_stacked_pass_refuses_a_graph_that_mixes_samples() -> None:
     from stalwart.vulnerability.stacked import Start, run_stacked
 
     model, x = _model(Mixing)
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     node = _module_node(eng, "conv1")  # its rows reach the batch mean
     start = Start(node, [0], [1], [5], [torch.tensor(0x3F800000, dtype=torch.int32)])
     out = eng.golden.unsqueeze(0).clone()
     assert not run_stacked(eng, {node: start}, out)
     assert torch.equal(out[0], eng.golden)  # nothing written
     x_ok = _model(Residual)
-    eng = vulnerability.FastEngine(*x_ok[:1], (x_ok[1],))
+    eng = vulnerability.engine.FastEngine(*x_ok[:1], (x_ok[1],))
     node = _module_node(eng, "conv2")
     assert run_stacked(eng, {node: Start(node, [0], [1], [5], start.words)}, out)
 
@@ -167,7 +167,7 @@ def test_graph_row_walk_equals_hook_path(make: type[nn.Module]) -> None:
     torch.manual_seed(0)
     model, x = make().eval(), torch.randn(30, 6)
     faults = list(sample_activation_faults(model, (x,), 60, seed=3))
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     fast, ref = eng.run(faults, independent=False), hooked(eng, faults, independent=False)
     scale = fast.abs().nan_to_num(0, 0, 0).amax(-1) + ref.abs().nan_to_num(0, 0, 0).amax(-1)
     err = (fast - ref).abs().nan_to_num(0, 0, 0).amax(-1)  # rounding, per node's row
@@ -205,7 +205,7 @@ def test_untraceable_rows_skip_the_prefix_and_equal_the_hook_path(
 
     torch.manual_seed(0)
     model, x = make().eval(), torch.randn(12, 8)
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     assert not eng.traced and eng.eager is not None  # its golden run done
     calls, real = [], nn.Linear.forward  # fc1's own forward (a stub replaces it per module)
 
@@ -274,7 +274,7 @@ def test_untraceable_row_passes_are_capped_by_memory(monkeypatch: pytest.MonkeyP
 
     torch.manual_seed(0)
     model, x = Untraceable().eval(), torch.randn(12, 8)
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     per_row = eng.eager.act_bytes // len(x)
     monkeypatch.setattr(eager_rows, "_PASS_BYTES", 5 * per_row)  # 3 faults + 2 golden rows
     faults = list(sample_activation_faults(model, (x,), 30, seed=6, modules=["fc2"]))
@@ -301,5 +301,5 @@ def test_untraceable_model_that_refuses_the_gathered_batch_keeps_the_hook_path()
     torch.manual_seed(0)
     model, x = FixedBatch().eval(), torch.randn(12, 8)
     faults = list(sample_activation_faults(model, (x,), 30, seed=6, modules=["fc2"]))
-    eng = vulnerability.FastEngine(model, (x,))
+    eng = vulnerability.engine.FastEngine(model, (x,))
     assert torch.equal(eng.run(faults), hooked(eng, faults, independent=True))

@@ -66,7 +66,7 @@ def test_generic_paths_and_rows_match_naive() -> None:
         model, (ids, offsets), faults, ["top1", "dev>0.01"], engine="naive"
     )
     _same(fast, slow)
-    rows = inject.rows_read(ids, 20)
+    rows = inject.targets.rows_read(ids, 20)
     read = sample_faults(model, 50, targets="emb.weight", rows={"emb.weight": rows}, seed=2)
     assert all(f.index // 8 in set(rows.tolist()) for f in read)
 
@@ -178,6 +178,8 @@ def test_judging_only_changed_inputs_gives_the_full_verdicts(shape: tuple[int, .
 class _Wrapped:
     """A criterion the campaign does not know to be row-wise (judged on every input)."""
 
+    rowwise = False
+
     def __init__(self, c: vulnerability.Criterion) -> None:
         self.c, self.name, self.set_level = c, c.name, c.set_level
 
@@ -186,3 +188,59 @@ class _Wrapped:
 
     def margin(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor | None:
         return self.c.margin(golden, faulty)
+
+
+class _UserTop1:
+    """A user-written criterion that declares itself row-wise (not a built-in class)."""
+
+    rowwise = True
+    name, set_level = "user_top1", False
+
+    def check(self, golden: torch.Tensor) -> None:
+        return None
+
+    def judge(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+        return (faulty.argmax(-1) != golden.argmax(-1)) | ~torch.isfinite(faulty).all(-1)
+
+    def margin(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+        return vulnerability.criteria.Top1().margin(golden, faulty)
+
+
+def test_user_rowwise_criterion_takes_the_fast_path(
+    digits: models.ReferenceModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stalwart.vulnerability import judging
+
+    calls: list[int] = []
+    changed_only = judging._judge_changed
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return changed_only(*args, **kwargs)
+
+    x = digits.inputs[0][:40]
+    faults = vulnerability.sample_activation_faults(
+        digits.model, (x,), 60, modules=["fc1", "conv2"], seed=1, error=inject.BitFlip(bit=30)
+    )
+    kw = {"independent_samples": False}  # every input judged: the changed-pairs path applies
+    ref = vulnerability.run_campaign(digits.model, x, faults, "top1", **kw)
+    monkeypatch.setattr(judging, "_judge_changed", spy)
+    user = vulnerability.run_campaign(digits.model, x, faults, _UserTop1(), **kw)
+    assert calls  # the declared attribute, not the class, chose the fast path
+    assert np.array_equal(user.failed["user_top1"], ref.failed["top1"])
+    assert np.array_equal(user.rate["user_top1"], ref.rate["top1"], equal_nan=True)
+
+
+class _Undeclared:
+    """A criterion written before ``rowwise`` was declared."""
+
+    name, set_level = "old", False
+
+    def judge(self, golden: torch.Tensor, faulty: torch.Tensor) -> torch.Tensor:
+        return faulty.argmax(-1) != golden.argmax(-1)
+
+
+def test_criterion_without_rowwise_warns_and_is_judged_whole() -> None:
+    with pytest.warns(DeprecationWarning, match="rowwise"):
+        c = vulnerability.criteria.criterion(_Undeclared())  # type: ignore[arg-type]
+    assert not vulnerability.criteria.is_rowwise(c)

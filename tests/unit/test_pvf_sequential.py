@@ -13,17 +13,15 @@ from stalwart import inject, models, vulnerability
 from stalwart.errors import ConfigError
 from stalwart.vulnerability import (
     Campaign,
-    Engine,
-    FaultKind,
     FaultList,
     FixedTrials,
-    Interval,
     PVFOptions,
     UntilWidth,
     estimate,
     run_campaign,
     sample_faults,
 )
+from stalwart.vulnerability.options import Engine, FaultKind, Interval
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +34,9 @@ def _old_sequential(
 ) -> vulnerability.CampaignResult:
     """The loop ``pvf`` ran before campaigns were objects: every round concatenates the fault
     lists and re-runs ``run_campaign`` over all trials so far (by="tensor", stratified)."""
-    per_round = max(1, stop.trials // len(inject.select_tensors(model, "*", quantized=True)))
+    per_round = max(
+        1, stop.trials // len(inject.targets.select_tensors(model, "*", quantized=True))
+    )
     faults = FaultList([], seed, "", {})
     targets: object = "*"
     rnd = 0

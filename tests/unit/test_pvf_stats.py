@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stalwart.errors import ConfigError
-from stalwart.vulnerability import clopper_pearson, mcnemar, sample_size, stratified, wilson
+from stalwart.vulnerability.stats import clopper_pearson, mcnemar, sample_size, stratified, wilson
 
 
 def test_leveugle_table_from_the_research_notes() -> None:

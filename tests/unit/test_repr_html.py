@@ -18,7 +18,7 @@ from stalwart.checkpoint.tools.inspection import Inspection, TensorRow
 from stalwart.diagnose import Diagnosis
 from stalwart.protect.evaluate import ProtectionResults
 from stalwart.vulnerability import FaultList
-from stalwart.vulnerability.pvf import GroupEstimate, PVFReport
+from stalwart.vulnerability.estimates import GroupEstimate, PVFReport
 from tests.unit import result_samples as samples
 from tests.unit.result_samples import HOSTILE
 

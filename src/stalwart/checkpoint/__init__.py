@@ -1,21 +1,16 @@
 """Checkpoint engine: sharded, deduplicated, verified checkpoints that reshard on load.
 
-See ``docs/format.md`` for the on-disk format and ``checkpointer.py`` for the flow.
+The front door holds what a user calls: the checkpointers, their options, the state and
+preemption helpers, and the save and retention policies. What operations return lives in
+:mod:`stalwart.checkpoint.results`, the format's records in :mod:`stalwart.checkpoint.format`,
+the policy protocols in :mod:`stalwart.checkpoint.policy`. See ``docs/format.md`` for the
+on-disk format and ``durable/checkpointer.py`` for the flow.
 """
 
-from stalwart.checkpoint.durable.async_save import PendingSave, guard
+from __future__ import annotations
+
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.gc import GCReport
-from stalwart.checkpoint.durable.manifest import (
-    FORMAT_VERSION,
-    ChunkRef,
-    Manifest,
-    ShardEntry,
-    TensorEntry,
-)
-from stalwart.checkpoint.durable.results import LoadResult, SaveResult
-from stalwart.checkpoint.events import CheckpointEvent
-from stalwart.checkpoint.memory.tiers import RecoveryReport, Tier, TieredCheckpointer
+from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.policy import (
     AnyOf,
@@ -25,38 +20,49 @@ from stalwart.checkpoint.policy import (
     KeepBest,
     KeepEvery,
     KeepLast,
-    RetentionPolicy,
-    SavePolicy,
 )
 from stalwart.checkpoint.preemption import PreemptionGuard
 from stalwart.checkpoint.training_state import TrainingState
+from stalwart.moved import moved_getattr
 
 __all__ = [
-    "FORMAT_VERSION",
     "AnyOf",
-    "CheckpointEvent",
     "CheckpointOptions",
     "Checkpointer",
-    "ChunkRef",
     "EveryNSeconds",
     "EveryNSteps",
-    "GCReport",
     "KeepAll",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
-    "LoadResult",
-    "Manifest",
-    "PendingSave",
     "PreemptionGuard",
-    "RecoveryReport",
-    "RetentionPolicy",
-    "SavePolicy",
-    "SaveResult",
-    "ShardEntry",
-    "TensorEntry",
     "Tier",
     "TieredCheckpointer",
     "TrainingState",
-    "guard",
 ]
+
+MOVED = {
+    **dict.fromkeys(
+        ("FORMAT_VERSION", "ChunkRef", "Manifest", "ShardEntry", "TensorEntry"),
+        "stalwart.checkpoint.format",
+    ),
+    **dict.fromkeys(
+        (
+            "CheckpointEvent",
+            "GCReport",
+            "LoadResult",
+            "PendingSave",
+            "RecoveryReport",
+            "SaveResult",
+        ),
+        "stalwart.checkpoint.results",
+    ),
+    "RetentionPolicy": "stalwart.checkpoint.policy",
+    "SavePolicy": "stalwart.checkpoint.policy",
+    "guard": "stalwart.checkpoint.durable.async_save",
+}
+"""Names this package exported before 0.2, and where they live now (importable from here,
+with a DeprecationWarning, until the next release)."""
+
+
+__getattr__ = moved_getattr(__name__, MOVED, hints={"guard": "Checkpointer.guard(optimizer)"})

@@ -1,5 +1,7 @@
-"""Options of the checkpoint engine, validated once, in one place; and every ``STALWART_*``
-environment variable stalwart reads (nowhere else reads the environment).
+"""Options of the checkpoint engine, validated once, in one place, and the checkpoint
+engine's ``STALWART_*`` environment variables: their defaults and parsing live here, the
+reading in :mod:`stalwart.environment` (the one module that reads the environment; its
+docstring lists every variable, the elastic job's too).
 
 An explicit argument wins over the environment variable, which wins over the default. The
 variables cover what operators change without touching code:
@@ -18,7 +20,6 @@ raises :class:`~stalwart.errors.ConfigError` naming the variable.
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,39 +27,20 @@ from typing import TypeVar
 
 from stalwart.checkpoint.events import EventListener
 from stalwart.checkpoint.policy import KeepAll, RetentionPolicy
+from stalwart.environment import CHECKPOINT_VARS, setting
 from stalwart.errors import ConfigError
 
 __all__ = ["ENV_VARS", "CheckpointOptions", "env_signals"]
 
 T = TypeVar("T")
 
-ENV_VARS = (
-    "STALWART_IO_THREADS",
-    "STALWART_COMPRESSION",
-    "STALWART_LEASE_S",
-    "STALWART_GC_GRACE_S",
-    "STALWART_MAX_INFLIGHT_SAVES",
-    "STALWART_EXIT_FLUSH_TIMEOUT_S",
-    "STALWART_PREEMPTION_SIGNALS",
-)
+ENV_VARS = CHECKPOINT_VARS
 
 
 def _env(name: str, default: T, parse: Callable[[str], T]) -> Callable[[], T]:
-    """A default factory: ``parse(os.environ[name])`` when set and not empty, else default."""
+    """A default factory: ``parse(value)`` of variable ``name`` when set, else ``default``."""
     assert name in ENV_VARS
-
-    def read() -> T:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            return default
-        try:
-            return parse(raw)
-        except ValueError as e:
-            raise ConfigError(
-                f"environment variable {name}={raw!r} does not parse ({e}); fix or unset it"
-            ) from None
-
-    return read
+    return setting(name, default, parse)
 
 
 def _compression(raw: str) -> str | None:

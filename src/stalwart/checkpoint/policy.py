@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 MetadataOf = Callable[[int], Mapping[str, str]]
 
 
+def _check_count(policy: str, name: str, value: object) -> None:
+    """Refuse a count (of steps or checkpoints) that is not an int >= 1."""
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{policy}({name}={value!r}): {name} must be an int >= 1")
+
+
 @runtime_checkable
 class RetentionPolicy(Protocol):
     """Decides which committed steps survive."""
@@ -65,8 +71,7 @@ class KeepLast:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"KeepLast(n={self.n!r}): n must be an int >= 1")
+        _check_count("KeepLast", "n", self.n)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.n :])
@@ -79,8 +84,7 @@ class KeepEvery:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"KeepEvery(n={self.n!r}): n must be an int >= 1")
+        _check_count("KeepEvery", "n", self.n)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in steps if s % self.n == 0}
@@ -109,8 +113,7 @@ class KeepBest:
     uses_metadata: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ConfigError(f"KeepBest(k={self.k!r}): k must be an int >= 1")
+        _check_count("KeepBest", "k", self.k)
         if self.mode not in ("min", "max"):
             raise ConfigError(f"KeepBest(mode={self.mode!r}): use 'min' or 'max'")
         if not isinstance(self.metric, str) or not self.metric:
@@ -168,8 +171,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"EveryNSteps(n={self.n!r}): n must be an int >= 1")
+        _check_count("EveryNSteps", "n", self.n)
 
     def due(self, step: int, now_s: float, last_step: int | None, last_s: float | None) -> bool:
         return step % self.n == 0

@@ -26,28 +26,27 @@ from stalwart.checkpoint.tools.export import export_step, import_file
 from stalwart.checkpoint.tools.inspection import inspect_manifest
 from stalwart.checkpoint.tools.verify import verify_all, verify_step
 from stalwart.cli.ckpt_options import (
-    _FORMAT,
-    _HTML,
-    _JSON,
-    _OPTS,
-    _OUT_FILE,
-    _ROOT,
-    _SRC,
-    _STEP,
+    FORMAT,
+    HTML,
+    JSON,
+    OPTS,
+    OUT_FILE,
+    ROOT,
+    SRC,
+    STEP,
     Format,
-    _done,
-    _err,
-    _handled,
-    _json,
-    _open,
-    _out,
-    _ratio,
-    _size,
-    _step,
-    _storage_options,
-    _table,
     ckpt_app,
+    console,
+    error_console,
+    finish,
+    fmt_ratio,
+    fmt_size,
+    new_table,
+    open_root,
+    parse_storage_options,
+    step_of,
 )
+from stalwart.cli.conventions import emit_json, handled
 from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import ConfigError, CorruptCheckpointError
 
@@ -55,9 +54,9 @@ __all__ = ["Format", "ckpt_app", "register"]
 
 
 @ckpt_app.command("ls")
-def ls(root: str = _ROOT, as_json: bool = _JSON, storage_option: list[str] = _OPTS) -> None:
+def ls(root: str = ROOT, as_json: bool = JSON, storage_option: list[str] = OPTS) -> None:
     """List committed steps: time, tensors, logical size, bytes written, dedup, world size."""
-    with _handled(), _open(root, storage_option) as ck:
+    with handled(), open_root(root, storage_option) as ck:
         rows: list[dict[str, Any]] = []
         for s in ck.steps():
             try:
@@ -79,56 +78,56 @@ def ls(root: str = _ROOT, as_json: bool = _JSON, storage_option: list[str] = _OP
                 }
             )
         if as_json:
-            _json({"root": ck.url, "steps": rows})
+            emit_json({"root": ck.url, "steps": rows})
             return
         if not rows:
-            _out().print(f"no committed checkpoints under {escape(ck.url)}")
+            console().print(f"no committed checkpoints under {escape(ck.url)}")
             return
         cols = ("step", "created", "tensors", "logical", "written", "dedup", "world")
-        table = _table(escape(ck.url), cols, left=("created",))
+        table = new_table(escape(ck.url), cols, left=("created",))
         for r in rows:
             if "damaged" in r:
                 table.add_row(str(r["step"]), "[red]damaged manifest[/]", *[""] * 5)
                 continue
             created = datetime.fromtimestamp(r["created_unix"]).strftime("%Y-%m-%d %H:%M:%S")
-            dedup = _ratio(r["dedup_ratio"]) if r["bytes_written"] else "all reused"
-            sizes = (_size(r["logical_bytes"]), _size(r["bytes_written"]), dedup)
+            dedup = fmt_ratio(r["dedup_ratio"]) if r["bytes_written"] else "all reused"
+            sizes = (fmt_size(r["logical_bytes"]), fmt_size(r["bytes_written"]), dedup)
             table.add_row(str(r["step"]), created, str(r["tensors"]), *sizes, str(r["world_size"]))
-        _out().print(table)
+        console().print(table)
 
 
 @ckpt_app.command("inspect")
 def inspect(
-    root: str = _ROOT,
-    step: int | None = _STEP,
-    as_json: bool = _JSON,
+    root: str = ROOT,
+    step: int | None = STEP,
+    as_json: bool = JSON,
     limit: int = typer.Option(50, "--limit", "-n", min=0, help="Tensors shown in the table."),
-    storage_option: list[str] = _OPTS,
+    storage_option: list[str] = OPTS,
 ) -> None:
     """Show a step's tensors (dtype, shape, shards, bytes, chunks) and its dedup ratio."""
-    with _handled(), _open(root, storage_option) as ck:
-        s = _step(ck, step)
+    with handled(), open_root(root, storage_option) as ck:
+        s = step_of(ck, step)
         m = ck.manifest(s)
         found = inspect_manifest(m)
         tensors, totals = found.to_json()["tensors"], found.totals
         refs, logical, stored = m.chunks(), totals["logical_bytes"], totals["stored_bytes"]
         info = {"step": s, "world_size": m.world_size, "metadata": m.metadata}
         if as_json:
-            _json({**info, "totals": totals, "tensors": tensors})
+            emit_json({**info, "totals": totals, "tensors": tensors})
             return
         cols = ("tensor", "dtype", "shape", "shards", "bytes", "chunks")
-        table = _table(f"step {s} of {escape(ck.url)}", cols, left=("tensor", "dtype"))
+        table = new_table(f"step {s} of {escape(ck.url)}", cols, left=("tensor", "dtype"))
         for t in tensors[:limit]:
-            nums = (str(t["shards"]), _size(t["bytes"]), str(t["chunks"]))
+            nums = (str(t["shards"]), fmt_size(t["bytes"]), str(t["chunks"]))
             table.add_row(escape(t["name"]), t["dtype"], str(tuple(t["shape"])), *nums)
-        out = _out()
+        out = console()
         out.print(table)
         if len(tensors) > limit:
             out.print(f"… {len(tensors) - limit} more tensors (use --limit or --json)")
         out.print(
-            f"{totals['tensors']} tensors, {_size(logical)} logical in {len(refs)} chunk refs; "
-            f"{totals['distinct_chunks']} distinct chunks, {_size(stored)} stored in "
-            f"{totals['packs']} packs; dedup ratio {_ratio(totals['dedup_ratio'])}; "
+            f"{totals['tensors']} tensors, {fmt_size(logical)} logical in {len(refs)} chunk refs; "
+            f"{totals['distinct_chunks']} distinct chunks, {fmt_size(stored)} stored in "
+            f"{totals['packs']} packs; dedup ratio {fmt_ratio(totals['dedup_ratio'])}; "
             f"world size {m.world_size}"
         )
         if m.metadata:
@@ -137,15 +136,15 @@ def inspect(
 
 @ckpt_app.command("verify")
 def verify(
-    root: str = _ROOT,
+    root: str = ROOT,
     step: int | None = typer.Option(None, "--step", "-s", help="Step to verify; all if omitted."),
-    as_json: bool = _JSON,
-    storage_option: list[str] = _OPTS,
+    as_json: bool = JSON,
+    storage_option: list[str] = OPTS,
 ) -> None:
     """Read and hash every chunk; exit 1 and list every damaged item when any is bad."""
-    with _handled(), _open(root, storage_option) as ck:
+    with handled(), open_root(root, storage_option) as ck:
         cols = (TextColumn("step {task.fields[step]}"), BarColumn(), MofNCompleteColumn())
-        with Progress(*cols, console=_err(), transient=True) as bar:
+        with Progress(*cols, console=error_console(), transient=True) as bar:
             task = bar.add_task("verify", total=None, step="…")
 
             def progress(s: int, done: int, total: int) -> None:
@@ -160,14 +159,14 @@ def verify(
                 reports = [verify_step(ck, one, progress=lambda d, t: progress(one, d, t))]
         ok = all(r.ok for r in reports)
         if as_json:
-            _json({"ok": ok, "steps": [r.to_json() for r in reports]})
+            emit_json({"ok": ok, "steps": [r.to_json() for r in reports]})
         else:
-            out = _out()
+            out = console()
             for r in reports:
                 state = "[green]ok[/]" if r.ok else f"[red]DAMAGED ({len(r.damaged)} items)[/]"
                 out.print(
                     f"step {r.step}: {state} — {r.chunks_checked} chunks, "
-                    f"{_size(r.bytes_checked)} checked"
+                    f"{fmt_size(r.bytes_checked)} checked"
                 )
             if not ok:
                 table = Table(title="damaged", title_style="red")
@@ -184,29 +183,29 @@ def verify(
 
 @ckpt_app.command("diff")
 def diff(
-    root: str = _ROOT,
+    root: str = ROOT,
     a: int = typer.Argument(..., help="Reference step."),
     b: int = typer.Argument(..., help="Step compared with A."),
-    as_json: bool = _JSON,
-    html: Path | None = _HTML,
+    as_json: bool = JSON,
+    html: Path | None = HTML,
     show_all: bool = typer.Option(False, "--all", help="List unchanged tensors too."),
-    storage_option: list[str] = _OPTS,
+    storage_option: list[str] = OPTS,
 ) -> None:
     """Per tensor: unchanged / changed / added / removed, with the size of the change."""
-    with _handled(), _open(root, storage_option) as ck:
+    with handled(), open_root(root, storage_option) as ck:
         report = diff_steps(ck, a, b)
         if html is not None:
             write_diff_html(report, html)
-            _err().print(f"wrote {escape(str(html))}")
+            error_console().print(f"wrote {escape(str(html))}")
         if as_json:
-            _json(report.to_json())
+            emit_json(report.to_json())
             return
         rows = [r for r in report.tensors if show_all or r.status != "unchanged"]
         rows.sort(key=lambda r: -1.0 if r.relative is None else r.relative, reverse=True)
-        out = _out()
+        out = console()
         if rows:
             cols = ("tensor", "status", "dtype", "shape", "changed", "L2", "max |Δ|", "rel")
-            table = _table(f"step {a} → step {b}", cols, left=("tensor", "status"))
+            table = new_table(f"step {a} → step {b}", cols, left=("tensor", "status"))
             for r in rows:
                 shape = str(r.shape) if r.old_shape is None else f"{r.old_shape}→{r.shape}"
                 changed = "—" if r.changed_elements is None else str(r.changed_elements)
@@ -223,7 +222,7 @@ def diff(
         out.print(
             f"{c['unchanged']} unchanged, {c['changed']} changed, {c['added']} added, "
             f"{c['removed']} removed, {c['reshaped']} reshaped; {report.tensors_read} tensors "
-            f"read ({_size(report.bytes_read)}), the rest settled by chunk hashes"
+            f"read ({fmt_size(report.bytes_read)}), the rest settled by chunk hashes"
         )
         if report.values:
             vt = Table(title="non-tensor values")
@@ -240,32 +239,32 @@ def _g(x: float | None) -> str:
 
 @ckpt_app.command("export")
 def export(
-    root: str = _ROOT,
-    out: Path = _OUT_FILE,
-    step: int | None = _STEP,
-    fmt: Format = _FORMAT,
+    root: str = ROOT,
+    out: Path = OUT_FILE,
+    step: int | None = STEP,
+    fmt: Format = FORMAT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     subtree: str | None = typer.Option(
         None,
         "--subtree",
         help="Export only this model state dict (e.g. model), its prefix stripped.",
     ),
-    storage_option: list[str] = _OPTS,
-    as_json: bool = _JSON,
+    storage_option: list[str] = OPTS,
+    as_json: bool = JSON,
 ) -> None:
     """Write a step's full tensors to one safetensors or torch.save file, or a DCP folder."""
     if fmt.value == "dcp":
         _export_dcp(root, out, step, overwrite, subtree, storage_option, as_json)
         return
-    with _handled(), _open(root, storage_option) as ck:
+    with handled(), open_root(root, storage_option) as ck:
         r = export_step(
-            ck, out, step=_step(ck, step), format=fmt.value, overwrite=overwrite, subtree=subtree
+            ck, out, step=step_of(ck, step), format=fmt.value, overwrite=overwrite, subtree=subtree
         )
         doc = {"step": r.step, "tensors": r.tensors, "bytes": r.bytes, "path": str(r.path)}
-        _done(
+        finish(
             as_json,
             {**doc, "format": r.format},
-            f"exported step {r.step} ({r.tensors} tensors, {_size(r.bytes)}) to "
+            f"exported step {r.step} ({r.tensors} tensors, {fmt_size(r.bytes)}) to "
             f"{escape(str(r.path))} as {r.format}",
         )
 
@@ -281,25 +280,25 @@ def _export_dcp(
 ) -> None:
     from stalwart.integrations.dcp import export_dcp
 
-    with _handled(), _open(root, pairs) as ck:
+    with handled(), open_root(root, pairs) as ck:
         if subtree is not None:
             raise ConfigError("--subtree is for file formats; --format dcp writes the whole step")
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another OUT")
-        r = export_dcp(ck, out, step=_step(ck, step))
+        r = export_dcp(ck, out, step=step_of(ck, step))
         doc = {"step": r.step, "tensors": r.tensors, "values": r.values, "path": str(out)}
-        _done(
+        finish(
             as_json,
             {**doc, "bytes": r.bytes_total, "format": "dcp"},
             f"exported step {r.step} ({r.tensors} tensors, {r.values} values, "
-            f"{_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint",
+            f"{fmt_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint",
         )
 
 
 @ckpt_app.command("import")
 def import_(
-    src: Path = _SRC,
-    root: str = _ROOT,
+    src: Path = SRC,
+    root: str = ROOT,
     step: int | None = typer.Option(
         None,
         "--step",
@@ -313,26 +312,26 @@ def import_(
         "--trust-pickle",
         help="Let a DCP folder's pickles run unrestricted (only for folders you trust).",
     ),
-    storage_option: list[str] = _OPTS,
-    as_json: bool = _JSON,
+    storage_option: list[str] = OPTS,
+    as_json: bool = JSON,
 ) -> None:
     """Save a safetensors / torch.save file or a DCP checkpoint as a step (no pickle runs)."""
     if step is None:
-        with _handled(), _open(root, storage_option, must_exist=False) as ck:
+        with handled(), open_root(root, storage_option, must_exist=False) as ck:
             latest = ck.latest_step()
         step = 0 if latest is None else latest + 1
     if (src / ".metadata").is_file():  # a DCP folder: streamed through DCP's public API
         _import_dcp(src, root, step, overwrite, trust_pickle, storage_option, as_json)
         return
-    with _handled(), _open(root, storage_option, must_exist=False) as ck:
+    with handled(), open_root(root, storage_option, must_exist=False) as ck:
         r = import_file(src, ck, step=step, overwrite=overwrite, trust_pickle=trust_pickle)
         doc = {"source": str(src), "kind": r.kind, "step": step, "root": ck.url}
-        _done(
+        finish(
             as_json,
             {**doc, "tensors": r.tensors, "bytes": r.save.bytes_total},
             f"imported {escape(str(src))} ({r.kind}) as step {step} into {escape(ck.url)}: "
-            f"{r.tensors} tensors, {_size(r.save.bytes_total)} "
-            f"({_size(r.save.bytes_written)} written)",
+            f"{r.tensors} tensors, {fmt_size(r.save.bytes_total)} "
+            f"({fmt_size(r.save.bytes_written)} written)",
         )
 
 
@@ -347,48 +346,48 @@ def _import_dcp(
 ) -> None:
     from stalwart.integrations.dcp import import_dcp
 
-    with _handled():
-        _open(root, pairs, must_exist=False).close()  # a file given as ROOT is named as one
-        opts = _storage_options(pairs)
+    with handled():
+        open_root(root, pairs, must_exist=False).close()  # a file given as ROOT is named as one
+        opts = parse_storage_options(pairs)
         r = import_dcp(
             src, root, step, trust_pickle=trust_pickle, overwrite=overwrite, storage_options=opts
         )
         doc = {"source": str(src), "kind": "dcp", "step": step, "root": root}
-        _done(
+        finish(
             as_json,
             {**doc, "tensors": r.tensors, "bytes": r.bytes_total},
             f"imported {escape(str(src))} (dcp) as step {step} into {escape(root)}: "
-            f"{r.tensors} tensors, {_size(r.bytes_total)} ({_size(r.bytes_written)} written)",
+            f"{r.tensors} tensors, {fmt_size(r.bytes_total)} ({fmt_size(r.bytes_written)} written)",
         )
 
 
 @ckpt_app.command("gc")
 def gc(
-    root: str = _ROOT,
+    root: str = ROOT,
     grace_s: float | None = typer.Option(
         None, "--grace-s", min=0, help="Keep unreferenced packs younger than this (default 3600)."
     ),
     keep_last: int | None = typer.Option(
         None, "--keep-last", min=1, help="Delete all but the newest N steps first."
     ),
-    storage_option: list[str] = _OPTS,
-    as_json: bool = _JSON,
+    storage_option: list[str] = OPTS,
+    as_json: bool = JSON,
 ) -> None:
     """Apply retention, then delete pack files no checkpoint or live lease references."""
-    with _handled():
+    with handled():
         options = CheckpointOptions(keep=KeepLast(keep_last)) if keep_last else None
-        with _open(root, storage_option, options=options) as ck:
+        with open_root(root, storage_option, options=options) as ck:
             r = ck.gc(grace_s=grace_s)
             doc = {"deleted_steps": r.deleted_steps, "deleted_packs": r.deleted_packs}
-            _done(
+            finish(
                 as_json,
                 {**doc, "bytes_freed": r.bytes_freed, "kept_packs": r.kept_packs},
                 f"deleted {len(r.deleted_steps)} steps {r.deleted_steps or ''} and "
-                f"{len(r.deleted_packs)} packs, freed {_size(r.bytes_freed)}; "
+                f"{len(r.deleted_packs)} packs, freed {fmt_size(r.bytes_freed)}; "
                 f"{r.kept_packs} packs kept",
             )
             if r.skipped:
-                _err().print(
+                error_console().print(
                     f"left {len(r.skipped)} file(s) under packs/ that stalwart did not write, "
                     f"e.g. {escape(r.skipped[0])}; move them out of the checkpoint root"
                 )
@@ -396,15 +395,15 @@ def gc(
 
 @ckpt_app.command("rm")
 def rm(
-    root: str = _ROOT,
+    root: str = ROOT,
     step: int = typer.Argument(..., help="The step to delete (its manifest; packs go at gc)."),
-    storage_option: list[str] = _OPTS,
-    as_json: bool = _JSON,
+    storage_option: list[str] = OPTS,
+    as_json: bool = JSON,
 ) -> None:
     """Delete one committed step, even one whose manifest is damaged; then run gc."""
-    with _handled(), _open(root, storage_option) as ck:
+    with handled(), open_root(root, storage_option) as ck:
         ck.delete(step)
-        _done(
+        finish(
             as_json,
             {"deleted_step": step, "root": ck.url},
             f"deleted step {step} from {escape(ck.url)}; run `stalwart ckpt gc` to free space",

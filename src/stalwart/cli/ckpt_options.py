@@ -16,7 +16,7 @@ from rich.table import Table
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json
 from stalwart.errors import ConfigError, StalwartError
 from stalwart.integrations.lightning_pointer import POINTER_KEY, read_pointer
 
@@ -24,9 +24,9 @@ ckpt_app = typer.Typer(
     help="Inspect, verify, compare, export and import checkpoints.", no_args_is_help=True
 )
 
-_ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
-_STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
-_JSON = typer.Option(False, "--json", help=JSON_HELP)
+ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
+STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
+JSON = typer.Option(False, "--json", help=JSON_HELP)
 
 
 class Format(str, enum.Enum):
@@ -37,10 +37,10 @@ class Format(str, enum.Enum):
     dcp = "dcp"
 
 
-_FORMAT = typer.Option(
+FORMAT = typer.Option(
     Format["safetensors"], "--format", "-f", help="File format, or dcp (a DCP folder)."
 )
-_OPTS = typer.Option(
+OPTS = typer.Option(
     [],
     "--storage-option",
     "-o",
@@ -48,31 +48,32 @@ _OPTS = typer.Option(
     "when it can be, e.g. anon=true).",
 )
 
-_HTML = typer.Option(None, "--html", help="Also write a self-contained HTML report here.")
-_OUT_FILE = typer.Argument(..., help="File to write.")
-_SRC = typer.Argument(..., help="safetensors file, torch.save file or DCP checkpoint folder.")
+HTML = typer.Option(None, "--html", help="Also write a self-contained HTML report here.")
+OUT_FILE = typer.Argument(..., help="File to write.")
+SRC = typer.Argument(..., help="safetensors file, torch.save file or DCP checkpoint folder.")
 
 
-def _out() -> Console:
+def console() -> Console:
+    """The console a command reports on (stdout)."""
     return Console()
 
 
-def _err() -> Console:
+def error_console() -> Console:
+    """The console for progress and messages that must stay off stdout (stderr)."""
     return Console(stderr=True)
 
 
-_handled = handled  # damaged data: exit 1; other stalwart or OS errors: exit 2
-
-
-def _done(as_json: bool, doc: dict[str, Any], text: str) -> None:
+def finish(as_json: bool, doc: dict[str, Any], text: str) -> None:
     """Report a command's result: ``doc`` as JSON with ``--json``, else the ``text`` line."""
     if as_json:
         emit_json(doc)
     else:
-        _out().print(text)
+        console().print(text)
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
+def parse_storage_options(pairs: list[str]) -> dict[str, Any] | None:
+    """``--storage-option KEY=VALUE`` pairs as fsspec options (VALUE parsed as JSON when it
+    can be); ``None`` when there are none."""
     opts: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -85,20 +86,22 @@ def _storage_options(pairs: list[str]) -> dict[str, Any] | None:
     return opts or None
 
 
-def _open(
+def open_root(
     root: str,
     pairs: list[str],
     *,
     must_exist: bool = True,
     options: CheckpointOptions | None = None,
 ) -> Checkpointer:
+    """The ``Checkpointer`` of ``root``; a missing local root (unless ``must_exist`` is false)
+    or a file given as a root is a ``ConfigError`` that says what to pass instead."""
     local = "://" not in root or root.startswith("file://")
     path = Path(root.removeprefix("file://"))
     if local and path.is_file():
         raise ConfigError(_file_as_root(path))
     if must_exist and local and not path.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist; check the path")
-    return Checkpointer(root, options, storage_options=_storage_options(pairs))
+    return Checkpointer(root, options, storage_options=parse_storage_options(pairs))
 
 
 def _file_as_root(path: Path) -> str:
@@ -122,7 +125,8 @@ def _file_as_root(path: Path) -> str:
     )
 
 
-def _step(ck: Checkpointer, step: int | None) -> int:
+def step_of(ck: Checkpointer, step: int | None) -> int:
+    """``step``, or the newest committed step when it is ``None``."""
     if step is not None:
         return step
     latest = ck.latest_step()
@@ -131,7 +135,8 @@ def _step(ck: Checkpointer, step: int | None) -> int:
     return latest
 
 
-def _size(n: float | None) -> str:
+def fmt_size(n: float | None) -> str:
+    """Bytes for people: ``512 B``, ``1.5 MiB``; ``—`` when unknown."""
     if n is None:
         return "—"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -141,11 +146,12 @@ def _size(n: float | None) -> str:
     return f"{n:.1f} TiB"
 
 
-def _ratio(x: float | None) -> str:
+def fmt_ratio(x: float | None) -> str:
+    """A ratio: ``2.50x``, ``∞``; ``—`` when unknown."""
     return "—" if x is None else ("∞" if math.isinf(x) else f"{x:.2f}x")
 
 
-def _table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
+def new_table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
     """A table whose ``left`` columns are left-aligned, numbers right-aligned; only tensor
     names wrap (they are the point of the table), other cells never do."""
     table = Table(title=title)
@@ -153,7 +159,3 @@ def _table(title: str, cols: tuple[str, ...], left: tuple[str, ...]) -> Table:
         fold: dict[str, Any] = {"overflow": "fold"} if col == "tensor" else {"no_wrap": True}
         table.add_column(col, justify="left" if col in left else "right", **fold)
     return table
-
-
-def _json(obj: Any) -> None:
-    emit_json(obj)

@@ -181,12 +181,13 @@ def pvf_command(
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""
     from stalwart import vulnerability as vuln
+    from stalwart.vulnerability import options as vopts
 
     with handled():
         check_criteria(criterion or [])
         ref = load_spec(model_spec, dtype.value)
         crits = criterion or [ref.criteria[0]]
-        stop: vuln.StoppingRule = (
+        stop: vopts.StoppingRule = (
             vuln.FixedTrials(trials) if margin is None else vuln.UntilWidth(margin, trials=trials)
         )
         options = vuln.PVFOptions(
@@ -196,8 +197,8 @@ def pvf_command(
             targets=targets,
             error=error.value,
             confidence=confidence,
-            interval=vuln.Interval(interval.value),
-            engine=vuln.Engine(engine.value),
+            interval=vopts.Interval(interval.value),
+            engine=vopts.Engine(engine.value),
         )
         shards = Sharding(workers, backend.value, campaign_dir)
         report = _estimate(ref, (model_spec, dtype.value), crits, options, shards, not as_json)
@@ -252,19 +253,19 @@ def sharded_pvf(
     from stalwart import vulnerability as vuln
     from stalwart.inject import BitFlip, error_model
     from stalwart.vulnerability import scale
-    from stalwart.vulnerability.pvf import _draw, _per_round
+    from stalwart.vulnerability.pvf import draw_round, faults_per_round
 
     labels = ref.labels if len(ref.labels) else None
     # built here too: the criteria are checked and the faults drawn before any worker starts
     kw = {"engine": opts.engine.value, "independent_samples": opts.independent_samples}
     campaign = vuln.Campaign(ref.model, ref.inputs, crits, labels=labels, **kw)
-    per_round, targets = _per_round(ref.model, opts), opts.targets
+    per_round, targets = faults_per_round(ref.model, opts), opts.targets
     error = error_model(opts.error) if opts.error is not None else BitFlip()
     with tempfile.TemporaryDirectory(prefix="stalwart-pvf-") as tmp:
         root = shards.directory or Path(tmp)
         rnd = 0
         while True:
-            faults = _draw(campaign, opts, per_round, targets, error, rnd)
+            faults = draw_round(campaign, opts, per_round, targets, error, rnd)
             part = scale.run_sharded(
                 factory,
                 faults,

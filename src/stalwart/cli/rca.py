@@ -121,7 +121,9 @@ def rca(
         if json_out is not None:
             d.to_json(str(json_out))
         if html_out is not None:
-            d.write_html(html_out)
+            from stalwart.diagnose import write_html
+
+            write_html(d, html_out)
     _show(d, Console(stderr=as_json), table=not as_json, html_out=html_out)
 
 

@@ -20,6 +20,15 @@ require("pyarrow", "rca", "stalwart.diagnose")
 
 from stalwart.diagnose.analyze import analyze, localize  # noqa: E402
 from stalwart.diagnose.options import DiagnoseOptions  # noqa: E402
+from stalwart.diagnose.report import write_html  # noqa: E402
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour  # noqa: E402
 
-__all__ = ["Diagnosis", "DiagnoseOptions", "Finding", "Neighbour", "analyze", "localize"]
+__all__ = [
+    "DiagnoseOptions",
+    "Diagnosis",
+    "Finding",
+    "Neighbour",
+    "analyze",
+    "localize",
+    "write_html",
+]

@@ -300,7 +300,8 @@ class ItemCounter:
         if self._sample is None or not itemsets:
             return np.zeros(len(itemsets))
         cols, ones = self._sample
-        _, hits = ItemCounter._counted(itemsets, self._radix_plans(itemsets), cols, ones)
+        hits = np.zeros(len(itemsets))
+        _count_batch(cols, None, ones, self._radix_plans(itemsets), np.zeros(len(itemsets)), hits)
         k = self.sample_size
         p = hits / k
         den = 1 + z * z / k
@@ -343,7 +344,7 @@ class ItemCounter:
                 rest = bits.rest if m is None else bits.rest[m[bits.rest]]
                 sub = {c: v[rest] for c, v in cols.items()}
                 plans = plans or self._radix_plans(itemsets)
-                self._count_batch(sub, t[rest] if target else None, r[rest], plans, out_t, out_r)
+                _count_batch(sub, t[rest] if target else None, r[rest], plans, out_t, out_r)
         return out_t, out_r
 
     def _radix_plans(
@@ -358,18 +359,6 @@ class ItemCounter:
             keys = np.array([self._key(itemsets[i], radix) for i in idx], dtype=np.int64)
             plans.append((cuboid, radix, np.asarray(idx), keys))
         return plans
-
-    @staticmethod
-    def _counted(
-        itemsets: Sequence[Itemset],
-        plans: list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]],
-        cols: dict[int, np.ndarray],
-        r: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        out_t = np.zeros(len(itemsets))
-        out_r = np.zeros(len(itemsets))
-        ItemCounter._count_batch(cols, None, r, plans, out_t, out_r)
-        return out_t, out_r
 
     def match(self, items: Itemset) -> np.ndarray:
         """Which groups of the aggregate (in scan order) hold every item of ``items``."""
@@ -390,38 +379,41 @@ class ItemCounter:
             key = key * base + self._code[c][v]
         return key
 
-    @staticmethod
-    def _count_batch(
-        cols: dict[int, np.ndarray],
-        t: np.ndarray | None,
-        r: np.ndarray,
-        plans: list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]],
-        out_t: np.ndarray,
-        out_r: np.ndarray,
-    ) -> None:
-        prefix: dict[tuple[int, ...], np.ndarray] = {}
-        for cuboid, radix, idx, keys in plans:
-            bins = int(np.prod(radix, dtype=np.int64))
-            dtype = np.int32 if bins < 2**31 else np.int64
-            head = cuboid[:-1]
-            if head in prefix:
-                key = prefix[head] * radix[-1] + cols[cuboid[-1]]
-            else:
-                key = cols[cuboid[0]].astype(dtype)
-                for c, base in zip(cuboid[1:], radix[1:], strict=False):
-                    key = key * base + cols[c]
-            if len(cuboid) < 3:
-                prefix[cuboid] = key
-            if bins <= _DENSE_BINS:
-                out_r[idx] += np.bincount(key, weights=r, minlength=bins)[keys]
-                if t is not None:
-                    out_t[idx] += np.bincount(key, weights=t, minlength=bins)[keys]
-            else:
-                order = np.argsort(keys)
-                sk = keys[order]
-                pos = np.searchsorted(sk, key)
-                pos[pos >= len(sk)] = 0
-                hit = sk[pos] == key
-                out_r[idx[order]] += np.bincount(pos[hit], weights=r[hit], minlength=len(sk))
-                if t is not None:
-                    out_t[idx[order]] += np.bincount(pos[hit], weights=t[hit], minlength=len(sk))
+
+def _count_batch(
+    cols: dict[int, np.ndarray],
+    t: np.ndarray | None,
+    r: np.ndarray,
+    plans: list[tuple[tuple[int, ...], list[int], np.ndarray, np.ndarray]],
+    out_t: np.ndarray,
+    out_r: np.ndarray,
+) -> None:
+    """Add each item-set's masses in one batch to ``out_r`` (and ``out_t`` when ``t`` is given),
+    cuboid by cuboid: a dense bincount of radix keys when the bins are few, else a search in
+    the item-sets' sorted keys."""
+    prefix: dict[tuple[int, ...], np.ndarray] = {}
+    for cuboid, radix, idx, keys in plans:
+        bins = int(np.prod(radix, dtype=np.int64))
+        dtype = np.int32 if bins < 2**31 else np.int64
+        head = cuboid[:-1]
+        if head in prefix:
+            key = prefix[head] * radix[-1] + cols[cuboid[-1]]
+        else:
+            key = cols[cuboid[0]].astype(dtype)
+            for c, base in zip(cuboid[1:], radix[1:], strict=False):
+                key = key * base + cols[c]
+        if len(cuboid) < 3:
+            prefix[cuboid] = key
+        if bins <= _DENSE_BINS:
+            out_r[idx] += np.bincount(key, weights=r, minlength=bins)[keys]
+            if t is not None:
+                out_t[idx] += np.bincount(key, weights=t, minlength=bins)[keys]
+        else:
+            order = np.argsort(keys)
+            sk = keys[order]
+            pos = np.searchsorted(sk, key)
+            pos[pos >= len(sk)] = 0
+            hit = sk[pos] == key
+            out_r[idx[order]] += np.bincount(pos[hit], weights=r[hit], minlength=len(sk))
+            if t is not None:
+                out_t[idx[order]] += np.bincount(pos[hit], weights=t[hit], minlength=len(sk))

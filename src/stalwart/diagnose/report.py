@@ -1,23 +1,21 @@
-"""The one-file HTML report: findings with lift intervals, their subsumed neighbours, example
-rows, the cleaning applied, and a lift/support plot drawn by matplotlib as inline SVG (no
-network, no external files); and the compact fragment notebooks show for a ``Diagnosis``."""
+"""The one-file HTML report of a diagnosis: findings with lift intervals, their subsumed
+neighbours, example rows, the cleaning applied, and a lift/support plot drawn by matplotlib as
+inline SVG (no network, no external files). The compact fragment a notebook shows is
+``notebook.py``'s, which the result renders through without importing this module."""
 
 from __future__ import annotations
 
-import html
 import io
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalwart.diagnose.notebook import FINDING_NUMBERS, escape, finding_cells, html_table, mass
 from stalwart.errors import require
 
 if TYPE_CHECKING:
-    from stalwart.diagnose.result import Diagnosis
+    from stalwart.diagnose.result import Diagnosis, Finding
 
-__all__ = ["NOTEBOOK_ROWS", "render_html", "render_notebook"]
-
-NOTEBOOK_ROWS = 20
-"""Findings a notebook shows; the rest are counted in an "N more" line."""
-_CELL_CHARS = 160
+__all__ = ["render_html", "write_html"]
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
@@ -25,26 +23,6 @@ table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;p
 th{background:#f2f2f2;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
 h2{border-bottom:1px solid #ddd}.muted{color:#777}details{margin:.3em 0 1em}
 """
-
-
-def _e(x: object) -> str:
-    return html.escape(str(x))
-
-
-def _n(x: float) -> str:
-    return f"{int(x):,}" if x == int(x) else f"{x:,.2f}"
-
-
-def _table(head: list[str], rows: list[list[str]], numeric: set[int] | None = None) -> str:
-    numeric = numeric or set()
-    out = ["<table><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
-    for r in rows:
-        cells = (
-            f"<td class=n>{c}</td>" if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r)
-        )
-        out += ["<tr>", *cells, "</tr>"]
-    out.append("</table>")
-    return "".join(out)
 
 
 def _plot(d: Diagnosis) -> str:
@@ -79,114 +57,65 @@ def render_html(d: Diagnosis, *, title: str) -> str:
     """The report as one HTML document."""
     what = "failures" if d.mode == "events" else "deviation"
     parts = [
-        f"<!doctype html><html><head><meta charset=utf-8><title>{_e(title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"
+        f"<!doctype html><html><head><meta charset=utf-8><title>{escape(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>",
+        f"<p>Mode <b>{escape(d.mode)}</b>: {mass(d.total_failures)} {what} over "
+        f"{mass(d.total_rows)} rows (base rate {d.base_rate:.4%}), {d.groups:,} coded rows or "
+        f"groups counted, {d.candidates:,} item-sets scored. The findings' rows hold "
+        f"{d.covered:.1%} of the {what}.</p>",
     ]
-    parts.append(
-        f"<p>Mode <b>{_e(d.mode)}</b>: {_n(d.total_failures)} {what} over {_n(d.total_rows)} "
-        f"rows (base rate {d.base_rate:.4%}), {d.groups:,} coded rows or groups "
-        f"counted, {d.candidates:,} item-sets scored. The findings' rows hold "
-        f"{d.covered:.1%} of the {what}.</p>"
-    )
     if d.message:
-        parts.append(f"<p><b>{_e(d.message)}</b></p>")
-    parts.append(_plot(d))
-    parts.append("<h2>Findings</h2>")
-    rows = [
-        [
-            str(i),
-            _e(f.label()),
-            _n(f.failures),
-            _n(f.rows),
-            f"{f.support:.1%}",
-            f"{f.lift:.2f} [{f.lift_low:.2f}, {f.lift_high:.2f}]",
-            f"{f.explained:.1%}",
-        ]
-        for i, f in enumerate(d.findings, 1)
-    ]
-    parts.append(
-        _table(
-            ["#", "finding", what, "rows", "support", "lift [interval]", "explains"],
-            rows,
-            {0, 2, 3, 4, 5, 6},
-        )
-    )
+        parts.append(f"<p><b>{escape(d.message)}</b></p>")
+    parts += [_plot(d), "<h2>Findings</h2>"]
+    head = ["#", "finding", what, "rows", "support", "lift [interval]", "explains"]
+    rows = [finding_cells(r) for r in d.to_arrow().to_pylist()]
+    parts.append(html_table(head, rows, FINDING_NUMBERS))
     for i, f in enumerate(d.findings, 1):
-        parts.append(f"<h3>{i}. {_e(f.label())}</h3>")
-        if f.subsumed:
-            nrows = [
-                [
-                    _e(" & ".join(f"{k}={v}" for k, v in n.items.items())),
-                    _n(n.failures),
-                    _n(n.rows),
-                    f"{n.lift:.2f}",
-                    _e(n.reason),
-                ]
-                for n in f.subsumed
-            ]
-            parts.append(f"<details><summary>Subsumed neighbours ({len(f.subsumed)})</summary>")
-            parts.append(_table(["item-set", what, "rows", "lift", "why pruned"], nrows, {1, 2, 3}))
-            parts.append("</details>")
-        if f.examples:
-            head = list(f.examples[0])
-            parts.append("<p class=muted>Example groups (most failures first):</p>")
-            parts.append(_table(head, [[_e(e.get(h, "")) for h in head] for e in f.examples]))
+        parts += _finding_details(i, f, what)
     parts.append("<h2>Cleaning</h2>")
     if d.cleaning:
-        parts.append(
-            _table(
-                ["column", "action", "detail"],
-                [[_e(c["column"]), _e(c["action"]), _e(c["detail"])] for c in d.cleaning],
-            )
-        )
+        cleaning = [[escape(c[k]) for k in ("column", "action", "detail")] for c in d.cleaning]
+        parts.append(html_table(["column", "action", "detail"], cleaning))
     else:
         parts.append("<p class=muted>Nothing to clean.</p>")
     if d.notes:
-        parts.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in d.notes) + "</ul>")
+        parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in d.notes) + "</ul>")
     parts.append(
-        f"<p class=muted>Columns analysed: {_e(', '.join(d.columns))}. Timings (s): "
-        f"{_e(d.timings_s)}.</p></body></html>"
+        f"<p class=muted>Columns analysed: {escape(', '.join(d.columns))}. Timings (s): "
+        f"{escape(d.timings_s)}.</p></body></html>"
     )
     return "\n".join(parts)
 
 
-def _clip(text: str, limit: int = _CELL_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (before escaping), so one hostile value cannot
-    blow up a notebook cell."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def render_notebook(d: Diagnosis, *, max_rows: int = NOTEBOOK_ROWS) -> str:
-    """A small self-contained HTML fragment: one summary line, the top ``max_rows`` findings
-    and an "N more" line. No script, no external resources; every value is escaped."""
-    what = "failures" if d.mode == "events" else "deviation"
-    head = f"<b>Diagnosis</b> ({_e(d.mode)}): {len(d.findings)} finding(s); "
-    ref = "rows" if d.mode == "events" else "reference"
-    head += f"{_n(d.total_failures)} {what} over {_n(d.total_rows)} {ref}"
-    if d.mode == "events":
-        head += f", base rate {d.base_rate:.3%}"
-    head += f"; the findings' rows hold {d.covered:.1%} of the {what}."
-    parts = [f"<div class='stalwart-diagnosis'><p>{head}</p>"]
-    if d.message:
-        parts.append(f"<p><i>{_e(_clip(d.message, 400))}</i></p>")
-    if d.findings:
-        rows = [
+def _finding_details(i: int, f: Finding, what: str) -> list[str]:
+    """A finding's heading, its subsumed neighbours (folded) and its example groups."""
+    parts = [f"<h3>{i}. {escape(f.label())}</h3>"]
+    if f.subsumed:
+        nrows = [
             [
-                str(i),
-                _e(_clip(f.label())),
-                _n(f.failures),
-                _n(f.rows),
-                f"{f.support:.1%}",
-                f"{f.lift:.2f} [{f.lift_low:.2f}, {f.lift_high:.2f}]",
-                f"{f.explained:.1%}",
+                escape(" & ".join(f"{k}={v}" for k, v in n.items.items())),
+                mass(n.failures),
+                mass(n.rows),
+                f"{n.lift:.2f}",
+                escape(n.reason),
             ]
-            for i, f in enumerate(d.findings[:max_rows], 1)
+            for n in f.subsumed
         ]
-        head_row = ["#", "finding", what, ref, "support", "lift [interval]", "explains"]
-        parts.append(_table(head_row, rows, {0, 2, 3, 4, 5, 6}))
-        if len(d.findings) > max_rows:
-            parts.append(
-                f"<p>… {len(d.findings) - max_rows} more finding(s): d.to_pandas() has them all</p>"
-            )
-    parts.append("</div>")
-    return "".join(parts)
+        parts.append(f"<details><summary>Subsumed neighbours ({len(f.subsumed)})</summary>")
+        parts.append(html_table(["item-set", what, "rows", "lift", "why pruned"], nrows, {1, 2, 3}))
+        parts.append("</details>")
+    if f.examples:
+        head = list(f.examples[0])
+        parts.append("<p class=muted>Example groups (most failures first):</p>")
+        parts.append(html_table(head, [[escape(e.get(h, "")) for h in head] for e in f.examples]))
+    return parts
+
+
+def write_html(
+    d: Diagnosis, path: str | Path, *, title: str = "stalwart root-cause report"
+) -> Path:
+    """Write the one-file HTML report of ``d`` (findings, neighbours, examples, a plot) to
+    ``path``, and return it as a ``Path``."""
+    out = Path(path)
+    out.write_text(render_html(d, title=title), encoding="utf-8")
+    return out

@@ -1,17 +1,23 @@
 """What an analysis returns: findings, their neighbours and examples, the cleaning applied, and
 renderings as a plain dict (JSON for bots), an Arrow table (and pandas / polars frames of it),
-a rich table for the terminal and a compact HTML table for notebooks."""
+a rich table for the terminal and a compact HTML table for notebooks (through the leaf
+``notebook.py``). The one-file HTML report is ``report.write_html``'s: rendering sits on top of
+the result, which never imports it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from stalwart.errors import require
+from stalwart.diagnose.notebook import render_notebook
+from stalwart.frames import ArrowFrames
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["Diagnosis", "Finding", "Neighbour"]
 
@@ -58,7 +64,7 @@ class Finding:
 
 
 @dataclass
-class Diagnosis:
+class Diagnosis(ArrowFrames):
     """Result of ``analyze`` or ``localize``."""
 
     findings: list[Finding]
@@ -140,7 +146,7 @@ class Diagnosis:
             )
         return table
 
-    def to_arrow(self) -> Any:
+    def to_arrow(self) -> pa.Table:
         """The findings as a pyarrow Table, one row per finding, best first.
 
         Columns: ``rank``, ``finding`` (the label), one text column per attribute that any
@@ -166,29 +172,16 @@ class Diagnosis:
         cols["subsumed"] = pa.array([len(f.subsumed) for f in self.findings], pa.int64())
         return pa.table(cols)
 
-    def to_pandas(self) -> Any:
-        """``to_arrow()`` as a pandas DataFrame (needs pandas: the ``frames`` extra)."""
-        require("pandas", "frames", "Diagnosis.to_pandas")
-        return self.to_arrow().to_pandas()
-
-    def to_polars(self) -> Any:
-        """``to_arrow()`` as a polars DataFrame (needs polars: the ``frames`` extra)."""
-        pl = require("polars", "frames", "Diagnosis.to_polars")
-        return pl.from_arrow(self.to_arrow())
-
     def _repr_html_(self) -> str:
-        """Jupyter's rendering: a summary and the top findings (see ``report.render_notebook``)."""
-        from stalwart.diagnose.report import render_notebook
-
-        return render_notebook(self)
-
-    def write_html(self, path: str | Path, *, title: str = "stalwart root-cause report") -> Path:
-        """Write the one-file HTML report (findings, neighbours, examples, a plot)."""
-        from stalwart.diagnose.report import render_html
-
-        out = Path(path)
-        out.write_text(render_html(self, title=title), encoding="utf-8")
-        return out
+        """Jupyter's rendering: a summary and the top findings (``notebook.render_notebook``)."""
+        return render_notebook(
+            self.to_arrow(),
+            mode=self.mode,
+            total_failures=self.total_failures,
+            total_rows=self.total_rows,
+            covered=self.covered,
+            message=self.message,
+        )
 
 
 def _num(x: float) -> str:

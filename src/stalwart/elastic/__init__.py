@@ -18,10 +18,12 @@ How it holds together:
   the launcher, which alone publishes membership epochs.
 * **Epochs** (:mod:`~stalwart.elastic.membership`): membership changes only at step
   boundaries; each epoch gets a fresh gloo group on ``PrefixStore(f"epoch{n}", store)``.
-* **Commit or discard** (:mod:`~stalwart.elastic.job`): one all-reduce per step carries the
-  gradients, floating-point buffers, votes and a change flag. A failed collective discards
-  the step on that member (parameters, optimizer state, buffers, RNG as before it); the next
-  boundary joins the next epoch without the dead member.
+* **Commit or discard** (:mod:`~stalwart.elastic.job`, :mod:`~stalwart.elastic.ledger`): the
+  job's ``StepLedger`` owns the committed step; ``Job.commit`` hands each step to one commit
+  strategy, by default one all-reduce carrying the gradients, floating-point buffers, votes
+  and a change flag (:mod:`~stalwart.elastic.commit`), or backup workers. A failed
+  collective discards the step on that member (parameters, optimizer state, buffers, RNG as
+  before it); the next boundary joins the next epoch without the dead member.
 * **Partial results.** When a member dies inside the all-reduce, some survivors may have
   received the complete result (and committed) while others got an error (and discarded).
   Parity policy (:mod:`~stalwart.elastic.parity`): in the next epoch, members all-gather

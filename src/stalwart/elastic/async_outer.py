@@ -59,68 +59,46 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed import Store
 
-from stalwart.elastic.outer_rules import Pending, assign_h, combine, delayed_nesterov
+from stalwart.elastic.events import EventKind
+from stalwart.elastic.ledger import StepLedger
+from stalwart.elastic.outer_rules import Buffered, Pending, assign_h, combine, delayed_nesterov
 from stalwart.elastic.protocol import decode, keys
 from stalwart.errors import ConfigError, DistributedError
 
-if TYPE_CHECKING:
-    from stalwart.elastic.diloco import DiLoCo
-
-__all__ = ["AsyncOuter", "Buffered", "combine"]
+__all__ = ["AsyncOuter", "Buffered", "DiLoCoModels", "combine"]
 
 _KEEP = 16  # versions kept on the store
 _WAIT = timedelta(seconds=0.05)  # between membership and buffer checks while waiting
 
 
-@dataclass(frozen=True, kw_only=True)
-class Buffered:
-    """Asynchronous DiLoCo: an outer step once ``k`` of the members' pseudo-gradients arrived.
+@dataclass(frozen=True)
+class DiLoCoModels:
+    """What buffered DiLoCo reads and writes of its member (see :class:`~stalwart.elastic.DiLoCo`).
 
     Attributes:
-        k: contributions per outer step (None: one less than the members, at least 1).
-        staleness: contributions more than this many versions old are dropped.
-        compute_aware: assign fewer inner steps to slower members (None: only when ``k`` equals
-            the members; below, the ``k`` fastest already go ahead, and equal phase times
-            would leave one member out of every buffer, stale by one version).
-        h_min: the fewest inner steps a member is assigned.
-        rule: the outer update: ``"auto"`` (delayed Nesterov when ``k`` is below the members,
-            the outer optimizer's own step per version otherwise), ``"delayed"`` or
-            ``"per-version"`` (always one or the other).
+        local: this member's own model (its float buffers are posted with each phase).
+        global_model: the replicated global model.
+        global_params: ``global_model``'s parameters, in order.
+        outer: the outer optimizer over ``global_params``.
+        h: inner steps per outer step.
+        pseudo_gradient: ``θ_global - θ_local`` per parameter, computed now.
     """
 
-    k: int | None = None
-    staleness: int = 2
-    compute_aware: bool | None = None
-    h_min: int = 1
-    rule: str = "auto"
-
-    def __post_init__(self) -> None:
-        if (self.k is not None and self.k < 1) or self.staleness < 0 or self.h_min < 1:
-            raise ConfigError(f"{self}: need k >= 1, staleness >= 0 and h_min >= 1")
-        if self.rule not in ("auto", "delayed", "per-version"):
-            raise ConfigError(f"{self}: rule must be 'auto', 'delayed' or 'per-version'")
-
-    def compute_aware_for(self, members: int) -> bool:
-        """Whether members take the assigned inner steps with ``members`` members."""
-        on = self.k_for(members) >= members
-        return self.compute_aware if self.compute_aware is not None else on
-
-    def delayed(self, members: int) -> bool:
-        """Whether versions take the delayed Nesterov step with ``members`` members."""
-        auto = self.k_for(members) < members
-        return self.rule == "delayed" or (self.rule == "auto" and auto)
-
-    def k_for(self, members: int) -> int:
-        """Contributions per outer step with ``members`` members."""
-        want = self.k if self.k is not None else members - 1
-        return max(1, min(want, members))
+    local: nn.Module
+    global_model: nn.Module
+    global_params: list[torch.Tensor]
+    outer: torch.optim.Optimizer
+    h: int
+    pseudo_gradient: Callable[[], list[torch.Tensor]]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -137,23 +115,25 @@ class AsyncOuter:
     """The store side of buffered asynchronous DiLoCo for one member.
 
     Args:
-        diloco: the member's :class:`~stalwart.elastic.diloco.DiLoCo`.
+        ledger: the member's job ledger (membership, events, reconfiguration).
+        models: the DiLoCo models and outer optimizer the buffer reads and writes.
         mode: the buffer's settings.
 
     Raises:
         ConfigError: not under ``stalwart run`` (the buffer needs the coordinator).
     """
 
-    def __init__(self, diloco: DiLoCo, mode: Buffered) -> None:
-        membership = diloco.job._membership
+    def __init__(self, ledger: StepLedger, models: DiLoCoModels, mode: Buffered) -> None:
+        membership = ledger.membership
         if membership is None:
             raise ConfigError(
                 "DiLoCo(mode=Buffered(...)) needs the coordinator's store: run the script "
                 "with `stalwart run`, or use the synchronous mode (mode=None)"
             )
-        self.d, self.mode, self.membership = diloco, mode, membership
+        self.ledger, self.models, self.mode, self.membership = ledger, models, mode, membership
         self.version = 0  # the version the global model holds
-        self.assigned_h = diloco.h
+        self.assigned_h = models.h
+        self.bytes_received = 0  # the versions read from the store
         self._pending = Pending()  # delayed Nesterov's round in progress (outer_rules)
         self.wid = membership.wid
         self._timeout_s = self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
@@ -179,15 +159,15 @@ class AsyncOuter:
             self.version = max(self.version, v)
             return None
         raw = self.store.get(f"diloco/r{v}")
-        self.d.bytes_received += len(raw)
+        self.bytes_received += len(raw)
         rec: dict[str, Any] = _loads(raw)
         with torch.no_grad():
-            for g, t in zip(self.d._global, rec["params"], strict=True):
+            for g, t in zip(self.models.global_params, rec["params"], strict=True):
                 g.copy_(t)
-            floats = [b for b in self.d.global_model.buffers() if b.is_floating_point()]
+            floats = [b for b in self.models.global_model.buffers() if b.is_floating_point()]
             for b, t in zip(floats, rec["buffers"], strict=True):
                 b.copy_(t)
-        self.d.outer.load_state_dict(rec["outer"])
+        self.models.outer.load_state_dict(rec["outer"])
         self._pending = Pending.from_state(rec.get("pending"))
         self.version = v
         self._take_assignment(rec)
@@ -195,8 +175,8 @@ class AsyncOuter:
 
     def _take_assignment(self, rec: dict[str, Any]) -> None:
         """This member's inner steps for its next phase, from a version's record."""
-        mine = rec["assign"].get(self.wid, self.d.h)
-        self.assigned_h = mine if self.mode.compute_aware_for(self._members()) else self.d.h
+        mine = rec["assign"].get(self.wid, self.models.h)
+        self.assigned_h = mine if self.mode.compute_aware_for(self._members()) else self.models.h
 
     def _member_ids(self) -> list[int]:
         epoch = self.membership.latest_epoch()
@@ -216,9 +196,8 @@ class AsyncOuter:
 
     def _follow_membership(self) -> None:
         """Join a newer published epoch (a barrier of the job), then adopt the newest version."""
-        job = self.d.job
-        if self.membership.latest_epoch() > job.epoch:
-            job._reconfigure()  # the heal may overwrite the global model: adopt again
+        if self.membership.latest_epoch() > self.ledger.epoch.number:
+            self.ledger.reconfigure()  # the heal may overwrite the global model: adopt again
             self.adopt(max(self.latest(), self.version), force=True)
 
     # -- reporting a phase ------------------------------------------------------------------
@@ -226,7 +205,7 @@ class AsyncOuter:
     def report(self, deltas: list[torch.Tensor], h_done: int, seconds: float) -> None:
         """Post this phase's pseudo-gradient to the open buffer and move to a newer version."""
         base = self.version
-        buffers = [b.detach().clone() for b in self.d.model.buffers() if b.is_floating_point()]
+        buffers = [b.detach().clone() for b in self.models.local.buffers() if b.is_floating_point()]
         part = {"wid": self.wid, "base": base, "h": h_done, "rate": seconds / max(h_done, 1),
                 "deltas": deltas, "buffers": buffers}  # fmt: skip
         # every phase's speed is published, dropped or not: the slowest needs assigning most
@@ -236,16 +215,16 @@ class AsyncOuter:
             self._follow_membership()
             v = self.latest()
             if v - base > self.mode.staleness:
-                self._event("diloco-dropped", base=base, version=v, h=h_done)
+                self._event(EventKind.DILOCO_DROPPED, base=base, version=v, h=h_done)
                 self.adopt(v)
                 return
             if v > rel and self.mode.delayed(self._members()):
                 self.adopt(v)  # restate a stale phase relative to version v: θ_v - θ_local
-                part["deltas"], rel = self.d.pseudo_gradient(), v
+                part["deltas"], rel = self.models.pseudo_gradient(), v
             ticket = self.store.add(f"diloco/b{v}/n", 1)
             self.store.set(f"diloco/b{v}/g{ticket}", _dumps({**part, "ticket": ticket}))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
             self._maybe_aggregate(v)
-            self._event("diloco-report", base=base, buffer=v, ticket=ticket, h=h_done)
+            self._event(EventKind.DILOCO_REPORT, base=base, buffer=v, ticket=ticket, h=h_done)
             if v > base:  # stale: never wait, the newest version is already there
                 self.adopt(self.latest())
                 return
@@ -278,8 +257,8 @@ class AsyncOuter:
             self._wait_newer(target - 1)
         self.adopt(target, force=True)
 
-    def _event(self, kind: str, **fields: Any) -> None:
-        self.d.job._events.write(kind, worker=self.wid, **fields)
+    def _event(self, kind: EventKind, **fields: Any) -> None:
+        self.ledger.events.write(kind, worker=self.wid, **fields)
 
     # -- aggregating a buffer ---------------------------------------------------------------
 
@@ -308,7 +287,7 @@ class AsyncOuter:
             try:
                 self.store.wait([key], timedelta(seconds=self._timeout_s))
             except RuntimeError:
-                self._event("diloco-missing", buffer=v, ticket=t)
+                self._event(EventKind.DILOCO_MISSING, buffer=v, ticket=t)
                 continue
             parts.append(_loads(self.store.get(key)))
         return parts
@@ -322,9 +301,9 @@ class AsyncOuter:
         weights: list[float] = []
         moved = 0  # momentum updates (1, except delayed Nesterov: 0 mid-round, 2 for > N parts)
         if fresh:
-            deltas, weights = combine(fresh, v, self.d.h)
+            deltas, weights = combine(fresh, v, self.models.h)
             moved = self._step(deltas, len(fresh))
-            floats = [b for b in self.d.global_model.buffers() if b.is_floating_point()]
+            floats = [b for b in self.models.global_model.buffers() if b.is_floating_point()]
             with torch.no_grad():
                 for j, b in enumerate(floats):
                     b.copy_(torch.stack([p["buffers"][j] for p in fresh]).mean(0).to(b.dtype))
@@ -332,20 +311,20 @@ class AsyncOuter:
                  "weight": w} for p, w in zip(fresh, weights, strict=True)]  # fmt: skip
         rec = {
             "version": v + 1,
-            "params": [g.detach().clone() for g in self.d._global],
-            "buffers": [b.detach().clone() for b in self.d.global_model.buffers()
+            "params": [g.detach().clone() for g in self.models.global_params],
+            "buffers": [b.detach().clone() for b in self.models.global_model.buffers()
                         if b.is_floating_point()],
-            "outer": self.d.outer.state_dict(),
+            "outer": self.models.outer.state_dict(),
             "pending": self._pending.state_dict(),
             "used": used,
             "dropped": [p["wid"] for p in parts if p not in fresh],
-            "assign": assign_h(rates, self.d.h, self.mode.h_min),
+            "assign": assign_h(rates, self.models.h, self.mode.h_min),
         }  # fmt: skip
         self.store.set(f"diloco/r{v + 1}", _dumps(rec))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         self.store.set("diloco/version", str(v + 1))
         self.version = v + 1
         self._take_assignment(rec)  # the aggregator adopts its own version without reading it
-        self._event("diloco-aggregate", version=v + 1, used=used, dropped=rec["dropped"],
+        self._event(EventKind.DILOCO_AGGREGATE, version=v + 1, used=used, dropped=rec["dropped"],
                     momentum=moved, assign=rec["assign"], members=self._members())  # fmt: skip
         self._forget(v + 1 - _KEEP)
 
@@ -356,15 +335,15 @@ class AsyncOuter:
             How many times the momentum was updated.
         """
         members = self._members()
-        params = self.d._global
+        params = self.models.global_params
         if not self.mode.delayed(members):
             self._pending = Pending()
             for g, dlt in zip(params, deltas, strict=True):
                 g.grad = dlt
-            self.d.outer.step()
-            self.d.outer.zero_grad(set_to_none=True)
+            self.models.outer.step()
+            self.models.outer.zero_grad(set_to_none=True)
             return 1
-        group, state = self.d.outer.param_groups[0], self.d.outer.state
+        group, state = self.models.outer.param_groups[0], self.models.outer.state
         bufs = [state[g].get("momentum_buffer") for g in params]
         mass = used / members  # a member may post two phases into one buffer: > 1
         moved = delayed_nesterov(params, deltas, bufs, self._pending, mass=mass,

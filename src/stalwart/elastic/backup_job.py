@@ -1,24 +1,24 @@
-"""The job's side of backup-worker steps: commit, catch up, and the abandon check.
+"""``BackupCommit``: the commit strategy of backup-worker steps (commit, catch up, abandon).
 
-Package-internal: :meth:`stalwart.elastic.Job.commit` delegates here when the job's optimizer
-has backup workers; the protocol itself is :mod:`stalwart.elastic.backup`.
+:meth:`stalwart.elastic.Job.commit` hands a step to it when the job's optimizer has backup
+workers; it works through the :class:`~stalwart.elastic.ledger.StepLedger` it receives. The
+protocol on the coordinator's store is :mod:`stalwart.elastic.backup`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stalwart.elastic.backup import BackupRound
 from stalwart.elastic.backup_wire import Result, set_rng_state
+from stalwart.elastic.events import EventKind
+from stalwart.elastic.ledger import StepLedger
 from stalwart.errors import ConfigError
 
-if TYPE_CHECKING:
-    from stalwart.elastic.job import Job
-
-__all__ = ["check_reduce", "commit_with_backup", "too_late"]
+__all__ = ["BackupCommit", "check_reduce", "too_late"]
 
 
 def check_reduce(reduce: str, backup: bool) -> None:
@@ -33,60 +33,63 @@ def check_reduce(reduce: str, backup: bool) -> None:
         )
 
 
-def commit_with_backup(job: Job, backups: BackupRound, apply: Callable[[], Any]) -> Any:
-    """Commit ``job``'s step with the first ``n - b`` contributions, then catch up if late.
+class BackupCommit:
+    """Commit each step with the first ``n - b`` contributions, then catch up if late.
 
-    Returns ``apply()``'s result for this member's step, or None when the step was discarded
-    (the store timed out: a member died mid-step; the job reconfigures at the next boundary).
+    Args:
+        backups: the backup round on the coordinator's store.
     """
-    membership = job._membership
-    assert membership is not None
 
-    def abandon() -> bool:
+    def __init__(self, backups: BackupRound) -> None:
+        self.backups = backups
+
+    def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
+        """Returns ``apply()``'s result for this member's step, or None when the step was
+        discarded (the store timed out: a member died mid-step; the job reconfigures at the
+        next boundary)."""
+        backups, epoch = self.backups, ledger.epoch
+        gens = _generators(ledger.state)
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in ledger.params
+        ]
+        buffers = [b.detach() for b in ledger.buffers]
         try:
-            return membership.latest_epoch() > job.epoch
-        except RuntimeError:
-            return False
-
-    gens = _generators(job.state)
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach() for p in job._params]
-    buffers = [b.detach() for b in job._buffers]
-    try:
-        found, ticket = backups.exchange(
-            epoch=job.epoch, step=job.step, rank=job.rank, size=job.size, grads=grads,
-            buffers=buffers, own_s=job._own_s, generators=gens, abandon=abandon,
-        )  # fmt: skip
-    except RuntimeError as e:
-        job._discard(e)
-        return None
-    abandoned = backups.gave_up(job.epoch, job.step)
-    result = _apply(job, found, ticket, apply, gens, abandoned=abandoned)
-    if job.rank in found.used:
-        return result  # in time: in phase with the others, nothing to catch up
-    while not job._needs_reconfigure:  # late: catch up, then get back in phase
-        try:
-            later = backups.published(job.epoch, job.step, [*grads, *buffers])
-            if later is None and (wait_s := backups.behind()) > 0:
-                later = backups.published(job.epoch, job.step, [*grads, *buffers], wait_s)
-        except RuntimeError:
-            break
-        if later is None:
-            break
-        _apply(job, later, None, apply, gens)
-    return result
+            found, ticket = backups.exchange(
+                epoch=epoch.number, step=ledger.step, rank=epoch.rank, size=epoch.size,
+                grads=grads, buffers=buffers, own_s=ledger.own_s, generators=gens,
+                abandon=ledger.newer_epoch_published,
+            )  # fmt: skip
+        except RuntimeError as e:
+            ledger.discard(e)
+            return None
+        abandoned = backups.gave_up(epoch.number, ledger.step)
+        result = _apply(ledger, found, ticket, apply, gens, abandoned=abandoned)
+        if epoch.rank in found.used:
+            return result  # in time: in phase with the others, nothing to catch up
+        while not ledger.reconfigure_due:  # late: catch up, then get back in phase
+            try:
+                later = backups.published(epoch.number, ledger.step, [*grads, *buffers])
+                if later is None and (wait_s := backups.behind()) > 0:
+                    later = backups.published(epoch.number, ledger.step, [*grads, *buffers], wait_s)
+            except RuntimeError:
+                break
+            if later is None:
+                break
+            _apply(ledger, later, None, apply, gens)
+        return result
 
 
-def too_late(job: Job) -> bool:
-    """Whether ``job``'s current step already has its ``k`` contributions without this member.
+def too_late(ledger: StepLedger, backups: BackupRound | None) -> bool:
+    """Whether the current step already has its ``k`` contributions without this member.
 
     Poll it between micro-batches (one store read); True: skip the rest, call
-    ``optimizer.step()`` (see "Abandoning a step" above). False without backup workers.
+    ``optimizer.step()`` (see "Abandoning a step" in :mod:`stalwart.elastic.backup`). False
+    without backup workers.
     """
-    backups = job._backups
-    if backups is None or job.size <= 1 or job._needs_reconfigure:
+    if backups is None or ledger.epoch.size <= 1 or ledger.reconfigure_due:
         return False
     try:
-        return backups.too_late(job.epoch, job.step, job.size)
+        return backups.too_late(ledger.epoch.number, ledger.step, ledger.epoch.size)
     except RuntimeError:  # the store is gone: step() reports it
         return False
 
@@ -97,23 +100,22 @@ def _generators(state: Any) -> list[torch.Generator]:
 
 
 def _apply(
-    job: Job, found: Result, ticket: int | None, apply: Callable[[], Any],
+    ledger: StepLedger, found: Result, ticket: int | None, apply: Callable[[], Any],
     gens: Sequence[torch.Generator], abandoned: bool = False,
 ) -> Any:  # fmt: skip
-    job._events.write("backup", step=job.step, epoch=job.epoch, ticket=ticket,
-                      used=[job.members[r] for r in found.used], next_k=found.next_k,
-                      shares=list(found.shares), abandoned=abandoned)  # fmt: skip
-    for p, g in zip(job._params, found.grads, strict=True):
+    epoch = ledger.epoch
+    ledger.events.write(EventKind.BACKUP, step=ledger.step, epoch=epoch.number, ticket=ticket,
+                        used=[epoch.members[r] for r in found.used], next_k=found.next_k,
+                        shares=list(found.shares), abandoned=abandoned)  # fmt: skip
+    for p, g in zip(ledger.params, found.grads, strict=True):
         if p.grad is None:
             p.grad = g.clone()
         else:
             p.grad.copy_(g)
     with torch.no_grad():
-        for b, v in zip(job._buffers, found.buffers, strict=True):
+        for b, v in zip(ledger.buffers, found.buffers, strict=True):
             b.copy_(v)
     set_rng_state(found.rng, gens)
     result = apply()
-    job._step += 1
-    job._needs_reconfigure = job._needs_reconfigure or found.change > 0
-    job._after_commit()
+    ledger.commit(change=found.change > 0)
     return result

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint.training_state import TrainingState
-from stalwart.elastic.async_outer import AsyncOuter, Buffered
+from stalwart.elastic.async_outer import AsyncOuter, Buffered, DiLoCoModels
 from stalwart.elastic.job import Job
 from stalwart.errors import ConfigError, DistributedError
 
@@ -115,14 +115,18 @@ class DiLoCo:
         self._outer = self.job.optimizer(self.outer)
         self.job.data_parallel(self.global_model)  # float buffers are averaged too
         self._local = list(model.parameters())
-        self._global = list(self.global_model.parameters())
+        self.global_params: list[torch.Tensor] = list(self.global_model.parameters())
         self._listeners: list[Listener] = []
         self.inner_steps = 0  # inner steps done by this member since it started
         self._in_phase = 0
         self._phase_t0 = time.perf_counter()
         self.bytes_sent = 0  # pseudo-gradient bytes this member contributed
-        self.bytes_received = 0  # the averaged result (async: the versions read from the store)
-        self._async = AsyncOuter(self, mode) if mode is not None else None
+        self._received = 0  # the averaged results of synchronous outer steps
+        models = DiLoCoModels(
+            local=model, global_model=self.global_model, global_params=self.global_params,
+            outer=self.outer, h=h, pseudo_gradient=self.pseudo_gradient,
+        )  # fmt: skip
+        self._async = AsyncOuter(self.job.ledger, models, mode) if mode is not None else None
         if self._async is not None:
             self._async.start()
         self._adopt_global()
@@ -133,6 +137,12 @@ class DiLoCo:
     def outer_step(self) -> int:
         """Outer steps applied to the global model (the buffer's version in async mode)."""
         return self._async.version if self._async is not None else self.job.step
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of outer results received: the averaged pseudo-gradients (an all-reduce:
+        as much back as sent), in async mode the versions read from the store."""
+        return self._async.bytes_received if self._async is not None else self._received
 
     @property
     def rank(self) -> int:
@@ -179,13 +189,16 @@ class DiLoCo:
             self._async.report(deltas, self._in_phase, seconds)
         else:
             self._sync(deltas)
-            self.bytes_received = self.bytes_sent  # an all-reduce: as much back as sent
+            self._received = self.bytes_sent  # an all-reduce: as much back as sent
         self._adopt_global()
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """``θ_global - θ_local`` per parameter (the outer optimizer's gradient)."""
         with torch.no_grad():
-            return [g.detach() - p.detach() for g, p in zip(self._global, self._local, strict=True)]
+            return [
+                g.detach() - p.detach()
+                for g, p in zip(self.global_params, self._local, strict=True)
+            ]
 
     def _sync(self, deltas: list[torch.Tensor]) -> None:
         """The synchronous outer step: one job commit, retried after a membership change."""
@@ -195,7 +208,7 @@ class DiLoCo:
             if self.job.step > before:
                 return  # healed forward: that commit already holds our contribution
             self._copy_buffers(self.model, self.global_model)
-            for g, d in zip(self._global, deltas, strict=True):
+            for g, d in zip(self.global_params, deltas, strict=True):
                 g.grad = d.clone()
             self._outer.step()
             if self.job.step > before:
@@ -208,7 +221,7 @@ class DiLoCo:
     def _adopt_global(self) -> None:
         """Restart the inner phase from the global parameters."""
         with torch.no_grad():
-            for p, g in zip(self._local, self._global, strict=True):
+            for p, g in zip(self._local, self.global_params, strict=True):
                 p.copy_(g)
         self._copy_buffers(self.global_model, self.model)
         self._in_phase = 0

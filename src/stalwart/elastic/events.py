@@ -8,6 +8,13 @@ Every member appends one line per step attempt and one per event::
     {"t": ..., "wid": ..., "kind": "fault-detected" | "reconfigured" | "state-received"
      | "first-commit-after-change" | "parity-mismatch" | "start" | "finish", ...}
 
+Every kind is an :class:`EventKind`, the one list that writers and readers share
+(``e["kind"] == EventKind.STATE_RECEIVED``); a ``StrEnum``, so the files hold plain strings
+and a line read back compares equal to its kind. The job's own events are typed records
+(:class:`StepCommitted`, :class:`FaultDetected`, ... written by ``EventLog.record``) whose
+fields are the line's fields; strategies' and the launcher's events are written with
+``EventLog.write(kind, **fields)``, their fields listed next to each kind.
+
 :func:`summarize` reads a folder of them (``worker<id>.jsonl``) and returns a
 :class:`JobSummary`: steps reached, faults seen, step attempts discarded, heals, parity
 mismatches, and goodput: committed step time summed over workers divided by the workers'
@@ -24,11 +31,165 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
-__all__ = ["EventLog", "JobSummary", "read_events", "summarize"]
+__all__ = [
+    "Event",
+    "EventKind",
+    "EventLog",
+    "FaultDetected",
+    "Finish",
+    "FirstCommitAfterChange",
+    "JobSummary",
+    "ParityMismatch",
+    "Reconfigured",
+    "Start",
+    "StateReceived",
+    "StepCommitted",
+    "StepDiscarded",
+    "read_events",
+    "summarize",
+]
+
+
+class EventKind(StrEnum):
+    """The kinds of event lines: a worker's (``worker<id>.jsonl``) and the launcher's."""
+
+    # a worker's step and membership
+    START = "start"  # pid
+    STEP = "step"  # step, committed, epoch, members, dt, digest
+    STEP_STATS = "step-stats"  # a step-time window (stats.py)
+    FAULT_DETECTED = "fault-detected"  # step, epoch, members, error
+    RECONFIGURED = "reconfigured"  # step, epoch, members
+    STATE_RECEIVED = "state-received"  # step, epoch, source, ... (parity.py)
+    PARITY_MISMATCH = "parity-mismatch"  # step, epoch, decision, ... (parity.py)
+    FIRST_COMMIT_AFTER_CHANGE = "first-commit-after-change"  # step, epoch
+    FINISH = "finish"  # step, epoch, digest
+    # strategies
+    BACKUP = "backup"  # step, epoch, ticket, used, next_k, shares, abandoned
+    SHARD_HEALED = "shard-healed"  # step, lost, rebuilt, seconds, rebuild_s, slot
+    DILOCO_REPORT = "diloco-report"  # worker, base, buffer, ticket, h
+    DILOCO_DROPPED = "diloco-dropped"  # worker, base, version, h
+    DILOCO_MISSING = "diloco-missing"  # worker, buffer, ticket
+    DILOCO_AGGREGATE = "diloco-aggregate"  # worker, version, used, dropped, momentum, ...
+    # the launcher (launcher.jsonl)
+    SPAWNED = "spawned"  # wid, replaces
+    EXITED = "exited"  # wid, rc, stopped
+    HUNG = "hung"  # wid, silent_s
+    STRAGGLER = "straggler"  # stats.py's report
+    COORDINATOR_REHOSTED = "coordinator-rehosted"  # address, why, ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """A typed event line: the class fixes ``KIND``; the fields are the line's fields, in order."""
+
+    KIND: ClassVar[EventKind]
+
+    def fields(self) -> dict[str, Any]:
+        """The line's fields after ``t``, ``wid`` and ``kind``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start(Event):
+    """A worker process started (once per process: survivors never restart)."""
+
+    KIND = EventKind.START
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCommitted(Event):
+    """A step's update was applied; ``step`` counts it. ``digest`` when a check ran."""
+
+    KIND = EventKind.STEP
+    step: int
+    committed: bool = field(default=True, init=False)
+    epoch: int
+    members: list[int]
+    dt: float
+    digest: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDiscarded(Event):
+    """A step attempt failed and was discarded; ``step`` is still the committed count."""
+
+    KIND = EventKind.STEP
+    step: int
+    committed: bool = field(default=False, init=False)
+    epoch: int
+    members: list[int]
+    dt: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultDetected(Event):
+    """A collective of ``epoch`` failed on this member (every survivor writes one)."""
+
+    KIND = EventKind.FAULT_DETECTED
+    step: int
+    epoch: int
+    members: list[int]
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reconfigured(Event):
+    """This member joined ``epoch`` (its members listed) and reconciles with them."""
+
+    KIND = EventKind.RECONFIGURED
+    step: int
+    epoch: int
+    members: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateReceived(Event):
+    """This member loaded the state worker ``source`` sent (a heal)."""
+
+    KIND = EventKind.STATE_RECEIVED
+    step: int
+    epoch: int
+    source: int | None
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParityMismatch(Event):
+    """Members' digests differed; ``decision`` names the rule that chose (parity.py)."""
+
+    KIND = EventKind.PARITY_MISMATCH
+    step: int
+    epoch: int
+    table: list[list[Any]]
+    why: str
+    decision: str
+    source: int | None
+    rolled_back_from: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstCommitAfterChange(Event):
+    """The first commit in a new epoch."""
+
+    KIND = EventKind.FIRST_COMMIT_AFTER_CHANGE
+    step: int
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finish(Event):
+    """The worker agreed on the final step and left; ``digest`` of its final state."""
+
+    KIND = EventKind.FINISH
+    step: int
+    epoch: int
+    digest: str
 
 
 class EventLog:
@@ -48,11 +209,15 @@ class EventLog:
             path = folder / (name or f"worker{wid}.jsonl")
             self._file = open(path, "a", buffering=1)  # noqa: SIM115
 
-    def write(self, kind: str, **fields: Any) -> None:
+    def write(self, kind: EventKind, **fields: Any) -> None:
         """Append one line (flushed: a SIGKILL loses nothing written before it)."""
         if self._file is not None:
-            line = {"t": time.time(), "wid": self.wid, "kind": kind, **fields}
+            line = {"t": time.time(), "wid": self.wid, "kind": str(kind), **fields}
             self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def record(self, event: Event) -> None:
+        """Append a typed event (the same line as ``write(event.KIND, **event.fields())``)."""
+        self.write(event.KIND, **event.fields())
 
     def close(self) -> None:
         """Close the file."""
@@ -106,28 +271,34 @@ class JobSummary:
 def summarize(folder: Path) -> JobSummary:
     """Summarize the event files in ``folder`` (see the module docstring)."""
     events = read_events(folder)
-    s = JobSummary(workers=len(events))
+    summary = JobSummary(workers=len(events))
     busy = alive = 0.0
     by_epoch: dict[Any, tuple[set[int], set[int]]] = {}  # epoch -> (reporters, members)
     for wid, lines in events.items():
         if not lines:
             continue
         alive += lines[-1]["t"] - lines[0]["t"]
-        steps = [e for e in lines if e["kind"] == "step"]
+        steps = [e for e in lines if e["kind"] == EventKind.STEP]
         busy += sum(e.get("dt", 0.0) for e in steps if e["committed"])
-        s.discarded_steps = max(s.discarded_steps, sum(not e["committed"] for e in steps))
-        s.final_step = max([s.final_step] + [e["step"] for e in steps if e["committed"]])
+        summary.discarded_steps = max(
+            summary.discarded_steps, sum(not e["committed"] for e in steps)
+        )
+        summary.final_step = max(
+            [summary.final_step] + [e["step"] for e in steps if e["committed"]]
+        )
         for e in lines:
-            if e["kind"] == "fault-detected":
-                s.fault_reports += 1
+            if e["kind"] == EventKind.FAULT_DETECTED:
+                summary.fault_reports += 1
                 reporters, members = by_epoch.setdefault(e.get("epoch"), (set(), set()))
                 reporters.add(wid)
                 members.update(e.get("members", ()))
-        s.heals += sum(e["kind"] == "state-received" for e in lines)
-        s.parity_mismatches += sum(e["kind"] == "parity-mismatch" for e in lines)
-        finish = [e for e in lines if e["kind"] == "finish"]
+        summary.heals += sum(e["kind"] == EventKind.STATE_RECEIVED for e in lines)
+        summary.parity_mismatches += sum(e["kind"] == EventKind.PARITY_MISMATCH for e in lines)
+        finish = [e for e in lines if e["kind"] == EventKind.FINISH]
         if finish:
-            s.final_digests[wid] = finish[-1]["digest"]
-    s.faults = sum(max(1, len(members - reporters)) for reporters, members in by_epoch.values())
-    s.goodput = busy / alive if alive > 0 else 0.0
-    return s
+            summary.final_digests[wid] = finish[-1]["digest"]
+    summary.faults = sum(
+        max(1, len(members - reporters)) for reporters, members in by_epoch.values()
+    )
+    summary.goodput = busy / alive if alive > 0 else 0.0
+    return summary

@@ -11,16 +11,24 @@ epoch published by the coordinator, builds its gloo group on a fresh
 (:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a rollback), so a
 newcomer and any member behind receive the committed state peer to peer.
 
+The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``:
+the committed step, the epoch, commit, discard, fault, reconfigure); :meth:`Job.commit` hands
+each step to one :class:`~stalwart.elastic.ledger.CommitStrategy` that receives the ledger:
+the all-reduce (:mod:`stalwart.elastic.commit`) or backup workers
+(:mod:`stalwart.elastic.backup_job`).
+
 A newcomer announced by the coordinator is noticed by rank 0 of the epoch, which raises a
 flag inside the next gradient all-reduce: every member sees the same flag in the same reduced
 buffer, so all of them change epoch after the same step.
 
-Three modes, chosen from the environment:
+Three worlds (:class:`World`), given as ``Job(..., world=...)`` or, by default, detected
+from the environment (:mod:`stalwart.environment`):
 
-* under ``stalwart run`` (``STALWART_ELASTIC_STORE`` set): elastic, as above;
-* under ``torchrun`` (``RANK``/``WORLD_SIZE`` set): the default gloo process group, a fixed
-  world; a failed collective raises :class:`~stalwart.errors.DistributedError`;
-* otherwise: a world of one, no collectives.
+* ``"elastic"``, under ``stalwart run`` (``STALWART_ELASTIC_STORE`` set): as above;
+* ``"torchrun"`` (``RANK``/``WORLD_SIZE`` set, more than one process): the default gloo
+  process group, a fixed world; a failed collective raises
+  :class:`~stalwart.errors.DistributedError`;
+* ``"single"``: a world of one, no collectives.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -38,27 +47,42 @@ import torch.distributed as dist
 from torch import nn
 
 from stalwart.elastic.backup import BackupRound, Dynamic, Static
-from stalwart.elastic.backup_job import check_reduce, commit_with_backup
-from stalwart.elastic.events import EventLog
+from stalwart.elastic.backup_job import BackupCommit, check_reduce
+from stalwart.elastic.commit import AllReduceCommit
+from stalwart.elastic.events import EventLog, Finish, Start
+from stalwart.elastic.ledger import CommitStrategy, Listener, StepLedger
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
-from stalwart.elastic.parity import Decision, ParityCheck, gather_digests
+from stalwart.elastic.parity import Decision, gather_digests
 from stalwart.elastic.protocol import from_env
-from stalwart.elastic.reduce import REDUCTIONS, reduce_
-from stalwart.elastic.state import BoundarySnapshot, digest
-from stalwart.elastic.stats import StepStats
+from stalwart.elastic.reduce import REDUCTIONS
+from stalwart.environment import torchrun_world
 from stalwart.errors import ConfigError, DistributedError
 
-__all__ = ["Job"]
+__all__ = ["Job", "World"]
 
 log = logging.getLogger(__name__)
 
-Listener = Callable[[str, int], None]
+
+class World(StrEnum):
+    """Where a :class:`Job` runs, and so how it finds its members (module docstring)."""
+
+    ELASTIC = "elastic"  # stalwart run's coordinator: members come and go
+    TORCHRUN = "torchrun"  # the default gloo process group, a fixed world
+    SINGLE = "single"  # one process, no collectives
+
+    @classmethod
+    def detect(cls) -> World:
+        """The world the environment says: ``stalwart run``, then ``torchrun``, else one process."""
+        if from_env() is not None:
+            return cls.ELASTIC
+        world = torchrun_world()
+        return cls.TORCHRUN if world is not None and world[1] > 1 else cls.SINGLE
 
 
-def _fixed_epoch() -> Epoch:
+def _fixed_epoch(world: World) -> Epoch:
     """The world of ``torchrun`` (default process group) or of a single process."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    if world is World.TORCHRUN:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         size = dist.get_world_size()
@@ -77,6 +101,12 @@ class Job:
         join_timeout_s: how long to wait for a membership epoch before giving up.
         stats_window: summarise step times every this many committed steps (``step-stats``
             events, and the launcher's straggler check; 0: off).
+        world: ``"elastic"``, ``"torchrun"`` or ``"single"`` (:class:`World`); None: detected
+            from the environment (:meth:`World.detect`).
+
+    Attributes:
+        ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`),
+            the interface the commit strategies, DiLoCo and sharded state work through.
 
     Example:
         >>> job = Job(TrainingState(model=model, optimizer=opt))  # doctest: +SKIP
@@ -95,6 +125,7 @@ class Job:
         verify_every: int = 50,
         join_timeout_s: float = 300.0,
         stats_window: int = 20,
+        world: World | str | None = None,
     ) -> None:
         if min_size < 1 or verify_every < 0:
             raise ConfigError(
@@ -104,71 +135,72 @@ class Job:
         self.state = state
         self.verify_every = verify_every
         self.join_timeout_s = join_timeout_s
-        self._step = 0
-        self._params: list[torch.Tensor] = []
-        self._buffers: list[torch.Tensor] = []
-        self._model_buffers: list[torch.Tensor] = []  # all of them: put back on a discard
         self._reduce = "mean"
-        self._backups: BackupRound | None = None
-        self._listeners: list[Listener] = []
-        self._stats, self._own_s = StepStats(stats_window), 0.0
-        self._needs_reconfigure = self._changed = self._closed = False
-        env = from_env()
-        self._membership = Membership(env, min_size) if env else None
-        self._events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
-        self._events.write("start", pid=os.getpid())
-        self._parity = ParityCheck(state, self._events)
-        if self._membership is not None:
-            self._epoch = self._membership.join(0, join_timeout_s)
-            self._settle_after_join()
+        self._strategy: CommitStrategy = AllReduceCommit()
+        self._closed = False
+        self.world = World.detect() if world is None else World(world)
+        env = from_env() if self.world is World.ELASTIC else None
+        if self.world is World.ELASTIC and env is None:
+            raise ConfigError(
+                "Job(world='elastic') needs the coordinator: run the script with `stalwart run`"
+            )
+        membership = Membership(env, min_size) if env else None
+        events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
+        events.record(Start(pid=os.getpid()))
+        first = membership.join(0, join_timeout_s) if membership else _fixed_epoch(self.world)
+        self.ledger = StepLedger(
+            state, events, membership, first, verify_every=verify_every,
+            join_timeout_s=join_timeout_s, stats_window=stats_window,
+        )  # fmt: skip
+        if membership is not None:
+            self.ledger.settle_after_join()
             atexit.register(self._close_at_exit)
         else:
-            self._epoch = _fixed_epoch()
-            self._check_parity("start")
-        self._mark_boundary()
+            self.ledger.check_parity("start")
+        self.ledger.mark_boundary()
 
     # -- what the training loop reads -------------------------------------------------------
 
     @property
     def step(self) -> int:
         """Committed steps; equal on every member at every step boundary."""
-        return self._step
+        return self.ledger.step
 
     @property
     def rank(self) -> int:
         """This member's rank in the current epoch (0 .. size-1)."""
-        return self._epoch.rank
+        return self.ledger.epoch.rank
 
     @property
     def size(self) -> int:
         """Number of members in the current epoch."""
-        return self._epoch.size
+        return self.ledger.epoch.size
 
     @property
     def members(self) -> tuple[int, ...]:
         """Worker ids of the current epoch's members, ascending (rank = index)."""
-        return self._epoch.members
+        return self.ledger.epoch.members
 
     @property
     def epoch(self) -> int:
         """The current membership epoch (0 outside ``stalwart run``)."""
-        return self._epoch.number
+        return self.ledger.epoch.number
 
     @property
     def elastic(self) -> bool:
         """True under ``stalwart run`` (members may come and go)."""
-        return self._membership is not None
+        return self.ledger.membership is not None
 
     def digest(self) -> str:
         """Hex digest of parameters, optimizer state, RNG and the committed step."""
-        return digest(self.state, self._step)
+        return self.ledger.digest()
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(event, step)`` at ``step-begin``, ``collective-enter`` and ``commit``.
 
         Used by :mod:`stalwart.testing.chaos` to kill a member at an exact point.
         """
-        self._listeners.append(fn)
+        self.ledger.add_listener(fn)
 
     # -- wrapping the user's objects --------------------------------------------------------
 
@@ -186,10 +218,12 @@ class Job:
         """
         if reduce not in REDUCTIONS:
             raise ConfigError(f"data_parallel(reduce={reduce!r}): use one of {REDUCTIONS}")
-        check_reduce(reduce, self._backups is not None)
+        check_reduce(reduce, isinstance(self._strategy, BackupCommit))
         self._reduce = reduce
-        self._model_buffers = list(model.buffers())
-        self._buffers = [b for b in self._model_buffers if b.is_floating_point()]
+        if isinstance(self._strategy, AllReduceCommit):
+            self._strategy = AllReduceCommit(reduce)
+        self.ledger.model_buffers = list(model.buffers())
+        self.ledger.buffers = [b for b in self.ledger.model_buffers if b.is_floating_point()]
         return model
 
     def optimizer(
@@ -202,28 +236,22 @@ class Job:
         partial (:mod:`stalwart.elastic.backup`); elastic jobs only (needs the coordinator).
         """
         check_reduce(self._reduce, backup != 0)
-        if backup != 0 and self._membership is not None:
-            self._backups = BackupRound(self._membership.store, backup)
+        backups = None
+        if backup != 0 and self.ledger.membership is not None:
+            backups = BackupRound(self.ledger.membership.store, backup)
+            self._strategy = BackupCommit(backups)
         elif backup != 0 and self.size > 1:
             raise ConfigError("backup workers need the coordinator: run under `stalwart run`")
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        return ElasticOptimizer(optimizer, self)
+        self.ledger.params = [p for g in optimizer.param_groups for p in g["params"]]
+        return ElasticOptimizer(optimizer, self, backups)
 
     # -- the step ---------------------------------------------------------------------------
 
-    def _notify(self, event: str) -> None:
-        for fn in self._listeners:
-            fn(event, self._step)
-
-    def _mark_boundary(self) -> None:
-        self._rng = BoundarySnapshot(self.state, self._model_buffers)
-        self._t0 = time.time()
-
     def begin_step(self) -> None:
         """The step boundary: join a new epoch first if one is due."""
-        if self._needs_reconfigure:
-            self._reconfigure()
-        self._notify("step-begin")
+        if self.ledger.reconfigure_due:
+            self.ledger.reconfigure()
+        self.ledger.notify("step-begin")
 
     def refresh(self) -> None:
         """At a step boundary, join a newer epoch if the coordinator published one.
@@ -232,133 +260,34 @@ class Job:
         same check for free inside its all-reduce). Use it to wait for replacements, e.g.
         ``while job.size < 3: job.refresh()`` before an evaluation.
         """
-        if self._membership is None:
+        ledger = self.ledger
+        if ledger.membership is None:
             return
-        if not self._needs_reconfigure:
-            flag = torch.tensor([self._change_flag()])
+        if not ledger.reconfigure_due:
+            flag = torch.tensor([ledger.change_flag()])
             try:
-                if self._epoch.group is not None:
-                    self._epoch.group.allreduce([flag]).wait()
+                if ledger.group is not None:
+                    ledger.group.allreduce([flag]).wait()
             except RuntimeError as e:
-                self._fault(e)
-            self._needs_reconfigure = self._needs_reconfigure or float(flag[0]) > 0
-        if self._needs_reconfigure:
-            self._reconfigure()
+                ledger.fault(e)
+            if float(flag[0]) > 0:
+                ledger.flag_newer_epoch()
+        if ledger.reconfigure_due:
+            ledger.reconfigure()
         else:
             time.sleep(0.01)  # nothing new: callers poll in a loop
 
-    def _change_flag(self) -> float:
-        """1.0 when this member sees a newer epoch published (checked by rank 0 only)."""
-        if self._membership is None or self.rank != 0:
-            return 0.0  # a lost coordinator: followed, or DistributedError (membership.py)
-        return 1.0 if self._membership.latest_epoch() > self.epoch else 0.0
-
     def commit(self, apply: Callable[[], Any]) -> Any:
-        """Reduce gradients and buffers, then ``apply()`` if every member voted; else discard."""
-        if self._needs_reconfigure:  # a step() without zero_grad() after a fault
-            self._reconfigure()
-        self._notify("collective-enter")
-        self._own_s = time.time() - self._t0  # this member's own time (see stats.py)
-        if self._backups is not None and self.size > 1:
-            return commit_with_backup(self, self._backups, apply)
-        control = torch.tensor([1.0, self._change_flag()])
-        try:
-            control = reduce_(self._params, self._buffers, control, self._epoch.group, self._reduce)
-        except RuntimeError as e:
-            self._discard(e)
-            return None
-        votes, change = float(control[0]), float(control[1])
-        if votes < self.size:  # cannot happen with gloo SUM; kept as the commit rule
-            self._discard(DistributedError(f"{votes:g} of {self.size} votes"))
-            return None
-        result = apply()
-        self._step += 1
-        self._needs_reconfigure = self._needs_reconfigure or change > 0
-        self._after_commit()
-        return result
+        """Combine the members' contributions by the job's strategy and ``apply()`` the step.
 
-    def _after_commit(self) -> None:
-        digest_hex = None
-        if self.verify_every and self._step % self.verify_every == 0:
-            try:
-                digest_hex = self._check_parity("periodic")
-            except RuntimeError as e:  # a peer died after the commit: next boundary heals
-                if isinstance(e, DistributedError):
-                    raise
-                self._fault(e)
-        dt = time.time() - self._t0
-        self._events.write(
-            "step", step=self._step, committed=True, epoch=self.epoch,
-            members=list(self.members), dt=dt, digest=digest_hex,
-        )  # fmt: skip
-        window = self._stats.add(self._own_s, dt, self._step)
-        if window is not None:
-            self._events.write("step-stats", **window)
-            if self._membership is not None:
-                self._membership.publish_stats(window)
-        if self._changed:
-            self._events.write("first-commit-after-change", step=self._step, epoch=self.epoch)
-            self._changed = False
-        if self._membership is not None and self.rank == 0:
-            self._membership.record_progress(self._step)
-        self._notify("commit")
-        self._mark_boundary()
-
-    def _discard(self, err: BaseException) -> None:
-        self._rng.restore()
-        self._events.write(
-            "step", step=self._step, committed=False, epoch=self.epoch,
-            members=list(self.members), dt=time.time() - self._t0,
-        )  # fmt: skip
-        self._fault(err)
-        self._mark_boundary()
-
-    def _fault(self, err: BaseException) -> None:
-        if self._membership is None:
-            raise DistributedError(
-                f"a collective failed in a fixed world (torchrun or one process): {err}; "
-                "run the script with `stalwart run` to survive member failures"
-            ) from err
-        log.warning("epoch %d: collective failed at step %d: %s", self.epoch, self._step, err)
-        self._events.write("fault-detected", step=self._step, epoch=self.epoch,
-                           members=list(self.members), error=str(err)[:200])  # fmt: skip
-        self._membership.report_fault(self.epoch)
-        self._epoch = Epoch(self.epoch, self.members, self.rank, None)  # closes our sockets
-        self._needs_reconfigure = True
-
-    # -- membership and parity --------------------------------------------------------------
-
-    def _reconfigure(self) -> None:
-        assert self._membership is not None
-        old = self.epoch
-        self._epoch = Epoch(old, self.members, self.rank, None)  # drop the old group first
-        self._epoch = self._membership.join(old, self.join_timeout_s)
-        self._settle_after_join()
-        self._mark_boundary()
-
-    def _settle_after_join(self) -> None:
-        """Reconcile in a freshly joined epoch; a failure moves on to the next epoch."""
-        assert self._membership is not None
-        while True:
-            self._events.write("reconfigured", step=self._step, epoch=self.epoch,
-                               members=list(self.members))  # fmt: skip
-            try:
-                self._check_parity("heal")
-            except RuntimeError as e:
-                if isinstance(e, DistributedError):
-                    raise
-                self._fault(e)
-                self._epoch = self._membership.join(self.epoch, self.join_timeout_s)
-                continue
-            if self._parity.last_decision is not Decision.ROLLBACK:  # rolled back on purpose
-                self._membership.check_progress(self._step, self.epoch)
-            self._needs_reconfigure, self._changed = False, True
-            return
-
-    def _check_parity(self, why: str) -> str:
-        """Reconcile members (see :mod:`stalwart.elastic.parity`); returns the common digest."""
-        self._step = self._parity.run(self._step, self._epoch, why)
-        return self.digest()
+        The strategy is the all-reduce (:class:`~stalwart.elastic.commit.AllReduceCommit`) or,
+        with backup workers, :class:`~stalwart.elastic.backup_job.BackupCommit`. Returns
+        ``apply()``'s result, or None when the step was discarded.
+        """
+        self.ledger.enter_collective()
+        if self.size <= 1 and isinstance(self._strategy, BackupCommit):
+            return AllReduceCommit(self._reduce).commit(self.ledger, apply)  # nobody to wait for
+        return self._strategy.commit(self.ledger, apply)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -370,38 +299,40 @@ class Job:
         """
         if self._closed:
             return
-        if self._membership is not None:
+        ledger = self.ledger
+        if ledger.membership is not None:
             deadline = time.monotonic() + self.join_timeout_s
             while not self._agree_final():  # a rollback raises: the loop must train on
                 if time.monotonic() > deadline:
                     raise DistributedError("members did not agree on the final step in time")
             final = self.digest()
-            self._membership.finish(self._step, self.epoch)
-            self._epoch = Epoch(self.epoch, self.members, self.rank, None)
+            ledger.membership.finish(self.step, self.epoch)
+            ledger.drop_group()
         else:
             final = self.digest()
         self._closed = True
-        self._events.write("finish", step=self._step, epoch=self.epoch, digest=final)
-        self._events.close()
+        ledger.events.record(Finish(step=self.step, epoch=self.epoch, digest=final))
+        ledger.events.close()
 
     def _agree_final(self) -> bool:
-        if self._needs_reconfigure:
-            self._reconfigure()
+        ledger = self.ledger
+        if ledger.reconfigure_due:
+            ledger.reconfigure()
         try:
-            table = gather_digests(self._step, self.digest(), self._epoch.group)
+            table = gather_digests(self.step, self.digest(), ledger.group)
             if len(set(table)) == 1:
                 return True
-            self._check_parity("final")
-            if self._parity.last_decision is Decision.ROLLBACK:
+            ledger.check_parity("final")
+            if ledger.last_decision is Decision.ROLLBACK:
                 raise DistributedError(
-                    f"no majority at the final step: rolled back to step {self._step}, the last "
+                    f"no majority at the final step: rolled back to step {self.step}, the last "
                     "agreed; train on to the total and call close() again (or make verify_every "
                     "divide the total steps, so that the check runs inside the training loop)"
                 )
         except RuntimeError as e:
             if isinstance(e, DistributedError):
                 raise
-            self._fault(e)
+            ledger.fault(e)
         return False
 
     def _close_at_exit(self) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.elastic.coordinator import Coordinator
-from stalwart.elastic.events import EventLog, JobSummary, summarize
+from stalwart.elastic.events import EventKind, EventLog, JobSummary, summarize
 from stalwart.elastic.heartbeat import HeartbeatWatch
 from stalwart.elastic.nodes import (
     RdzvCoordinator,
@@ -130,7 +130,7 @@ class _Supervisor:
 
     def spawn(self, replaces: int | None = None) -> None:
         wid = new_wid(self.coord.store)
-        self.log.write("spawned", wid=wid, replaces=replaces)
+        self.log.write(EventKind.SPAWNED, wid=wid, replaces=replaces)
         env = dict(self.env, **{ENV_WORKER: str(wid)})
         self.procs[wid] = subprocess.Popen(self.cmd, env=env, stdout=self.stdout)
 
@@ -152,7 +152,7 @@ class _Supervisor:
                 continue
             self.codes[wid] = p.returncode
             stopped = self.final_members is not None and wid not in self.final_members
-            self.log.write("exited", wid=wid, rc=p.returncode, stopped=stopped)
+            self.log.write(EventKind.EXITED, wid=wid, rc=p.returncode, stopped=stopped)
             if p.returncode != 0 and self.final_members is None:
                 log.warning("worker %d exited with %d", wid, p.returncode)
                 if self.restarts < self.max_restarts:
@@ -192,7 +192,7 @@ class _Supervisor:
         for wid, silent in self.beats.hung(live - set(self.coord.done(live))).items():
             log.warning("worker %d sent no heartbeat for %.1f s: taken for hung, killed", wid,
                         silent)  # fmt: skip
-            self.log.write("hung", wid=wid, silent_s=silent)
+            self.log.write(EventKind.HUNG, wid=wid, silent_s=silent)
             self.hung[wid] = silent
             self.kill(wid)
             self.beats.forget(wid)
@@ -208,7 +208,7 @@ class _Supervisor:
             log.warning("worker %d is a straggler: own step time %.1f ms, others %.1f ms",
                         report["wid"], report["own_median"] * 1e3,
                         report["others_median"] * 1e3)  # fmt: skip
-            self.log.write("straggler", **report)
+            self.log.write(EventKind.STRAGGLER, **report)
 
     def publish_if_due(self) -> None:
         live = self.live()
@@ -250,7 +250,7 @@ class _Supervisor:
         self.rehosts += 1
         log.warning("coordinator re-hosted at %s (%s); epoch %d: members %s",
                     self.coord.address, why, self.coord.epoch, sorted(members))  # fmt: skip
-        self.log.write("coordinator-rehosted", address=self.coord.address, why=why,
+        self.log.write(EventKind.COORDINATOR_REHOSTED, address=self.coord.address, why=why,
                        epoch=self.coord.epoch, members=sorted(members))  # fmt: skip
 
     def failed(self) -> bool:
@@ -297,7 +297,7 @@ class _Supervisor:
                 p.wait()
             if wid not in self.codes:
                 self.codes[wid] = p.returncode
-                self.log.write("exited", wid=wid, rc=p.returncode, stopped=True)
+                self.log.write(EventKind.EXITED, wid=wid, rc=p.returncode, stopped=True)
         self.log.close()
 
 

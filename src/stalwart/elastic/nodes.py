@@ -36,7 +36,7 @@ from typing import Any
 from torch.distributed import Store, TCPStore
 
 from stalwart.elastic.coordinator import Coordinator
-from stalwart.elastic.events import EventLog
+from stalwart.elastic.events import EventKind, EventLog
 from stalwart.elastic.protocol import ENV_STORE, ENV_STORE_FILE, ENV_WORKER, decode, encode, keys
 from stalwart.elastic.recovery import LAUNCHER_LOG
 from stalwart.errors import ConfigError, DistributedError
@@ -164,7 +164,7 @@ def _agent_loop(
 
     def spawn(replaces: int | None = None) -> None:
         wid = new_wid(store)
-        events.write("spawned", wid=wid, replaces=replaces)
+        events.write(EventKind.SPAWNED, wid=wid, replaces=replaces)
         procs[wid] = subprocess.Popen(cmd, env=dict(env, **{ENV_WORKER: str(wid)}), stdout=stdout)
 
     for _ in range(nproc):
@@ -181,7 +181,7 @@ def _agent_loop(
                 p.wait()
                 codes[wid] = p.returncode
                 store.set(keys.exit(wid), str(p.returncode))
-                events.write("exited", wid=wid, rc=p.returncode,
+                events.write(EventKind.EXITED, wid=wid, rc=p.returncode,
                              stopped=final is not None and wid not in final)  # fmt: skip
                 if p.returncode != 0 and final is None and restarts < max_restarts:
                     restarts += 1

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from stalwart.elastic.backup import BackupRound
 from stalwart.elastic.backup_job import too_late
+from stalwart.elastic.ledger import StepLedger
 
-if TYPE_CHECKING:
-    from stalwart.elastic.job import Job
-
-__all__ = ["ElasticOptimizer"]
+__all__ = ["ElasticOptimizer", "StepOwner"]
 
 T = TypeVar("T")
+
+
+class StepOwner(Protocol):
+    """What the optimizer drives: :class:`~stalwart.elastic.Job` (its boundary and commit)."""
+
+    ledger: StepLedger
+
+    def begin_step(self) -> None:
+        """The step boundary."""
+        ...
+
+    def commit(self, apply: Any) -> Any:
+        """Combine the members' contributions and ``apply()``, or discard the step."""
+        ...
 
 
 class ElasticOptimizer:
@@ -29,11 +42,15 @@ class ElasticOptimizer:
     Args:
         optimizer: the optimizer to wrap (keep it in the job's state, not this wrapper).
         job: the job that commits.
+        backups: the backup round, when the job commits with backup workers.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, job: Job) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, job: StepOwner, backups: BackupRound | None = None
+    ) -> None:
         self.optimizer = optimizer
         self.job = job
+        self.backups = backups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Begin a step: reconfigure first if due, then clear gradients."""
@@ -50,7 +67,7 @@ class ElasticOptimizer:
         Poll it between micro-batches; when True, skip the rest and call :meth:`step` at once
         (see :func:`stalwart.elastic.backup_job.too_late`). Always False without backup workers.
         """
-        return too_late(self.job)
+        return too_late(self.job.ledger, self.backups)
 
     def accumulate(self, micro_batches: Sequence[T]) -> Iterator[T]:
         """This step's micro-batches, stopping early once the step committed without the rest.
@@ -63,17 +80,17 @@ class ElasticOptimizer:
         after the step's ``k``-th contribution is expected (recent steps' compute times): a
         slow member sends its share when the others do instead of one micro-batch later.
         """
-        backups, done, t0 = self.job._backups, 0, time.time()
+        backups, ledger, done, t0 = self.backups, self.job.ledger, 0, time.time()
         expected = 1.1 * backups.expected_s() if backups is not None else 0.0
         for i, item in enumerate(micro_batches):
-            now = time.time()  # compute times count from the step's start (job._t0)
-            late = i > 0 and expected > 0 and now - self.job._t0 + (now - t0) / i > expected
+            now = time.time()  # compute times count from the step's start (ledger.started)
+            late = i > 0 and expected > 0 and now - ledger.started + (now - t0) / i > expected
             if i > 0 and (late or self.too_late()):
                 break
             yield item
             done += 1
         if backups is not None and micro_batches:
-            backups.share = (self.job.epoch, self.job.step, done / len(micro_batches))
+            backups.share = (ledger.epoch.number, ledger.step, done / len(micro_batches))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

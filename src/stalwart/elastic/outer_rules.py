@@ -1,4 +1,4 @@
-"""Outer update rule for buffered asynchronous DiLoCo when ``k < N``; the buffer's weights.
+"""Buffered DiLoCo's settings (:class:`Buffered`), outer update rule for ``k < N``, weights.
 
 With ``k`` of ``N`` members per version, a version is a *fraction* of a synchronous round,
 and versions come ``N / k`` times as often as rounds. Applying DiLoCo's outer Nesterov step
@@ -48,7 +48,53 @@ from typing import Any
 
 import torch
 
-__all__ = ["Pending", "assign_h", "combine", "delayed_nesterov"]
+from stalwart.errors import ConfigError
+
+__all__ = ["Buffered", "Pending", "assign_h", "combine", "delayed_nesterov"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buffered:
+    """Asynchronous DiLoCo: an outer step once ``k`` of the members' pseudo-gradients arrived.
+
+    Attributes:
+        k: contributions per outer step (None: one less than the members, at least 1).
+        staleness: contributions more than this many versions old are dropped.
+        compute_aware: assign fewer inner steps to slower members (None: only when ``k`` equals
+            the members; below, the ``k`` fastest already go ahead, and equal phase times
+            would leave one member out of every buffer, stale by one version).
+        h_min: the fewest inner steps a member is assigned.
+        rule: the outer update: ``"auto"`` (delayed Nesterov when ``k`` is below the members,
+            the outer optimizer's own step per version otherwise), ``"delayed"`` or
+            ``"per-version"`` (always one or the other).
+    """
+
+    k: int | None = None
+    staleness: int = 2
+    compute_aware: bool | None = None
+    h_min: int = 1
+    rule: str = "auto"
+
+    def __post_init__(self) -> None:
+        if (self.k is not None and self.k < 1) or self.staleness < 0 or self.h_min < 1:
+            raise ConfigError(f"{self}: need k >= 1, staleness >= 0 and h_min >= 1")
+        if self.rule not in ("auto", "delayed", "per-version"):
+            raise ConfigError(f"{self}: rule must be 'auto', 'delayed' or 'per-version'")
+
+    def compute_aware_for(self, members: int) -> bool:
+        """Whether members take the assigned inner steps with ``members`` members."""
+        on = self.k_for(members) >= members
+        return self.compute_aware if self.compute_aware is not None else on
+
+    def delayed(self, members: int) -> bool:
+        """Whether versions take the delayed Nesterov step with ``members`` members."""
+        auto = self.k_for(members) < members
+        return self.rule == "delayed" or (self.rule == "auto" and auto)
+
+    def k_for(self, members: int) -> int:
+        """Contributions per outer step with ``members`` members."""
+        want = self.k if self.k is not None else members - 1
+        return max(1, min(want, members))
 
 
 def combine(

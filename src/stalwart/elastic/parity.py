@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stalwart.elastic.events import EventLog
+from stalwart.elastic.events import EventLog, ParityMismatch, StateReceived
 from stalwart.elastic.membership import Epoch
 from stalwart.elastic.state import AgreedState, digest, receive_state, send_state
 from stalwart.errors import DistributedError
@@ -268,11 +268,10 @@ class ParityCheck:
         src = None if found.source is None else epoch.members[found.source]
         if found.mismatch:
             log.warning("parity mismatch (%s): %s; decided: %s", why, found.table, found.decision)
-            self.events.write("parity-mismatch", step=step, epoch=epoch.number,
-                              table=[list(t) for t in found.table], why=why,
-                              decision=str(found.decision), source=src,
-                              rolled_back_from=found.rolled_back_from)  # fmt: skip
+            self.events.record(ParityMismatch(
+                step=step, epoch=epoch.number, table=[list(t) for t in found.table], why=why,
+                decision=str(found.decision), source=src, rolled_back_from=found.rolled_back_from,
+            ))  # fmt: skip
         if found.received:
-            self.events.write("state-received", step=step, epoch=epoch.number, source=src,
-                              why=why)  # fmt: skip
+            self.events.record(StateReceived(step=step, epoch=epoch.number, source=src, why=why))
         return step

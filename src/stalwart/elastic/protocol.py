@@ -17,7 +17,8 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
     coord/next_wid, coord/nodes, coord/exit/{wid}, coord/kill/{wid}, coord/final
                                    several nodes' launchers (see nodes.py)
 
-Environment of a worker started by ``stalwart run`` (read in one place, :func:`from_env`):
+Environment of a worker started by ``stalwart run`` (parsed in one place, :func:`from_env`,
+from the values :func:`stalwart.environment.elastic_worker` read):
 
     STALWART_ELASTIC_STORE     host:port of the coordinator's TCPStore
     STALWART_ELASTIC_WORKER    this worker's id (a replacement gets a fresh id)
@@ -39,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from stalwart.environment import elastic_worker
 from stalwart.errors import ConfigError
 
 __all__ = [
@@ -170,12 +172,13 @@ class WorkerEnv:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> WorkerEnv | None:
-    """This worker's settings from ``environ`` (default: os.environ); None outside stalwart run.
+    """This worker's settings from ``environ`` (default: the ``STALWART_ELASTIC_*`` variables,
+    read by :mod:`stalwart.environment`); None outside stalwart run.
 
     Raises:
         ConfigError: a variable is present but malformed.
     """
-    env = os.environ if environ is None else environ
+    env = elastic_worker() if environ is None else environ
     address = env.get(ENV_STORE)
     if not address:
         return None

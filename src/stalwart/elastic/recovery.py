@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.elastic.events import read_events
+from stalwart.elastic.events import EventKind, read_events
 
 __all__ = ["LAUNCHER_LOG", "Recovery", "recoveries"]
 
@@ -64,6 +64,10 @@ def _first_after(lines: list[dict[str, Any]], t: float, pred: Any) -> float | No
     return min(times) if times else None
 
 
+def _discarded(e: dict[str, Any]) -> bool:
+    return e["kind"] == EventKind.STEP and not e["committed"]
+
+
 def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
               spawned: dict[int, dict[str, Any]]) -> Recovery:  # fmt: skip
     wid, reaped = int(death["wid"]), float(death["t"])
@@ -72,24 +76,25 @@ def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
     slack = t0
 
     def resumed(e: dict[str, Any]) -> bool:
-        return e["kind"] == "step" and e["committed"] and wid not in e["members"]
+        return e["kind"] == EventKind.STEP and e["committed"] and wid not in e["members"]
 
     def detected(e: dict[str, Any]) -> bool:
-        return e["kind"] == "fault-detected"
+        return e["kind"] == EventKind.FAULT_DETECTED
 
     others = [lines for w, lines in events.items() if w != wid]
     detect = min((t for ls in others if (t := _first_after(ls, slack, detected))), default=None)
     resume = min((t for ls in others if (t := _first_after(ls, slack, resumed))), default=None)
     end = resume if resume is not None else float("inf")
     lost = max(
-        (sum(e["kind"] == "step" and not e["committed"] and slack <= e["t"] <= end for e in ls)
-         for ls in others),
+        (sum(_discarded(e) and slack <= e["t"] <= end for e in ls) for ls in others),
         default=0,
     )  # fmt: skip
     new = next((w for w, s in spawned.items() if s.get("replaces") == wid), None)
     first = None
     if new is not None and new in events:
-        first = _first_after(events[new], 0, lambda e: e["kind"] == "step" and e["committed"])
+        first = _first_after(
+            events[new], 0, lambda e: e["kind"] == EventKind.STEP and e["committed"]
+        )
     return Recovery(
         worker=wid,
         exit_code=int(death["rc"]),
@@ -109,8 +114,10 @@ def recoveries(folder: Path) -> list[Recovery]:
     """
     launcher = _launcher_lines(folder)
     events = read_events(folder)
-    spawned = {int(e["wid"]): e for e in launcher if e["kind"] == "spawned"}
+    spawned = {int(e["wid"]): e for e in launcher if e["kind"] == EventKind.SPAWNED}
     deaths = [
-        e for e in launcher if e["kind"] == "exited" and e["rc"] != 0 and not e.get("stopped")
+        e
+        for e in launcher
+        if e["kind"] == EventKind.EXITED and e["rc"] != 0 and not e.get("stopped")
     ]
     return [_recovery(d, events, spawned) for d in deaths]

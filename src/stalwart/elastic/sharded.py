@@ -42,8 +42,9 @@ protect), a protect (one capture, ``(n-1)/k`` of the snapshot sent per member) e
 steps, and on a loss the steps since the last protect.
 
 The shard's optimizer is stepped by :meth:`ShardedState.step_on_commit` when the job commits,
-so a discarded step never touches the shard. This module uses the job's internals (its group,
-committed step and fault path): it is part of the job.
+so a discarded step never touches the shard. It works through the job's
+:class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``: its group, fault path and
+``rewind``), never the job's private fields.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from torch.distributed import PrefixStore
 from stalwart.checkpoint.capture import HostBuffer
 from stalwart.checkpoint.memory.erasure import ErasureGroup, ProtectedSnapshot
 from stalwart.checkpoint.memory.snapshot import Snapshot
+from stalwart.elastic.events import EventKind
 from stalwart.elastic.job import Job
 from stalwart.errors import ConfigError, CorruptCheckpointError, DistributedError
 
@@ -160,7 +162,7 @@ class ShardedState:
         self.last_heal: dict[str, Any] | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._protected = _Protected()
-        self._eg: ErasureGroup | None = None
+        self._erasure: ErasureGroup | None = None
         self._epoch = -1
         self._valid = False  # this member's state is the job's (False: a newcomer, until healed)
         self._state = {"replicated": job.state, "shard": shard}
@@ -206,18 +208,18 @@ class ShardedState:
         Returns False when a member failed (the job then moves on to the next epoch at its
         next boundary; the previous protected snapshot is kept).
         """
-        if self._eg is None:
+        if self._erasure is None:
             return False
-        group = self.job._epoch.group
+        group = self.job.ledger.group
         try:
             if group is not None:
                 group.allreduce([torch.ones(1)]).wait()  # everyone committed this step
             which = self._protected.next_set()
             snap_buf, parity_buf = self._protected.buffers[which]
             snap = Snapshot.capture(self._state, self.job.step, snap_buf)
-            done = self._eg.protect(snap, parity_buffer=parity_buf)
+            done = self._erasure.protect(snap, parity_buffer=parity_buf)
         except (RuntimeError, DistributedError) as e:  # a member died: a fault of this step
-            self.job._fault(e)
+            self.job.ledger.fault(e)
             return False
         self._protected.previous = self._protected.newest
         self._protected.newest = (which, done)
@@ -228,7 +230,7 @@ class ShardedState:
     def _gather(self, values: list[int]) -> list[list[int]]:
         """Every member's ``values`` over the job's group, by rank."""
         t = torch.tensor(values, dtype=torch.int64)
-        group = self.job._epoch.group
+        group = self.job.ledger.group
         if group is None:
             return [values]
         out = [torch.empty_like(t) for _ in range(self.job.size)]
@@ -248,10 +250,10 @@ class ShardedState:
                 self._settle()
             except (RuntimeError, DistributedError) as e:  # a member died during the heal
                 log.warning("epoch %d: healing sharded state failed: %s", self.job.epoch, e)
-                self.job._fault(e)
-            if not self.job._needs_reconfigure:
+                self.job.ledger.fault(e)
+            if not self.job.ledger.reconfigure_due:
                 return
-            self.job._reconfigure()
+            self.job.ledger.reconfigure()
 
     def _settle(self) -> None:
         valid = int(self._valid)
@@ -273,16 +275,16 @@ class ShardedState:
         if self.job.elastic:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            membership = self.job._membership
+            membership = self.job.ledger.membership
             assert membership is not None
             store = PrefixStore(f"shard/epoch{self.job.epoch}", membership.store)
             timeout = timedelta(seconds=membership.env.timeout_s)
             dist.init_process_group("gloo", store=store, rank=self.slot, world_size=self.n,
                                     timeout=timeout)  # fmt: skip
         elif self.job.size == 1:
-            self._eg = None  # a world of one: nobody to protect with
+            self._erasure = None  # a world of one: nobody to protect with
             return
-        self._eg = ErasureGroup(self.k, self.m, codec=self.codec)
+        self._erasure = ErasureGroup(self.k, self.m, codec=self.codec)
 
     def _heal(self, rows: list[list[int]], lost: list[int]) -> None:
         """Rebuild the lost slots' snapshots and take every member back to their step.
@@ -305,20 +307,18 @@ class ShardedState:
                 f"slot {self.slot} holds no protected snapshot of step {target} (it holds "
                 f"{self._protected.steps()}); restore from the durable checkpoint"
             )
-        assert self._eg is not None
-        rebuilt = self._eg.rebuild(lost, mine, buffer=self._protected.buffers[0][0])
+        assert self._erasure is not None
+        rebuilt = self._erasure.rebuild(lost, mine, buffer=self._protected.buffers[0][0])
         snap = rebuilt if rebuilt is not None else mine.snapshot if mine is not None else None
         assert snap is not None
         if rebuilt is not None:  # a newcomer: its rebuilt snapshot lives in buffer set 0
             self._protected.newest = self._protected.previous = None
         snap.restore_into(self._state)
         self._valid = True
-        self.job._step = target
-        self.job._check_parity("shard-heal")
-        self.job._mark_boundary()
+        self.job.ledger.rewind(target, "shard-heal")
         self.heals += 1
-        rebuild_s = self._eg.last_rebuild.total_s if self._eg.last_rebuild else 0.0
+        rebuild_s = self._erasure.last_rebuild.total_s if self._erasure.last_rebuild else 0.0
         self.last_heal = {"step": target, "lost": lost, "rebuilt": rebuilt is not None,
                           "seconds": time.perf_counter() - t0, "rebuild_s": rebuild_s}  # fmt: skip
-        self.job._events.write("shard-healed", **self.last_heal, slot=self.slot)
+        self.job.ledger.events.write(EventKind.SHARD_HEALED, **self.last_heal, slot=self.slot)
         self.protect()

@@ -6,10 +6,13 @@
 
 Error models act on the stored words of fp64/fp32/fp16/bf16/fp8 (e4m3, e5m2) and integer
 tensors (:mod:`.bits`); faults are concrete, replayable records (:class:`Fault`).
+
+The rest lives in named submodules: storage layouts in :mod:`.bits` (``layout_of``,
+``supported_dtypes``), target selection in :mod:`.targets` (``select_tensors``,
+``resolve``), the activation hooks in :mod:`.activations`, ``Change`` in :mod:`.injector`.
 """
 
-from stalwart.inject.activations import ActivationInjector, activation_faults
-from stalwart.inject.bits import BitLayout, layout_of, raw_view, supported_dtypes
+from stalwart.inject.activations import activation_faults
 from stalwart.inject.error_models import (
     BitFlip,
     BurstFlip,
@@ -18,11 +21,9 @@ from stalwart.inject.error_models import (
     MultiBitFlip,
     RandomValue,
     StuckAt,
-    draw_ber,
     error_model,
 )
 from stalwart.inject.injector import (
-    Change,
     Injection,
     apply_faults,
     ber,
@@ -30,14 +31,11 @@ from stalwart.inject.injector import (
     random_value,
     stuck_at,
 )
-from stalwart.inject.targets import module_of, resolve, rows_read, select_modules, select_tensors
+from stalwart.moved import moved_getattr
 
 __all__ = [
-    "ActivationInjector",
     "BitFlip",
-    "BitLayout",
     "BurstFlip",
-    "Change",
     "ErrorModel",
     "Fault",
     "Injection",
@@ -48,16 +46,26 @@ __all__ = [
     "apply_faults",
     "ber",
     "bitflip",
-    "draw_ber",
     "error_model",
-    "layout_of",
-    "module_of",
     "random_value",
-    "raw_view",
-    "resolve",
-    "rows_read",
-    "select_modules",
-    "select_tensors",
     "stuck_at",
-    "supported_dtypes",
 ]
+
+_MOVED = {
+    "ActivationInjector": "activations",
+    **dict.fromkeys(["BitLayout", "layout_of", "raw_view", "supported_dtypes"], "bits"),
+    "Change": "injector",
+    "draw_ber": "error_models",
+    **dict.fromkeys(
+        ["module_of", "resolve", "rows_read", "select_modules", "select_tensors"], "targets"
+    ),
+}
+"""Names this package exported before the smaller front door -> their submodule."""
+
+
+__getattr__ = moved_getattr(
+    __name__,
+    {name: f"{__name__}.{module}" for name, module in _MOVED.items()},
+    message="{package}.{name} moved to {where}.{name}; import it from there "
+    "(the old path goes away in the next release)",
+)

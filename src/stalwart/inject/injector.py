@@ -92,6 +92,43 @@ class Injection:
         raw[index] = edit_raw(raw, index, op, mask)
         self._edits.append((label, kind, layout, raw, index, old))
 
+    def record(
+        self,
+        tensor: torch.Tensor,
+        label: str,
+        kind: str,
+        index: torch.Tensor,
+        op: str,
+        masks: Sequence[int],
+    ) -> None:
+        """Edit ``tensor``'s flat elements ``index`` now (one mask each, ``op``: the fault's
+        op) and keep the old words for :meth:`restore`; ``label`` names the tensor."""
+        layout = layout_of(tensor.dtype, label)
+        for i, m in zip(index.tolist(), masks, strict=True):
+            _numel_check(tensor, i, label)
+            layout.check_mask(m)
+        self._record(label, kind, layout, raw_view(tensor, label), index, op, masks)
+
+    def record_quantized(
+        self,
+        slot: QuantizedSlot,
+        part: str,
+        label: str,
+        index: torch.Tensor,
+        op: str,
+        masks: Sequence[int],
+    ) -> None:
+        """Edit a copy of the part's words, rebuild the tensor, put it back; undo puts back
+        the original (see :mod:`stalwart.inject.quantized`)."""
+        words = slot.component(part)
+        before = len(self._edits)
+        self.record(words, label, "param", index, op, masks)
+        if len(self._edits) == before:
+            return
+        original = slot.snapshot()
+        self._undo[len(self._edits) - 1] = lambda: slot.put(original)
+        slot.put(slot.rebuild(part, words))
+
     @property
     def changes(self) -> list[Change]:
         """Every changed word, in the order the changes were made."""
@@ -161,46 +198,9 @@ def _record_target(
     found = find_slot(model, target) if kind == "param" else None
     if found is None:
         tensor = resolve(model, target, kind, optimizer=optimizer, state=state)
-        _record_tensor(inj, tensor, target, kind, index, op, masks)
+        inj.record(tensor, target, kind, index, op, masks)
     else:
-        _record_quantized(inj, *found, target, index, op, masks)
-
-
-def _record_tensor(
-    inj: Injection,
-    tensor: torch.Tensor,
-    label: str,
-    kind: str,
-    index: torch.Tensor,
-    op: str,
-    masks: Sequence[int],
-) -> None:
-    layout = layout_of(tensor.dtype, label)
-    for i, m in zip(index.tolist(), masks, strict=True):
-        _numel_check(tensor, i, label)
-        layout.check_mask(m)
-    inj._record(label, kind, layout, raw_view(tensor, label), index, op, masks)
-
-
-def _record_quantized(
-    inj: Injection,
-    slot: QuantizedSlot,
-    part: str,
-    label: str,
-    index: torch.Tensor,
-    op: str,
-    masks: Sequence[int],
-) -> None:
-    """Edit a copy of the part's words, rebuild the tensor, put it back; undo puts back the
-    original (see :mod:`stalwart.inject.quantized`)."""
-    words = slot.component(part)
-    before = len(inj._edits)
-    _record_tensor(inj, words, label, "param", index, op, masks)
-    if len(inj._edits) == before:
-        return
-    original = slot.snapshot()
-    inj._undo[len(inj._edits) - 1] = lambda: slot.put(original)
-    slot.put(slot.rebuild(part, words))
+        inj.record_quantized(*found, target, index, op, masks)
 
 
 def apply_faults(
@@ -288,9 +288,9 @@ def _single(
     inj = Injection()
     with torch.no_grad():
         if quantized is not None:
-            _record_quantized(inj, *quantized, label, torch.tensor([flat]), op, [mask])
+            inj.record_quantized(*quantized, label, torch.tensor([flat]), op, [mask])
         else:
-            _record_tensor(inj, tensor, label, "param", torch.tensor([flat]), op, [mask])
+            inj.record(tensor, label, "param", torch.tensor([flat]), op, [mask])
     return inj
 
 

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint import Checkpointer, CheckpointOptions, KeepAll, PendingSave
+from stalwart.checkpoint import Checkpointer, CheckpointOptions, KeepAll
+from stalwart.checkpoint.results import PendingSave
 from stalwart.errors import (
     CheckpointNotFoundError,
     ConfigError,

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stalwart.inject import select_modules
-from stalwart.inject.targets import Pattern
+from stalwart.inject.targets import Pattern, select_modules
 from stalwart.protect.evaluate import row_fingerprints
 from stalwart.vulnerability import FaultList
 

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.inject import select_modules
-from stalwart.inject.targets import Pattern, forward_with_hooks
+from stalwart.inject.targets import Pattern, forward_with_hooks, select_modules
 from stalwart.protect.evaluate import row_fingerprints
 from stalwart.vulnerability import FaultList
 

@@ -24,12 +24,34 @@ import torch
 from torch import nn
 
 from stalwart.errors import ConfigError
-from stalwart.inject import layout_of
-from stalwart.inject.bits import signed_mask
+from stalwart.inject.bits import layout_of, signed_mask
 from stalwart.inject.targets import Pattern
 from stalwart.vulnerability import FaultList, PVFReport
 
-__all__ = ["SelectiveBitProtection"]
+__all__ = ["SelectiveBitProtection", "bit_mask", "chosen_bits"]
+
+
+def chosen_bits(
+    bits: Sequence[str] | Sequence[int], tensors: Pattern
+) -> tuple[list[str | int], list[str]]:
+    """A bit protection's ``bits`` and tensor globs as lists.
+
+    Raises:
+        ConfigError: ``bits`` is empty.
+    """
+    if not bits:
+        raise ConfigError("protect at least one bit or field")
+    return list(bits), [tensors] if isinstance(tensors, str) else list(tensors)
+
+
+def bit_mask(bits: Sequence[str | int], dtype: torch.dtype) -> int:
+    """The mask of ``bits`` (field names, or positions: those past the word are ignored) in
+    ``dtype``'s storage word."""
+    layout = layout_of(dtype)
+    if all(isinstance(b, str) for b in bits):
+        return layout.field_mask(*[str(b) for b in bits])
+    return sum(1 << b for b in bits if isinstance(b, int) and 0 <= b < layout.bits)
+
 
 SECDED_CHECK_BITS = 8
 """Check bits of an SECDED code over up to 64 data bits (Hsiao (72, 64))."""
@@ -60,10 +82,8 @@ class SelectiveBitProtection:
         *,
         name: str = "sbp",
     ) -> None:
-        self.bits, self.name = list(bits), name
-        self.tensors = [tensors] if isinstance(tensors, str) else list(tensors)
-        if not self.bits:
-            raise ConfigError("protect at least one bit or field")
+        self.bits, self.tensors = chosen_bits(bits, tensors)
+        self.name = name
         self.corrected = 0
         self.uncorrectable = 0
         self._golden: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
@@ -84,10 +104,7 @@ class SelectiveBitProtection:
         return any(fnmatch.fnmatchcase(name, p) for p in self.tensors)
 
     def mask(self, dtype: object) -> int:
-        layout = layout_of(dtype)  # type: ignore[arg-type]
-        if all(isinstance(b, str) for b in self.bits):
-            return layout.field_mask(*[str(b) for b in self.bits])
-        return sum(1 << b for b in self.bits if isinstance(b, int) and b < layout.bits)
+        return bit_mask(self.bits, dtype)  # type: ignore[arg-type]
 
     def per_codeword(self, dtype: torch.dtype) -> int:
         """Elements whose protected bits share one codeword."""

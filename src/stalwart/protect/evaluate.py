@@ -26,10 +26,16 @@ import torch
 from torch import nn
 
 from stalwart.errors import ConfigError, require
-from stalwart.inject import Fault, apply_faults, draw_ber, layout_of, select_tensors
-from stalwart.inject.targets import Pattern
+from stalwart.frames import ArrowFrames
+from stalwart.inject import Fault, apply_faults
+from stalwart.inject.bits import layout_of
+from stalwart.inject.error_models import draw_ber
+from stalwart.inject.targets import Pattern, select_tensors
 from stalwart.protect.base import Protection
-from stalwart.vulnerability import FaultList, check_eval, criterion, mcnemar, run_campaign
+from stalwart.vulnerability import FaultList, criterion, run_campaign
+from stalwart.vulnerability.campaign import check_eval
+from stalwart.vulnerability.notebook import render_notebook
+from stalwart.vulnerability.stats import mcnemar
 
 __all__ = [
     "InputSplit",
@@ -165,7 +171,7 @@ class ProtectionResult:
     when modelled)."""
 
 
-class ProtectionResults(list[ProtectionResult]):
+class ProtectionResults(list[ProtectionResult], ArrowFrames):
     """What :func:`evaluate` returns: a plain list of results, one per protection, that also
     converts to a table and renders in notebooks."""
 
@@ -180,20 +186,8 @@ class ProtectionResults(list[ProtectionResult]):
             cols[f"cost_{key}"] = [r.cost.get(key) for r in self]
         return pa.table(cols)
 
-    def to_pandas(self) -> Any:
-        """``to_arrow()`` as a pandas DataFrame (needs pandas: the ``frames`` extra)."""
-        require("pandas", "frames", "ProtectionResults.to_pandas")
-        return self.to_arrow().to_pandas()
-
-    def to_polars(self) -> Any:
-        """``to_arrow()`` as a polars DataFrame (needs polars: the ``frames`` extra)."""
-        pl = require("polars", "frames", "ProtectionResults.to_polars")
-        return pl.from_arrow(self.to_arrow())
-
     def _repr_html_(self) -> str:
         """Jupyter's rendering: one row per protection."""
-        from stalwart.vulnerability.report import render_notebook
-
         trials = self[0].trials if self else 0
         base = self[0].baseline_failures if self else 0
         summary = (

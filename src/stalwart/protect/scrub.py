@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint import Checkpointer
-from stalwart.inject import select_tensors
-from stalwart.inject.targets import Pattern
+from stalwart.inject.targets import Pattern, select_tensors
 from stalwart.vulnerability import FaultList
 
 __all__ = ["ParameterScrubber"]

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from stalwart.errors import ConfigError
-from stalwart.inject import layout_of
-from stalwart.inject.bits import signed_mask
+from stalwart.inject.bits import layout_of, signed_mask
 from stalwart.inject.targets import Pattern
+from stalwart.protect.ecc import bit_mask, chosen_bits
 from stalwart.vulnerability import FaultList
 
 __all__ = ["ShadowBitProtection"]
@@ -118,10 +118,8 @@ class ShadowBitProtection:
         *,
         name: str = "sbp-shadow",
     ) -> None:
-        self.bits, self.name = list(bits), name
-        self.tensors = [tensors] if isinstance(tensors, str) else list(tensors)
-        if not self.bits:
-            raise ConfigError("protect at least one bit or field")
+        self.bits, self.tensors = chosen_bits(bits, tensors)
+        self.name = name
         self.stores: dict[str, _Store] = {}
         self._total_bits = 0
         self._protected_bits = 0
@@ -142,10 +140,7 @@ class ShadowBitProtection:
         )
 
     def _mask(self, dtype: torch.dtype) -> int:
-        layout = layout_of(dtype)
-        if all(isinstance(b, str) for b in self.bits):
-            return layout.field_mask(*[str(b) for b in self.bits])
-        return sum(1 << b for b in self.bits if isinstance(b, int) and 0 <= b < layout.bits)
+        return bit_mask(self.bits, dtype)
 
     def _store(self, p: torch.Tensor) -> _Store:
         lay = layout_of(p.dtype)

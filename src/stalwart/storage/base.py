@@ -1,27 +1,39 @@
 """The byte-store contract every backend implements, and the key rules they share.
 
-A backend is deliberately tiny: write a whole object, read a byte range, delete, list, close.
-Everything else (packing, content addressing, commit, retention, tiers, erasure coding) is
-written once above it, so adding a backend means implementing five methods and passing the
-contract tests in ``tests/unit/test_storage_contract.py``.
+A backend is deliberately tiny: write a whole object, read a byte range (into a buffer, or as
+bytes), delete, list, close. Everything else (packing, content addressing, commit, retention,
+tiers, erasure coding) is written once above it, so adding a backend means implementing these
+six methods and passing the contract tests in ``tests/unit/test_storage_contract.py``.
 
 Two guarantees carry the checkpoint commit protocol, so every backend must give them:
 
 * ``write`` is **atomic**: a reader sees either no object or the whole object, never a prefix
   (temp file + rename on disks, a single PUT on object stores).
 * ``write`` is **durable** when it returns (fsync of the file and its directory on disks).
+
+Optional capabilities are declared, not guessed: a backend that can lend a read-only view of
+a byte range implements :class:`ReadsViews`; one that leaves temporaries a crashed writer
+may strand implements :class:`RemovesStaleTemps`. Callers test ``isinstance(store, ...)``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from stalwart.errors import UnsafeManifestError
 
-__all__ = ["Buffer", "ObjectInfo", "Storage", "validate_key"]
+__all__ = [
+    "Buffer",
+    "ObjectInfo",
+    "ReadsViews",
+    "RemovesStaleTemps",
+    "Storage",
+    "validate_key",
+]
 
 # Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy arrays.
 Buffer = bytes | bytearray | memoryview
@@ -110,4 +122,29 @@ class Storage(Protocol):
 
     def close(self) -> None:
         """Release connections and thread pools; the store must not be used afterwards."""
+        ...
+
+
+@runtime_checkable
+class ReadsViews(Protocol):
+    """A store that lends bytes without a copy of its own (``LocalStorage``).
+
+    Readers use it when present (one read into a reused buffer, checked before it is copied
+    where it belongs) and fall back to ``Storage.read_into`` otherwise.
+    """
+
+    def read_view(self, key: str, offset: int, length: int) -> AbstractContextManager[memoryview]:
+        """Bytes ``[offset, offset + length)`` of ``key``, valid inside the ``with`` only."""
+        ...
+
+
+@runtime_checkable
+class RemovesStaleTemps(Protocol):
+    """A store whose interrupted writes can leave temporaries behind (files on a disk).
+
+    Garbage collection calls it after deleting unreferenced packs.
+    """
+
+    def remove_stale_temps(self, older_than_s: float) -> int:
+        """Delete temporaries no live writer holds, older than ``older_than_s``; count them."""
         ...

@@ -38,6 +38,7 @@ __all__ = [
     "DIR_FLAGS",
     "NOFOLLOW",
     "Folders",
+    "files_below",
     "link_error",
     "open_folders",
     "refuse_link",
@@ -174,6 +175,35 @@ def _folder_error(e: OSError, path: str, op: str) -> StorageError:
     return StorageError(f"{op} {path} failed: {e}")
 
 
+def files_below(
+    dir_fd: int, key_prefix: str = "", *, stem: str = ""
+) -> Iterator[tuple[int, str, os.DirEntry[str]]]:
+    """Every entry below the open folder ``dir_fd`` that is not a folder, never through a link.
+
+    Yields ``(fd of its folder, key_prefix + its path, entry)``, top-level names starting with
+    ``stem`` only; the folder's fd stays open until the next entry is asked for. A folder
+    swapped for a link, or removed, during the walk is skipped.
+    """
+    with os.scandir(dir_fd) as it:
+        entries = [e for e in it if e.name.startswith(stem)]
+    for entry in entries:
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # deleted while we looked
+        if not is_dir:
+            yield dir_fd, f"{key_prefix}{entry.name}", entry
+            continue
+        try:
+            sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue  # gone or swapped for a link meanwhile: never followed
+        try:
+            yield from files_below(sub, f"{key_prefix}{entry.name}/")
+        finally:
+            os.close(sub)
+
+
 def walk(dir_fd: int, key_prefix: str, *, stem: str = "", hidden: str) -> Iterator[ObjectInfo]:
     """Objects below the open folder ``dir_fd`` whose top-level name starts with ``stem``.
 
@@ -181,21 +211,10 @@ def walk(dir_fd: int, key_prefix: str, *, stem: str = "", hidden: str) -> Iterat
     objects: never listed, so never read or collected. A folder swapped for a link during the
     walk is skipped too.
     """
-    with os.scandir(dir_fd) as it:
-        entries = [e for e in it if e.name.startswith(stem)]
-    for entry in entries:
+    for _, key, entry in files_below(dir_fd, key_prefix, stem=stem):
         try:
-            if entry.is_dir(follow_symlinks=False):
-                try:
-                    sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
-                except OSError:
-                    continue  # gone or swapped for a link meanwhile: not listed
-                try:
-                    yield from walk(sub, f"{key_prefix}{entry.name}/", hidden=hidden)
-                finally:
-                    os.close(sub)
-            elif entry.is_file(follow_symlinks=False) and not entry.name.startswith(hidden):
+            if entry.is_file(follow_symlinks=False) and not entry.name.startswith(hidden):
                 st = entry.stat(follow_symlinks=False)
-                yield ObjectInfo(f"{key_prefix}{entry.name}", st.st_size, st.st_mtime)
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
         except FileNotFoundError:
             continue  # deleted while we looked: not listed

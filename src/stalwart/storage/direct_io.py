@@ -35,7 +35,22 @@ __all__ = ["AlignedBufferPool", "ReadBufferPool", "open_read", "read_range", "wr
 ALIGN = 4096
 
 
-class AlignedBufferPool:
+class _IdleBuffers:
+    """The idle buffers a pool keeps (at most ``keep``), under one lock; ``close`` frees them."""
+
+    def __init__(self, keep: int) -> None:
+        self._free: list[mmap.mmap] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for buf in free:
+            _close_quietly(buf)
+
+
+class AlignedBufferPool(_IdleBuffers):
     """Page-aligned buffers of ``buffer_bytes``, allocated when needed and kept for reuse.
 
     At most ``keep`` idle buffers are kept; ``get`` never blocks (concurrent writers each
@@ -45,10 +60,8 @@ class AlignedBufferPool:
     def __init__(self, buffer_bytes: int = 8 << 20, keep: int = 4) -> None:
         if buffer_bytes % ALIGN:
             raise ValueError(f"buffer_bytes must be a multiple of {ALIGN}")
+        super().__init__(keep)
         self.buffer_bytes = buffer_bytes
-        self._free: list[mmap.mmap] = []
-        self._keep = keep
-        self._lock = threading.Lock()
 
     def get(self) -> mmap.mmap:
         with self._lock:
@@ -63,14 +76,8 @@ class AlignedBufferPool:
                 return
         _close_quietly(buf)
 
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for buf in free:
-            _close_quietly(buf)
 
-
-class ReadBufferPool:
+class ReadBufferPool(_IdleBuffers):
     """Page-aligned read buffers of at least the size asked for, kept for reuse.
 
     Sizes are rounded up to ``granule_bytes`` so that spans of similar size share buffers;
@@ -82,10 +89,8 @@ class ReadBufferPool:
     def __init__(self, keep: int = 12, granule_bytes: int = 1 << 20) -> None:
         if granule_bytes % ALIGN:
             raise ValueError(f"granule_bytes must be a multiple of {ALIGN}")
+        super().__init__(keep)
         self._granule = granule_bytes
-        self._keep = keep
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> mmap.mmap:
         with self._lock:
@@ -103,12 +108,6 @@ class ReadBufferPool:
             extra, self._free = self._free[self._keep :], self._free[: self._keep]
         for b in extra:
             _close_quietly(b)
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for buf in free:
-            _close_quietly(buf)
 
 
 def open_read(path: str, *, direct: bool = True) -> tuple[int, bool]:

@@ -31,7 +31,7 @@ import time
 import uuid
 
 from stalwart.errors import StorageError
-from stalwart.storage.confine import DIR_FLAGS, NOFOLLOW
+from stalwart.storage.confine import NOFOLLOW, files_below
 
 __all__ = ["TEMP_NAME", "TEMP_PREFIX", "UNLOCKED_MIN_AGE_S", "create_claimed", "remove_stale"]
 
@@ -92,22 +92,11 @@ def remove_stale(root_fd: int, older_than_s: float) -> int:
 
 def _sweep(dir_fd: int, cutoff: float, unlocked_cutoff: float) -> int:
     removed = 0
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
+    for fd, _, entry in files_below(dir_fd):
         try:
-            if entry.is_dir(follow_symlinks=False):
-                try:
-                    sub = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
-                except OSError:
-                    continue  # gone, or swapped for a link: never followed
-                try:
-                    removed += _sweep(sub, cutoff, unlocked_cutoff)
-                finally:
-                    os.close(sub)
-            elif TEMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if TEMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
                 mtime = entry.stat(follow_symlinks=False).st_mtime
-                if mtime < cutoff and _remove_unclaimed(dir_fd, entry.name, mtime, unlocked_cutoff):
+                if mtime < cutoff and _remove_unclaimed(fd, entry.name, mtime, unlocked_cutoff):
                     removed += 1
         except FileNotFoundError:
             continue

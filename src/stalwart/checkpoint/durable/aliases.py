@@ -90,7 +90,7 @@ def parse_aliases(value: Any, entries: Mapping[str, Any]) -> dict[str, TensorAli
                 f"alias {name!r}: a view of shape {list(e.shape)} at offset {offset} with "
                 f"strides {list(strides)} does not lie inside {of!r} of shape {list(base.shape)}"
             )
-        out[name] = TensorAlias(of, offset, strides)
+        out[name] = TensorAlias(str(of), offset, strides)  # a str: base was found by it
     if any(a.of in out for a in out.values()):
         raise CorruptCheckpointError("an alias names another alias as its base")
     return out

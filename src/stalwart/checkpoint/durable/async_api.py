@@ -1,66 +1,48 @@
-"""The asynchronous half of :class:`~stalwart.checkpoint.durable.checkpointer.Checkpointer`.
+"""The asynchronous saves of a :class:`~stalwart.checkpoint.durable.checkpointer.Checkpointer`.
 
-``save_async`` (eager or lazy), ``save_captured`` (a capture another tier made), the optimizer
-guard and the waits. The background machinery (host buffers, the stager, the writer thread)
-is ``async_save.py``; what may be copied late is decided in ``checkpoint/capture.py``.
+:class:`AsyncSaves` owns ``save_async`` (eager or lazy), ``save_captured`` (a capture another
+tier made), the optimizer guard and the waits. The background machinery (host buffers, the
+stager, the writer thread) is ``async_save.py``; what may be copied late is decided in
+``checkpoint/capture.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stalwart.checkpoint.capture import Capture, optimizer_storages
 from stalwart.checkpoint.collective import Group, dedicated_group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
-from stalwart.checkpoint.durable.manifest import MAX_STEP
+from stalwart.checkpoint.durable.commit import check_save_args, refuse_replacing
+from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
-from stalwart.errors import ConfigError, DistributedError, StepExistsError, StorageError
+from stalwart.checkpoint.durable.results import SaveResult
+from stalwart.checkpoint.durable.saver import Capturer, Saver
+from stalwart.errors import DistributedError, StorageError
 from stalwart.tree import flatten
 
-if TYPE_CHECKING:
-    from stalwart.checkpoint.durable.results import SaveResult
-
+# check_save_args and refuse_replacing live in commit.py; re-exported for older importers.
 __all__ = ["AsyncSaves", "check_save_args", "refuse_replacing"]
 
 log = logging.getLogger(__name__)
 
-WriteFn = Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], "SaveResult"]
-
 
 class AsyncSaves:
-    """Mixed into the Checkpointer: asynchronous saves and the optimizer guard."""
+    """Asynchronous saves of one root and the optimizer guard.
 
-    _async: AsyncSaver
-    _background: Group | None
-    _guarded: list[torch.optim.Optimizer]
+    Owns the optimizers it guards and the dedicated group background saves use; writes
+    through the shared :class:`Saver` and queues on the shared :class:`AsyncSaver`.
+    """
 
-    @property
-    def _group(self) -> Group:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def steps(self) -> list[int]:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def _write(
-        self,
-        step: int,
-        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
-        metadata: dict[str, str] | None,
-        g: Group,
-        t0: float,
-        overwrite: bool,
-    ) -> SaveResult:  # provided by the Checkpointer
-        raise NotImplementedError
+    def __init__(self, ctx: CheckpointContext, saver: Saver, queue: AsyncSaver) -> None:
+        self.ctx, self.saver, self.queue = ctx, saver, queue
+        self.background: Group | None = None
+        self.guarded: list[torch.optim.Optimizer] = []
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
         """Refuse, on every rank alike, to replace ``step`` unless ``overwrite`` is True.
@@ -76,14 +58,16 @@ class AsyncSaves:
         """
         if overwrite:
             return
-        in_flight = [p.step for p in self._async.pending if not p.done()]  # before listing
-        g = self._group
+        in_flight = [p.step for p in self.queue.pending if not p.done()]  # before listing
+        g = self.ctx.group
         try:
-            listing = g.run(f"listing steps before {step}", lambda: [] if g.rank else self.steps())
+            listing = g.run(
+                f"listing steps before {step}", lambda: [] if g.rank else self.ctx.steps()
+            )
         except (StorageError, DistributedError) as e:  # raised on every rank alike
             log.warning("could not list the steps before step %s (%s); checked at save", step, e)
             listing = [[]]
-        refuse_replacing(step, listing[0], self.url, in_flight=in_flight)
+        refuse_replacing(step, listing[0], self.ctx.url, in_flight=in_flight)
 
     def save_async(
         self,
@@ -94,33 +78,11 @@ class AsyncSaves:
         metadata: dict[str, str] | None = None,
         overwrite: bool = False,
     ) -> PendingSave:
-        """Start saving ``state`` as ``step``; return once the state may change again.
-
-        Eager (default): returns after copying every tensor into reused host buffers.
-        Lazy: the parameters and state of the optimizers given to :meth:`guard` are copied
-        in the background while the next forward and backward run (``optimizer.step()``
-        waits for them); every other tensor is copied before this returns and every other
-        value is read now, so the checkpoint holds the state of the call exactly, whatever
-        the model changes next (BatchNorm buffers, EMA weights, schedulers, RNG). Without a
-        guarded optimizer, lazy saves copy everything now.
-        Hashing, dedup, compression, writing and the commit run in a background thread;
-        at most ``options.max_inflight_saves`` saves are in flight (a further call waits).
-        A committed step (or one still saving) is refused here, before anything is copied,
-        unless ``overwrite`` is True (see :meth:`save`).
-
-        Returns:
-            A :class:`PendingSave`: ``done()``, ``wait()`` / ``result()`` (the SaveResult,
-            or the background error), ``wait_staged()``.
-
-        Raises:
-            CheckpointError: an earlier background save failed and nobody had waited on it.
-            StepExistsError: ``step`` is committed or saving and ``overwrite`` is False.
-            UnsupportedValueError: the tree holds something that cannot be stored.
-        """
+        """Start saving ``state`` as ``step``; see :meth:`Checkpointer.save_async`."""
         check_save_args(step, metadata)
-        self._async.raise_unobserved()
+        self.queue.raise_unobserved()
         self.check_new_step(step, overwrite=overwrite)
-        g = self._background_group()
+        g = self.background_group()
         try:
             flat = flatten(state)
             items, skeleton, err = local_items(flat), flat.skeleton, None
@@ -129,20 +91,20 @@ class AsyncSaves:
                 raise
             items, skeleton, err = [], {}, e
 
-        def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
+        def write(capture: Capturer) -> SaveResult:
             def checked() -> tuple[list[LocalItem], dict[str, Any]]:
                 if err is not None:
                     raise err
                 return capture()
 
-            return self._write(step, checked, metadata, g, time.perf_counter(), overwrite)
+            return self.saver.write(step, checked, metadata, g, time.perf_counter(), overwrite)
 
         defer = self.deferrable() if lazy else frozenset()
-        if lazy and not self._guarded:
+        if lazy and not self.guarded:
             log.info("save_async(lazy=True) without guard(optimizer): every tensor copied now")
-        pending = self._async.submit(step, items, skeleton, lazy, write, defer=defer)
+        pending = self.queue.submit(step, items, skeleton, lazy, write, defer=defer)
         if err is not None:
-            pending._observed = True  # raised here; not again at the next call
+            pending.mark_observed()  # raised here; not again at the next call
             raise err
         return pending
 
@@ -165,80 +127,36 @@ class AsyncSaves:
         (:meth:`check_new_step`); the background save checks it again before it commits.
         """
         check_save_args(step, metadata)
-        g = self._background_group()
+        g = self.background_group()
 
-        def write(capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]]) -> SaveResult:
-            return self._write(step, capture, metadata, g, time.perf_counter(), overwrite)
+        def write(capture: Capturer) -> SaveResult:
+            return self.saver.write(step, capture, metadata, g, time.perf_counter(), overwrite)
 
-        return self._async.submit_captured(step, cap, items, skeleton, staged, write)
+        return self.queue.submit_captured(step, cap, items, skeleton, staged, write)
 
-    def _background_group(self) -> Group:
-        # Background saves never share the training's group (see dedicated_group); made on
-        # the first save_async, which all ranks make together.
-        g = self._group
-        if g.world > 1 and self._background is None:
-            self._background = dedicated_group(g)
-        return self._background if g.world > 1 and self._background else g
+    def background_group(self) -> Group:
+        """The group background saves use: never the training's (see dedicated_group).
+
+        Made on the first save_async, which all ranks make together.
+        """
+        g = self.ctx.group
+        if g.world > 1 and self.background is None:
+            self.background = dedicated_group(g)
+        return self.background if g.world > 1 and self.background else g
 
     def wait(self) -> None:
-        """Wait for every save in flight; raise the first failure nobody has seen."""
-        self._async.flush()
+        """See :meth:`Checkpointer.wait`."""
+        self.queue.flush()
 
     def wait_staged(self) -> None:
-        """Wait until every save in flight has copied its state (used by :meth:`guard`)."""
-        self._async.wait_staged()
+        """See :meth:`Checkpointer.wait_staged`."""
+        self.queue.wait_staged()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
-
-        Its parameters and state may then be copied lazily: they must change only in
-        ``optimizer.step()`` (the usual case; an in-place edit of a parameter between
-        ``save_async`` and the step would leak into the checkpoint).
-        """
-        self._guarded.append(optimizer)  # held: a lazy save defers only its tensors
+        """Install :func:`guard` on ``optimizer``; see :meth:`Checkpointer.guard`."""
+        self.guarded.append(optimizer)  # held: a lazy save defers only its tensors
         return guard(optimizer, self)
 
     def deferrable(self) -> frozenset[int]:
         """Storages a lazy save may copy late: those of the guarded optimizers."""
-        return optimizer_storages(self._guarded)
-
-
-def check_save_args(step: Any, metadata: Any) -> None:
-    """Refuse a step or metadata the format cannot hold, saying what is allowed."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    if step > MAX_STEP:
-        raise ConfigError(
-            f"step {step} is too large: manifest names hold 20 digits, so steps go up to "
-            f"{MAX_STEP}; number steps from 0 (a counter, not a timestamp in nanoseconds)"
-        )
-    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ConfigError("metadata must map str to str")
-
-
-def refuse_replacing(
-    step: int,
-    committed: list[int],
-    url: str,
-    *,
-    in_flight: list[int] | None = None,
-    fix: str = "pass overwrite=True (CLI: --overwrite)",
-) -> None:
-    """Raise :class:`StepExistsError` when ``step`` is committed (or still saving) at ``url``.
-
-    Callers skip it when the user passed ``overwrite=True``. Every rank must call it with
-    the same lists (rank 0's listing), so that they all raise the same error.
-    """
-    if step in (in_flight or ()):
-        raise StepExistsError(
-            f"step {step} is still being saved to {url} by an earlier save_async; wait for it "
-            "(pending.wait()), or pass overwrite=True to replace it once it commits"
-        )
-    if step not in committed:
-        return
-    latest = max(committed)
-    raise StepExistsError(
-        f"step {step} is already committed in {url}; to replace it {fix}; to continue a "
-        "run, load the latest step first "
-        f"(ckpt.load(state), latest is {latest}) and save from step {latest + 1} on"
-    )
+        return optimizer_storages(self.guarded)

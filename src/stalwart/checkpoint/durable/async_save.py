@@ -66,6 +66,15 @@ class PendingSave:
         self.capture: Capture | None = None
         self._observed = False
 
+    @property
+    def observed(self) -> bool:
+        """True once someone saw the outcome (``wait``/``result``, or an error raised)."""
+        return self._observed
+
+    def mark_observed(self) -> None:
+        """Record that the outcome was seen: a failure is then not raised again later."""
+        self._observed = True
+
     def done(self) -> bool:
         """True once the save committed or failed."""
         return self.future.done()
@@ -222,8 +231,8 @@ class AsyncSaver:
         while self._finished:
             p = self._finished.pop(0)
             err = p.future.exception()
-            if err is not None and not p._observed:
-                p._observed = True
+            if err is not None and not p.observed:
+                p.mark_observed()
                 raise CheckpointError(
                     f"the background save of step {p.step} failed: {err}; that step was not "
                     "committed (earlier checkpoints are intact)"

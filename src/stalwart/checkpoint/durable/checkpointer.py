@@ -3,6 +3,10 @@
     save(step, tree) ──► plan ──► persist ──► commit ──► retain
     load(tree, step) ──► manifest ──► check keys/shapes ──► read boxes (verified) ──► tree
 
+The Checkpointer is a front: a :class:`Saver` writes steps, a :class:`Loader` reads them,
+:class:`AsyncSaves` runs saves in the background; all three share one
+:class:`CheckpointContext` (the store, options, group, threads and manifest cache).
+
 A save is durable and committed when it returns: every rank's pack is written atomically
 and durably, then rank 0 writes the manifest (atomically) once all ranks reported success.
 A crash at any instant leaves every earlier checkpoint loadable and no partial one visible.
@@ -10,55 +14,34 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
 import os
 import time
-import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from stalwart.checkpoint.collective import Group, resolve_group
-from stalwart.checkpoint.durable.async_api import AsyncSaves, check_save_args, refuse_replacing
-from stalwart.checkpoint.durable.async_save import AsyncSaver
-from stalwart.checkpoint.durable.commit import build_manifest
-from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention, collect_garbage
-from stalwart.checkpoint.durable.loading import Loads, short_steps
-from stalwart.checkpoint.durable.manifest import (
-    MANIFEST_PREFIX,
-    ChunkRef,
-    Manifest,
-    manifest_key,
-    step_from_key,
-)
-from stalwart.checkpoint.durable.manifest_cache import ManifestCache
-from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
-from stalwart.checkpoint.durable.plan import LocalItem, local_items, merge_skeletons, plan_writes
+from stalwart.checkpoint.capture import Capture
+from stalwart.checkpoint.durable.async_api import AsyncSaves
+from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave
+from stalwart.checkpoint.durable.commit import check_save_args
+from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
+from stalwart.checkpoint.durable.gc import GCReport, collect_garbage
+from stalwart.checkpoint.durable.loading import Loader
+from stalwart.checkpoint.durable.manifest import Manifest, manifest_key
+from stalwart.checkpoint.durable.plan import LocalItem, local_items
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
-from stalwart.checkpoint.events import CheckpointEvent, emit
+from stalwart.checkpoint.durable.saver import Saver
+from stalwart.checkpoint.durable.verification import VerifyReport
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    ObjectNotFoundError,
-)
-from stalwart.storage import open_storage
-from stalwart.storage.base import ObjectInfo, Storage
-from stalwart.storage.local import LocalStorage
+from stalwart.errors import CheckpointNotFoundError, ConfigError
+from stalwart.storage.base import Storage
 from stalwart.tree import flatten
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
 
-log = logging.getLogger(__name__)
 
-
-class Checkpointer(AsyncSaves, Loads):
+class Checkpointer:
     """Sharded, deduplicated, verified checkpoints of state trees under one root.
 
     Args:
@@ -82,62 +65,20 @@ class Checkpointer(AsyncSaves, Loads):
         if not isinstance(self.options, CheckpointOptions):
             raise ConfigError(f"options must be CheckpointOptions, got {type(options).__name__}")
         self._root = root
-        self._storage_options = storage_options
-        self._storage: Storage | None = None
-        self._process_group = process_group
-        self._pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="stalwart-io")
-        self._tensor_pool = ThreadPoolExecutor(
-            self.options.io_threads, thread_name_prefix="stalwart-tensor"
+        self._ctx = CheckpointContext(
+            root, self.options, process_group=process_group, storage_options=storage_options
         )
-        self._cache = ManifestCache()  # parses, each checked against the store before use
-        self.last_load: LoadResult | None = None
         self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
-        self._background: Group | None = None
-        self._fast_index: FastIndex = {}
-        self._guarded: list[torch.optim.Optimizer] = []
+        self._saver = Saver(self._ctx)
+        self._loader = Loader(self._ctx, self._async)
+        self._async_saves = AsyncSaves(self._ctx, self._saver, self._async)
 
-    @property
-    def _group(self) -> Group:
-        # Resolved at each call, so a checkpointer made before init_process_group still
-        # coordinates the ranks (and does not race them as independent one-rank jobs).
-        return resolve_group(self._process_group)
-
-    # -- storage -----------------------------------------------------------------------
+    # -- storage and listing -----------------------------------------------------------
 
     @property
     def url(self) -> str:
         """Where the checkpoints live."""
-        return self._store(create=False).url if self._exists() else str(self._root)
-
-    def _exists(self) -> bool:
-        if self._storage is not None or not isinstance(self._root, (str, os.PathLike)):
-            return True
-        s = os.fspath(self._root)
-        return ("://" in s and not s.startswith("file://")) or Path(
-            s.removeprefix("file://")
-        ).is_dir()
-
-    def _store(self, *, create: bool) -> Storage:
-        gone = isinstance(self._storage, LocalStorage) and not Path(self._storage.root).is_dir()
-        if create and gone:
-            # Deleted under us (by a person or a cleanup job): a save recreates it, loudly.
-            log.warning(
-                "checkpoint root %s was deleted while this Checkpointer was open; recreating "
-                "it (the checkpoints it held are gone)",
-                self._storage.url,  # type: ignore[union-attr]
-            )
-            os.makedirs(self._storage.root, exist_ok=True)  # type: ignore[union-attr]
-            self._cache.clear()
-        if self._storage is None:
-            if not create and not self._exists():
-                raise CheckpointNotFoundError(
-                    f"checkpoint root {os.fspath(self._root)!r} does not exist; check the path "  # type: ignore[arg-type]
-                    "(it is created by the first save)"
-                )
-            self._storage = open_storage(
-                self._root, storage_options=self._storage_options, create=True
-            )
-        return self._storage
+        return self._ctx.url
 
     @property
     def storage(self) -> Storage:
@@ -146,60 +87,24 @@ class Checkpointer(AsyncSaves, Loads):
         Raises:
             CheckpointNotFoundError: the root does not exist.
         """
-        return self._store(create=False)
-
-    # -- listing -----------------------------------------------------------------------
+        return self._ctx.store(create=False)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (empty when the root holds none or does not exist)."""
-        if not self._exists():
-            return []
-        keys = self._store(create=False).list(MANIFEST_PREFIX)
-        return sorted(s for s in (step_from_key(i.key) for i in keys) if s is not None)
+        return self._ctx.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return self._ctx.latest_step()
 
     def manifest(self, step: int) -> Manifest:
-        """The manifest of a committed ``step``.
+        """The manifest of a committed ``step``, as stored now.
 
         Raises:
             CheckpointNotFoundError: the step was never committed (or was deleted).
             CorruptCheckpointError: the manifest is damaged.
         """
-        return self._manifest(step)
-
-    def _manifest(self, step: int, listed: ObjectInfo | None = None) -> Manifest:
-        # As stored now, never an older copy: another process may have replaced or deleted
-        # the step, and retention, dedup and load must act on what is there (see
-        # manifest_cache). ``listed``: the step's entry in a listing made before this call.
-        store = self._store(create=False)
-        try:
-            return self._cache.get(store, step, listed=listed)
-        except ObjectNotFoundError:
-            steps = self.steps()
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
-                f"{short_steps(steps)}" + ("" if steps else " (none yet)")
-            ) from None
-
-    def _known_chunks(self, steps: list[int]) -> dict[str, ChunkRef]:
-        # Manifests as stored now (see _manifest): dedup must never reference a pack that
-        # only an out-of-date copy of a manifest names. The listing comes before the reads.
-        self._cache.keep_only(set(steps))
-        listed = {step_from_key(i.key): i for i in self._store(create=False).list(MANIFEST_PREFIX)}
-        known: dict[str, ChunkRef] = {}
-        for s in steps:
-            try:
-                m = self._manifest(s, listed.get(s))
-            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-                log.warning("not deduplicating against step %s: %s", s, e)
-                continue
-            for c in m.chunks():
-                known.setdefault(c.hash, c)
-        return known
+        return self._ctx.manifest(step)
 
     # -- save --------------------------------------------------------------------------
 
@@ -230,132 +135,138 @@ class Checkpointer(AsyncSaves, Loads):
             flat = flatten(state)
             return local_items(flat), flat.skeleton
 
-        return self._write(step, capture, metadata, self._group, time.perf_counter(), overwrite)
+        g, t0 = self._ctx.group, time.perf_counter()
+        return self._saver.write(step, capture, metadata, g, t0, overwrite)
 
-    def _write(
+    def save_async(
         self,
         step: int,
-        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
-        metadata: dict[str, str] | None,
-        g: Group,
-        t0: float,
-        overwrite: bool,
-    ) -> SaveResult:
-        """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
-        on_event, meta = self.options.on_event, dict(metadata or {})
-        try:
-            r = self._write_step(step, capture, metadata, g, t0, overwrite)
-        except BaseException as e:
-            seconds = time.perf_counter() - t0
-            failed = CheckpointEvent("save_failed", step, self.url, g.rank, seconds, metadata=meta)
-            emit(on_event, dataclasses.replace(failed, error=repr(e)))
-            raise
-        sizes = (r.bytes_total, r.bytes_written)
-        emit(
-            on_event,
-            CheckpointEvent("save", step, self.url, g.rank, r.seconds, *sizes, metadata=meta),
-        )
-        return r
+        state: Any,
+        *,
+        lazy: bool = False,
+        metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> PendingSave:
+        """Start saving ``state`` as ``step``; return once the state may change again.
 
-    def _write_step(
-        self,
-        step: int,
-        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
-        metadata: dict[str, str] | None,
-        g: Group,
-        t0: float,
-        overwrite: bool,
-    ) -> SaveResult:
-        """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
+        Eager (default): returns after copying every tensor into reused host buffers.
+        Lazy: the parameters and state of the optimizers given to :meth:`guard` are copied
+        in the background while the next forward and backward run (``optimizer.step()``
+        waits for them); every other tensor is copied before this returns and every other
+        value is read now, so the checkpoint holds the state of the call exactly, whatever
+        the model changes next (BatchNorm buffers, EMA weights, schedulers, RNG). Without a
+        guarded optimizer, lazy saves copy everything now.
+        Hashing, dedup, compression, writing and the commit run in a background thread;
+        at most ``options.max_inflight_saves`` saves are in flight (a further call waits).
+        A committed step (or one still saving) is refused here, before anything is copied,
+        unless ``overwrite`` is True (see :meth:`save`).
 
-        Rank 0 leases the committed steps before any rank reads their manifests, so that
-        another process's retention or GC cannot delete a pack this save deduplicates
-        against between that read and the commit (retention honours leased steps). Every
-        rank refuses a committed ``step`` on that one listing, before anything is written.
+        Returns:
+            A :class:`PendingSave`: ``done()``, ``wait()`` / ``result()`` (the SaveResult,
+            or the background error), ``wait_staged()``.
+
+        Raises:
+            CheckpointError: an earlier background save failed and nobody had waited on it.
+            StepExistsError: ``step`` is committed or saving and ``overwrite`` is False.
+            UnsupportedValueError: the tree holds something that cannot be stored.
         """
-        local: dict[str, Any] = {}
-        with contextlib.ExitStack() as held:
+        return self._async_saves.save_async(
+            step, state, lazy=lazy, metadata=metadata, overwrite=overwrite
+        )
 
-            def listing() -> list[int]:
-                local["store"] = store = self._store(create=True)
-                steps = self.steps() if g.rank == 0 else []
-                if g.rank == 0:
-                    held.enter_context(
-                        Lease(store, steps=steps, packs=(), lease_s=self.options.lease_s)
-                    )
-                return steps
-
-            steps = g.run(f"listing steps before step {step}", listing)[0]
-            if not overwrite:  # every rank decides on rank 0's listing: all raise alike
-                refuse_replacing(step, steps, self.url)
-
-            def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
-                # Everything that can fail on one rank alone (opening the store, reading
-                # manifests, flattening the state) runs inside g.run, so that such a failure
-                # fails every rank instead of leaving the others in the next collective.
-                local["items"], skeleton = capture()
-                local["known"] = self._known_chunks(steps)
-                return [it.describe() for it in local["items"]], skeleton
-
-            described = g.run(f"preparing step {step}", prepare)
-            store, items, known = local["store"], local["items"], local["known"]
-            plan = plan_writes(items, [d[0] for d in described], g.rank)
-            skeleton = merge_skeletons([d[1] for d in described])
-            pack_key = f"packs/step-{step:020d}-rank{g.rank:05d}-{uuid.uuid4().hex[:12]}.pack"
-
-            def persist() -> Any:
-                shards, stats = persist_boxes(
-                    store,
-                    plan.writes,
-                    pack_key=pack_key,
-                    known=known,
-                    options=self.options,
-                    pool=self._pool,
-                    previous=self._fast_index,
-                )
-                local["fast_index"], stats.fast_index = stats.fast_index, {}  # this rank's
-                return {k: s.to_json() for k, s in shards.items()}, stats
-
-            if g.rank == 0:
-                packs = {c.pack for c in known.values()}
-                held.enter_context(
-                    Lease(store, steps=steps, packs=packs, lease_s=self.options.lease_s)
-                )
-            results = g.run(f"saving step {step}", persist)
-
-            done = (step, plan.tensors, plan.aliases, skeleton, results, g.world, metadata, t0)
-            g.run(f"committing step {step}", lambda: None if g.rank else self._commit(*done))
-        if g.rank == 0:
-            try:
-                self._retain(store)
-            except Exception:  # the checkpoint is committed; retention retries next save
-                log.warning("retention after step %s failed", step, exc_info=True)
-        self._fast_index = local["fast_index"]  # committed: valid for the next save
-        g.all_gather(None)  # nobody returns before retention finished on rank 0
-        return SaveResult.summed(step, time.perf_counter() - t0, [r[1] for r in results])
-
-    def _commit(
+    def save_captured(
         self,
         step: int,
-        tensors: dict[str, tuple[str, tuple[int, ...]]],
-        aliases: dict[str, Any],
+        cap: Capture,
+        items: list[LocalItem],
         skeleton: dict[str, Any],
-        results: list[Any],
-        world: int,
-        metadata: dict[str, str] | None,
-        t0: float,
-    ) -> Manifest:
-        m = build_manifest(step, tensors, skeleton, results, world, metadata, t0, aliases=aliases)
-        data = m.to_bytes()
-        self._store(create=True).write(manifest_key(step), [data])
-        self._cache.adopt(step, data, m)  # known bytes: the next check is one read, no parse
-        return m
+        staged: Future[None],
+        *,
+        metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> PendingSave:
+        """Persist a capture made by another tier; see :meth:`AsyncSaves.save_captured`."""
+        return self._async_saves.save_captured(
+            step, cap, items, skeleton, staged, metadata=metadata, overwrite=overwrite
+        )
 
-    def _retain(self, store: Storage) -> GCReport:
-        report = apply_retention(store, self.options.keep, self.steps(), self.manifest)
-        for s in report.deleted_steps:
-            self._cache.forget(s)
-        return report
+    def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
+        """Refuse, on every rank alike, to replace ``step`` unless ``overwrite`` is True.
+
+        Collective; see :meth:`AsyncSaves.check_new_step`.
+
+        Raises:
+            StepExistsError: ``step`` is committed or in flight and ``overwrite`` is False.
+        """
+        self._async_saves.check_new_step(step, overwrite=overwrite)
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first failure nobody has seen."""
+        self._async_saves.wait()
+
+    def wait_staged(self) -> None:
+        """Wait until every save in flight has copied its state (used by :meth:`guard`)."""
+        self._async_saves.wait_staged()
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
+
+        Its parameters and state may then be copied lazily: they must change only in
+        ``optimizer.step()`` (the usual case; an in-place edit of a parameter between
+        ``save_async`` and the step would leak into the checkpoint).
+        """
+        return self._async_saves.guard(optimizer)
+
+    def deferrable(self) -> frozenset[int]:
+        """Storages a lazy save may copy late: those of the guarded optimizers."""
+        return self._async_saves.deferrable()
+
+    # -- load --------------------------------------------------------------------------
+
+    @property
+    def last_load(self) -> LoadResult | None:
+        """What the last :meth:`load` loaded (step, seconds, bytes, skipped, mismatched)."""
+        return self._loader.last_load
+
+    def load(
+        self,
+        state: Any = None,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        fallback: bool = False,
+    ) -> Any:
+        """Load a checkpoint into ``state``'s tensors in place and return the loaded tree.
+
+        Args:
+            state: a state tree whose tensors (plain or DTensor, any sharding) receive the
+                data; stateful objects get ``load_state_dict``. ``None`` returns the whole
+                checkpoint as full CPU tensors (the consolidated view).
+            step: the step to load; the newest committed one when None.
+            strict: raise when ``state`` and the checkpoint differ in keys, shapes or dtypes;
+                with False, load what matches and leave the rest untouched.
+            fallback: when the step is damaged, load the newest older step that verifies,
+                and say so in a warning and in ``last_load.skipped``.
+
+        Raises:
+            CheckpointNotFoundError: no such root or step.
+            CorruptCheckpointError: damaged data (and no fallback left).
+            StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
+        """
+        return self._loader.load(state, step, strict=strict, fallback=fallback)
+
+    def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
+        """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified,
+        and the number of bytes read (see :meth:`Loader.read_tensor`)."""
+        return self._loader.read_tensor(step, name)
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Read and hash every chunk of ``step`` (the newest when None); report all damage.
+
+        Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
+        every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
+        """
+        return self._loader.verify(step)
 
     # -- maintenance -------------------------------------------------------------------
 
@@ -364,29 +275,26 @@ class Checkpointer(AsyncSaves, Loads):
 
         Works on a step whose manifest is damaged, so that it can be cleared away.
         """
-        store = self._store(create=False)
+        store = self._ctx.store(create=False)
         if step not in self.steps():
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{short_steps(self.steps())}"
             )
         store.delete(manifest_key(step))
-        self._cache.forget(step)
+        self._ctx.cache.forget(step)
 
     def gc(self, *, grace_s: float | None = None) -> GCReport:
         """Apply retention, then delete pack files no checkpoint or lease references."""
-        store = self._store(create=False)
-        report = self._retain(store)
+        store = self._ctx.store(create=False)
+        report = self._saver.retain(store)
         grace = self.options.gc_grace_s if grace_s is None else grace_s
         return collect_garbage(store, grace_s=grace, report=report)
 
     def close(self) -> None:
         """Wait for saves in flight, then release threads and connections."""
         self._async.close()
-        self._tensor_pool.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
-        if self._storage is not None:
-            self._storage.close()
+        self._ctx.close()
 
     def __enter__(self) -> Checkpointer:
         return self

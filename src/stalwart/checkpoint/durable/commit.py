@@ -1,7 +1,9 @@
 """Commit: turn every rank's shard records into the manifest that makes a step exist.
 
 The manifest is written last, by one rank, after every rank reported its pack durable
-(see ``Checkpointer._write``); a single atomic ``Storage.write`` makes the step visible.
+(see ``Saver.write``); a single atomic ``Storage.write`` makes the step visible. Before
+anything is written, :func:`check_save_args` and :func:`refuse_replacing` refuse what may
+not be committed.
 """
 
 from __future__ import annotations
@@ -12,10 +14,21 @@ from typing import Any
 
 from stalwart.checkpoint.durable.aliases import TensorAlias
 from stalwart.checkpoint.durable.integrity import MAX_TREE_DEPTH, check_skeleton
-from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, ShardEntry, TensorEntry
-from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
+from stalwart.checkpoint.durable.manifest import (
+    MAX_STEP,
+    ChunkRef,
+    Manifest,
+    ShardEntry,
+    TensorEntry,
+)
+from stalwart.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    StepExistsError,
+    UnsupportedValueError,
+)
 
-__all__ = ["build_manifest"]
+__all__ = ["build_manifest", "check_save_args", "refuse_replacing"]
 
 
 def build_manifest(
@@ -88,3 +101,44 @@ def _tensor_entries(
         fqn: TensorEntry(dtype, shape, tuple(sorted(shards[fqn], key=lambda s: s.offsets)))
         for fqn, (dtype, shape) in tensors.items()
     }
+
+
+def check_save_args(step: Any, metadata: Any) -> None:
+    """Refuse a step or metadata the format cannot hold, saying what is allowed."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if step > MAX_STEP:
+        raise ConfigError(
+            f"step {step} is too large: manifest names hold 20 digits, so steps go up to "
+            f"{MAX_STEP}; number steps from 0 (a counter, not a timestamp in nanoseconds)"
+        )
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ConfigError("metadata must map str to str")
+
+
+def refuse_replacing(
+    step: int,
+    committed: list[int],
+    url: str,
+    *,
+    in_flight: list[int] | None = None,
+    fix: str = "pass overwrite=True (CLI: --overwrite)",
+) -> None:
+    """Raise :class:`StepExistsError` when ``step`` is committed (or still saving) at ``url``.
+
+    Callers skip it when the user passed ``overwrite=True``. Every rank must call it with
+    the same lists (rank 0's listing), so that they all raise the same error.
+    """
+    if step in (in_flight or ()):
+        raise StepExistsError(
+            f"step {step} is still being saved to {url} by an earlier save_async; wait for it "
+            "(pending.wait()), or pass overwrite=True to replace it once it commits"
+        )
+    if step not in committed:
+        return
+    latest = max(committed)
+    raise StepExistsError(
+        f"step {step} is already committed in {url}; to replace it {fix}; to continue a "
+        "run, load the latest step first "
+        f"(ckpt.load(state), latest is {latest}) and save from step {latest + 1} on"
+    )

@@ -64,7 +64,7 @@ from stalwart.errors import (
     StoragePermissionError,
     UnsafePathError,
 )
-from stalwart.storage.base import ObjectInfo, Storage
+from stalwart.storage.base import ObjectInfo, RemovesStaleTemps, Storage
 
 __all__ = [
     "GCReport",
@@ -324,9 +324,8 @@ def collect_garbage(
             len(report.skipped),
             report.skipped[0],
         )
-    remove_temps = getattr(storage, "remove_stale_temps", None)
-    if callable(remove_temps):
-        report.temps_removed = int(remove_temps(grace_s))
+    if isinstance(storage, RemovesStaleTemps):
+        report.temps_removed = int(storage.remove_stale_temps(grace_s))
     return report
 
 

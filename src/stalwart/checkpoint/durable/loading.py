@@ -1,71 +1,38 @@
-"""The reading half of :class:`~stalwart.checkpoint.durable.checkpointer.Checkpointer`.
+"""The reading half of a checkpointer: :class:`Loader`.
 
 ``load`` (newest or a given step, strict or not, falling back past damaged steps on every
 rank together), ``read_tensor`` (one whole tensor, verified: the read API tools use) and
-``verify``. The routine that fills a state is ``restore.py``; reading and verifying bytes is
-``reshard.py``.
+``verify`` (the engine's check, ``verification.py``). The routine that fills a state is
+``restore.py``; reading and verifying bytes is ``reshard.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
-from stalwart.checkpoint.collective import Group
-from stalwart.checkpoint.durable.manifest import Manifest
+from stalwart.checkpoint.durable.async_save import AsyncSaver
+from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.checkpoint.durable.restore import load_first_that_verifies, load_step
 from stalwart.checkpoint.durable.results import LoadResult
+from stalwart.checkpoint.durable.verification import VerifyReport, verify_stored_step
 from stalwart.checkpoint.events import CheckpointEvent, emit
-from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointNotFoundError
-from stalwart.storage.base import Storage
 from stalwart.tree import dtype_from_name
 
-if TYPE_CHECKING:
-    from stalwart.checkpoint.durable.async_save import AsyncSaver
-    from stalwart.checkpoint.durable.checkpointer import Checkpointer
-    from stalwart.checkpoint.tools.verify import VerifyReport
-
-__all__ = ["Loads", "short_steps"]
+__all__ = ["Loader"]
 
 
-class Loads:
-    """Mixed into the Checkpointer: loading and verified reads."""
+class Loader:
+    """Loads and verified reads of one root; owns the record of the last load."""
 
-    options: CheckpointOptions
-    last_load: LoadResult | None
-    _async: AsyncSaver
-    _pool: ThreadPoolExecutor
-    _tensor_pool: ThreadPoolExecutor
-
-    @property
-    def _group(self) -> Group:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    @property
-    def storage(self) -> Storage:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def _store(self, *, create: bool) -> Storage:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def steps(self) -> list[int]:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def latest_step(self) -> int | None:  # provided by the Checkpointer
-        raise NotImplementedError
-
-    def manifest(self, step: int) -> Manifest:  # provided by the Checkpointer
-        raise NotImplementedError
+    def __init__(self, ctx: CheckpointContext, queue: AsyncSaver) -> None:
+        self.ctx, self.queue = ctx, queue  # queue: background failures surface at a load
+        self.last_load: LoadResult | None = None
 
     def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
         """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified.
@@ -78,11 +45,13 @@ class Loads:
             KeyError: the step holds no tensor of that name.
             CorruptCheckpointError: a chunk fails its checksum.
         """
-        e = self.manifest(step).tensors[name]
-        store = self.storage
+        e = self.ctx.manifest(step).tensors[name]
+        store = self.ctx.store(create=False)
         dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
         where = f"checkpoint {store.url} step {step}"
-        stats = read_box(store, e, name, (0,) * len(e.shape), dest, pool=self._pool, where=where)
+        stats = read_box(
+            store, e, name, (0,) * len(e.shape), dest, pool=self.ctx.io_pool, where=where
+        )
         return dest, stats.bytes_read
 
     def load(
@@ -93,31 +62,15 @@ class Loads:
         strict: bool = True,
         fallback: bool = False,
     ) -> Any:
-        """Load a checkpoint into ``state``'s tensors in place and return the loaded tree.
-
-        Args:
-            state: a state tree whose tensors (plain or DTensor, any sharding) receive the
-                data; stateful objects get ``load_state_dict``. ``None`` returns the whole
-                checkpoint as full CPU tensors (the consolidated view).
-            step: the step to load; the newest committed one when None.
-            strict: raise when ``state`` and the checkpoint differ in keys, shapes or dtypes;
-                with False, load what matches and leave the rest untouched.
-            fallback: when the step is damaged, load the newest older step that verifies,
-                and say so in a warning and in ``last_load.skipped``.
-
-        Raises:
-            CheckpointNotFoundError: no such root or step.
-            CorruptCheckpointError: damaged data (and no fallback left).
-            StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
-        """
-        self._async.raise_unobserved()
+        """Load a checkpoint into ``state``; see :meth:`Checkpointer.load`."""
+        self.queue.raise_unobserved()
         t0 = time.perf_counter()
-        g = self._group
+        g = self.ctx.group
         # Rank 0 lists; every rank learns if that failed.
-        steps = g.run("listing checkpoints", lambda: self.steps() if g.rank == 0 else [])[0]
+        steps = g.run("listing checkpoints", lambda: self.ctx.steps() if g.rank == 0 else [])[0]
         if not steps:
             raise CheckpointNotFoundError(
-                f"no committed checkpoint under {self.url}; save one first or check the path"
+                f"no committed checkpoint under {self.ctx.url}; save one first or check the path"
             )
         if step is None:
             candidates = sorted(steps, reverse=True)
@@ -125,7 +78,7 @@ class Loads:
             candidates = [s for s in sorted(steps, reverse=True) if s <= step]
         else:
             raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint in {self.url}; "
+                f"step {step} is not a committed checkpoint in {self.ctx.url}; "
                 f"committed steps: {short_steps(steps)}"
             )
         if not fallback:
@@ -135,28 +88,29 @@ class Loads:
             lambda s: self._load_step(s, state, strict),
             g,
             fallback=fallback,
-            where=self.url,
+            where=self.ctx.url,
         )
         self.last_load = LoadResult(s, time.perf_counter() - t0, read, skipped, mismatched)
         loaded = CheckpointEvent(
-            "load", s, self.url, g.rank, self.last_load.seconds, bytes_read=read
+            "load", s, self.ctx.url, g.rank, self.last_load.seconds, bytes_read=read
         )
         emit(
-            self.options.on_event, dataclasses.replace(loaded, skipped=tuple(k for k, _ in skipped))
+            self.ctx.options.on_event,
+            dataclasses.replace(loaded, skipped=tuple(k for k, _ in skipped)),
         )
         return tree
 
     def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:
-        store = self._store(create=False)
+        store = self.ctx.store(create=False)
         return load_step(
-            self.manifest(step),
+            self.ctx.manifest(step),
             store,
             state,
             strict=strict,
             where=f"checkpoint {store.url} step {step}",
-            io_pool=self._pool,
-            tensor_pool=self._tensor_pool,
-            lease_s=self.options.lease_s,
+            io_pool=self.ctx.io_pool,
+            tensor_pool=self.ctx.tensor_pool,
+            lease_s=self.ctx.options.lease_s,
         )
 
     def verify(self, step: int | None = None) -> VerifyReport:
@@ -165,17 +119,15 @@ class Loads:
         Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
         every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
         """
-        from stalwart.checkpoint.tools.verify import verify_step
-
         if step is None:
-            step = self.latest_step()
+            step = self.ctx.latest_step()
             if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.url}")
-        return verify_step(cast("Checkpointer", self), step)
-
-
-def short_steps(steps: list[int]) -> str:
-    """A list of steps for a message: whole when short, else its ends and its count."""
-    if len(steps) <= 8:
-        return str(steps)
-    return f"[{steps[0]}, {steps[1]}, …, {steps[-2]}, {steps[-1]}] ({len(steps)} in all)"
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.ctx.url}")
+        ctx = self.ctx
+        return verify_stored_step(
+            ctx.store(create=False),
+            step,
+            io_threads=ctx.options.io_threads,
+            lease_s=ctx.options.lease_s,
+            committed=ctx.steps,
+        )

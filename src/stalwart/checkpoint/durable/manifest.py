@@ -25,6 +25,7 @@ import blake3
 
 from stalwart.checkpoint.durable.aliases import TensorAlias, parse_aliases
 from stalwart.checkpoint.durable.integrity import brief, check_skeleton, tiling_problems
+from stalwart.checkpoint.durable.summary import inspect_manifest, render_inspection
 from stalwart.errors import CorruptCheckpointError
 from stalwart.storage.base import validate_key
 from stalwart.tree import dtype_from_name
@@ -199,10 +200,8 @@ class Manifest:
         return {c.pack for c in self.chunks()}
 
     def _repr_html_(self) -> str:
-        """Jupyter's rendering; drawn by the tools room, this room stays presentation-free."""
-        from stalwart.checkpoint.tools.inspection import inspect_manifest
-
-        return inspect_manifest(self)._repr_html_()
+        """Jupyter's rendering: the step's inspection (see ``durable/summary.py``)."""
+        return render_inspection(inspect_manifest(self))
 
     def to_bytes(self) -> bytes:
         """The manifest as written: compact JSON whose last member is its checksum."""

@@ -128,7 +128,7 @@ def find_aliases(leaves: dict[str, torch.Tensor]) -> dict[str, TensorAlias]:
             start = t.storage_offset() - lo
             last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
             if fqn != base_fqn and start >= 0 and last < base.numel():
-                aliases[fqn] = TensorAlias(base_fqn, start, tuple(int(s) for s in t.stride()))
+                aliases[fqn] = TensorAlias(base_fqn, int(start), tuple(int(s) for s in t.stride()))
     return aliases
 
 

@@ -33,7 +33,7 @@ import torch
 from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
 from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
-from stalwart.storage.base import Storage
+from stalwart.storage.base import ReadsViews, Storage
 from stalwart.tree import dtype_from_name
 
 __all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
@@ -138,12 +138,12 @@ def _open_span(
     """Read pack bytes ``[start, end)``; return them and the function that frees them."""
     if end == start:
         return memoryview(b""), lambda: None
-    read_view = getattr(storage, "read_view", None)
     try:
-        if read_view is not None:
+        if isinstance(storage, ReadsViews):
             stack = ExitStack()
             try:
-                return stack.enter_context(read_view(pack, start, end - start)), stack.close
+                view = storage.read_view(pack, start, end - start)
+                return stack.enter_context(view), stack.close
             except BaseException:
                 stack.close()
                 raise

@@ -43,7 +43,7 @@ from stalwart.checkpoint.memory.erasure_codec import (
     make_codec,
 )
 from stalwart.checkpoint.memory.erasure_records import ErasureStats, ProtectedSnapshot
-from stalwart.checkpoint.memory.erasure_transfers import PeerTransfers
+from stalwart.checkpoint.memory.erasure_transfers import PeerRoute, PeerTransfers
 from stalwart.checkpoint.memory.snapshot import Snapshot
 from stalwart.errors import ConfigError, CorruptCheckpointError, DistributedError
 
@@ -119,6 +119,8 @@ class ErasureGroup:
         self.group_index = next(i for i, ms in enumerate(self.groups) if self.rank in ms)
         self.members = self.groups[self.group_index]
         self.member = self.members.index(self.rank)
+        ranks = [r if self.pg is None else dist.get_global_rank(self.pg, r) for r in self.members]
+        self._route = PeerRoute(tuple(ranks), self.pg, self.timeout_s, self.group_index)
         self.last_protect: ErasureStats | None = None
         self.last_rebuild: ErasureStats | None = None
         self._work = HostBuffer()  # transient stripe data of protect and rebuild
@@ -127,9 +129,6 @@ class ErasureGroup:
         if layout == "consecutive":
             return tuple(range(g * self.n, (g + 1) * self.n))
         return tuple(g + i * self.num_groups for i in range(self.n))
-
-    def _global(self, pg_rank: int) -> int:
-        return pg_rank if self.pg is None else dist.get_global_rank(self.pg, pg_rank)
 
     def _gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every pg rank's ``values`` (same length everywhere), indexed by pg rank."""
@@ -196,7 +195,7 @@ class ErasureGroup:
         size = total // k
         error: BaseException | None = None
         try:
-            tx = PeerTransfers(self, stats)
+            tx = PeerTransfers(self._route, stats)
             idx_t = torch.frombuffer(bytearray(index), dtype=torch.uint8)
             indexes: list[torch.Tensor] = []
             for y in range(n):
@@ -217,7 +216,7 @@ class ErasureGroup:
                 tx.recv(work[i * size : i * size + real], y, _DATA, x)
                 work[i * size + real : (i + 1) * size].zero_()
             tx.wait()
-            later = PeerTransfers(self, stats)
+            later = PeerTransfers(self._route, stats)
             pbuf = parity_buffer if parity_buffer is not None else HostBuffer()
             slots = iter(pbuf.acquire(self.m * size).split(size))
             parity: dict[int, torch.Tensor] = {}
@@ -377,7 +376,7 @@ class ErasureGroup:
         lay, k, x = self.layout, self.k, self.member
         lost_set = set(lost_m)
         alive = [y for y in range(self.n) if y not in lost_set]
-        tx = PeerTransfers(self, stats)
+        tx = PeerTransfers(self._route, stats)
         # Stripes with a lost data piece; each is decoded by its first surviving parity
         # holder (one exists: if all m parity holders are lost, no data member is).
         plan: dict[int, tuple[int, list[int]]] = {}

@@ -34,7 +34,7 @@ from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
-from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier
+from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier, TieredSaveResult
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.tree import flatten
@@ -71,7 +71,7 @@ class TieredCheckpointer:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
-        memory = [t for t in tiers if t.root is None]
+        memory = [t for t in tiers if t.is_memory]
         if len(memory) > 1:
             raise ConfigError("at most one memory tier (root=None)")
         self.tiers = list(tiers)
@@ -86,7 +86,7 @@ class TieredCheckpointer:
                 storage_options=t.storage_options,
             )
             for t in tiers
-            if t.root is not None
+            if t.root is not None  # a durable tier (narrows the type, unlike is_memory)
         }
         self._process_group = process_group
         self._erasure_cfg = erasure
@@ -127,7 +127,7 @@ class TieredCheckpointer:
         names = g.broadcast([t.name for t in due])  # time-based policies: rank 0 decides
         return [t for t in self.tiers if t.name in names]
 
-    def save(self, step: int, state: Any, *, overwrite: bool = False) -> dict[str, Any]:
+    def save(self, step: int, state: Any, *, overwrite: bool = False) -> TieredSaveResult:
         """Save ``step`` to every tier that is due; durable when it returns.
 
         Returns what each tier did: the kept snapshot for the memory tier, the
@@ -138,11 +138,12 @@ class TieredCheckpointer:
                 (see :meth:`save_async`).
         """
         out = self.save_async(step, state, overwrite=overwrite)
-        return {n: (v.wait() if isinstance(v, PendingSave) else v) for n, v in out.items()}
+        done = {n: (v.wait() if isinstance(v, PendingSave) else v) for n, v in out.items()}
+        return TieredSaveResult(step, done)
 
     def save_async(
         self, step: int, state: Any, *, lazy: bool = False, overwrite: bool = False
-    ) -> dict[str, Any]:
+    ) -> TieredSaveResult:
         """Copy the state to host once, then feed every due tier from that one copy.
 
         Eager: every tensor is copied before this returns. Lazy: the parameters and state of
@@ -158,12 +159,12 @@ class TieredCheckpointer:
         """
         due = self._due(step)
         if not due:
-            return {}
+            return TieredSaveResult(step)
         self._settle()
         self.check_new_step(step, due, overwrite=overwrite)
         flat = flatten(state)
         items, skeleton = local_items(flat), flat.skeleton
-        mem_due = any(t.root is None for t in due)
+        mem_due = any(t.is_memory for t in due)
         if mem_due:
             self._erasure()  # made by every rank together, before any background work
         buffer, slot = self.memory.acquire(for_memory=mem_due, step=step)
@@ -176,7 +177,7 @@ class TieredCheckpointer:
         self.last_capture = cap
         out: dict[str, Any] = {}
         for t in due:
-            if t.root is not None:
+            if not t.is_memory:
                 ck = self.durable[t.name]
                 pending = ck.save_captured(step, cap, items, skeleton, staged, overwrite=overwrite)
                 self.memory.hold(buffer, pending)
@@ -184,8 +185,8 @@ class TieredCheckpointer:
             self._last[t.name] = (step, time.monotonic())
         if not mem_due:
             self.memory.release(buffer)
-            return out
-        name = next(t.name for t in due if t.root is None)
+            return TieredSaveResult(step, out)
+        name = next(t.name for t in due if t.is_memory)
 
         def keep() -> Any:
             staged.result()
@@ -196,7 +197,7 @@ class TieredCheckpointer:
             out[name] = self._pending_snapshot
         else:
             out[name] = keep()
-        return out
+        return TieredSaveResult(step, out)
 
     def check_new_step(self, step: int, due: list[Tier], *, overwrite: bool = False) -> None:
         """Refuse ``step`` where a due durable tier committed it (or is saving it).
@@ -210,7 +211,7 @@ class TieredCheckpointer:
             StepExistsError: a due durable tier holds ``step`` and ``overwrite`` is False.
         """
         for t in due:
-            if t.root is not None:
+            if not t.is_memory:
                 self.durable[t.name].check_new_step(step, overwrite=overwrite)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:

@@ -9,189 +9,26 @@ strings) are compared from the two skeletons without reading any tensor data.
 
 ``DiffReport.to_json()`` is the machine-readable form, ``to_arrow()`` / ``to_pandas()`` /
 ``to_polars()`` the tabular one; ``write_diff_html`` renders a self-contained HTML page of it
-and ``_repr_html_`` a compact fragment for notebooks (:mod:`.notebook`).
+and ``_repr_html_`` a compact fragment for notebooks (the records: :mod:`.diff_report`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
-from stalwart.checkpoint.tools.verify import reader_lease
-from stalwart.errors import ConfigError, require
+from stalwart.checkpoint.durable.verification import reader_lease
+from stalwart.checkpoint.tools.diff_report import DiffReport, TensorDiff, ValueDiff
 
 __all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps"]
 
 _BLOCK_ELEMS = 1 << 20
 """Elements compared per block: bounds the float64 scratch to ~8 MiB per operand."""
-
-
-@dataclass
-class TensorDiff:
-    """How one tensor differs between step ``a`` and step ``b``.
-
-    Attributes:
-        name: the tensor's FQN.
-        status: ``unchanged``, ``changed``, ``added`` (only in b), ``removed`` (only in a)
-            or ``reshaped`` (shape differs; values not compared).
-        dtype: dtype in b (in a when removed).
-        shape: shape in b (in a when removed).
-        numel: elements of ``shape``.
-        old_dtype: dtype in a when it differs from ``dtype``, else None.
-        old_shape: shape in a when it differs from ``shape``, else None.
-        changed_elements: elements whose values differ (NaN equals NaN); None when not
-            compared.
-        l2: L2 norm of ``b - a`` over the changed elements whose difference is finite.
-        max_abs: largest ``|b - a|`` among those.
-        relative: ``l2 / ||a||`` (``inf`` when a is all zeros and something changed).
-        nonfinite: changed elements whose difference is not finite (a NaN or inf appeared).
-        compared_by: ``hash`` when settled by chunk hashes, ``data`` when values were read,
-            ``none`` when not compared (added, removed, reshaped).
-    """
-
-    name: str
-    status: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    old_dtype: str | None = None
-    old_shape: tuple[int, ...] | None = None
-    changed_elements: int | None = None
-    l2: float | None = None
-    max_abs: float | None = None
-    relative: float | None = None
-    nonfinite: int = 0
-    compared_by: str = "none"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "status": self.status,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "numel": self.numel,
-            "old_dtype": self.old_dtype,
-            "old_shape": None if self.old_shape is None else list(self.old_shape),
-            "changed_elements": self.changed_elements,
-            "l2": _num(self.l2),
-            "max_abs": _num(self.max_abs),
-            "relative": _num(self.relative),
-            "nonfinite": self.nonfinite,
-            "compared_by": self.compared_by,
-        }
-
-
-@dataclass
-class ValueDiff:
-    """A non-tensor value (from the skeleton) that differs between the two steps.
-
-    Attributes:
-        path: the value's path, keys joined with ``.`` like tensor FQNs.
-        status: ``changed``, ``added`` or ``removed``.
-        old: a short rendering of the value in a (None when added).
-        new: a short rendering of the value in b (None when removed).
-    """
-
-    path: str
-    status: str
-    old: str | None
-    new: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "old": self.old, "new": self.new}
-
-
-@dataclass
-class DiffReport:
-    """Everything :func:`diff_steps` found.
-
-    Attributes:
-        a: the older (reference) step.
-        b: the step compared against it.
-        tensors: one row per tensor in either step, in a's order then b's new ones.
-        values: non-tensor values that differ.
-        bytes_read: stored bytes read to compare tensors (0 when the hashes settled all).
-        tensors_read: tensors whose data was read.
-        seconds: wall time.
-    """
-
-    a: int
-    b: int
-    tensors: list[TensorDiff] = field(default_factory=list)
-    values: list[ValueDiff] = field(default_factory=list)
-    bytes_read: int = 0
-    tensors_read: int = 0
-    seconds: float = 0.0
-
-    def counts(self) -> dict[str, int]:
-        """Tensors per status (every status present, zero when none)."""
-        out = dict.fromkeys(("unchanged", "changed", "added", "removed", "reshaped"), 0)
-        for row in self.tensors:
-            out[row.status] += 1
-        return out
-
-    @property
-    def identical(self) -> bool:
-        """True when no tensor and no value differs."""
-        return not self.values and all(r.status == "unchanged" for r in self.tensors)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (non-finite floats become the strings inf / nan)."""
-        return {
-            "a": self.a,
-            "b": self.b,
-            "identical": self.identical,
-            "counts": self.counts(),
-            "bytes_read": self.bytes_read,
-            "tensors_read": self.tensors_read,
-            "seconds": self.seconds,
-            "tensors": [r.to_json() for r in self.tensors],
-            "values": [v.to_json() for v in self.values],
-        }
-
-    def to_arrow(self, kind: str = "tensors") -> Any:
-        """The tensor rows (``kind="tensors"``: the fields of :class:`TensorDiff`, non-finite
-        floats kept as floats) or the value rows (``kind="values"``) as a pyarrow Table."""
-        pa = require("pyarrow", "frames", "DiffReport.to_arrow")
-
-        if kind == "values":
-            names = ("path", "status", "old", "new")
-            return pa.table(
-                {n: pa.array([getattr(v, n) for v in self.values], pa.string()) for n in names}
-            )
-        if kind != "tensors":
-            raise ConfigError(f"kind={kind!r}: expected 'tensors' or 'values'")
-        ints, floats = pa.int64(), pa.float64()
-        types = {
-            "name": pa.string(), "status": pa.string(), "dtype": pa.string(),
-            "shape": pa.list_(ints), "numel": ints, "old_dtype": pa.string(),
-            "old_shape": pa.list_(ints), "changed_elements": ints, "l2": floats,
-            "max_abs": floats, "relative": floats, "nonfinite": ints, "compared_by": pa.string(),
-        }  # fmt: skip
-        return pa.table(
-            {n: pa.array([getattr(r, n) for r in self.tensors], t) for n, t in types.items()}
-        )
-
-    def to_pandas(self, kind: str = "tensors") -> Any:
-        """``to_arrow(kind)`` as a pandas DataFrame (needs the ``frames`` extra)."""
-        require("pandas", "frames", "DiffReport.to_pandas")
-        return self.to_arrow(kind).to_pandas()
-
-    def to_polars(self, kind: str = "tensors") -> Any:
-        """``to_arrow(kind)`` as a polars DataFrame (needs the ``frames`` extra)."""
-        pl = require("polars", "frames", "DiffReport.to_polars")
-        return pl.from_arrow(self.to_arrow(kind))
-
-    def _repr_html_(self) -> str:
-        from stalwart.checkpoint.tools.notebook import render_diff
-
-        return render_diff(self)
 
 
 def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
@@ -343,12 +180,6 @@ def _show(node: Any) -> str:
     if kind in ("dict", "list", "tuple"):
         return {"dict": "{}", "list": "[]", "tuple": "()"}[kind]
     return repr(node)[:120]
-
-
-def _num(x: float | None) -> float | str | None:
-    if x is None or math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

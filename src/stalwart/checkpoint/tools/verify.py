@@ -1,122 +1,29 @@
-"""Verify committed checkpoints: read every chunk, check every hash, report all damage.
+"""Verify committed checkpoints of a root: one step or all of them, with progress.
 
-Loading stops at the first bad chunk; verification does not. For one step it parses the
-manifest afresh with the very checks ``load`` runs (``Manifest.from_bytes``: bounds, the
-skeleton, shards that tile every tensor exactly, chunks that hold exactly each shard's bytes,
-the manifest's checksum), so the two agree on every manifest (a damaged manifest is damage,
-not a traceback). It then checks every chunk lies inside its pack, reads each distinct chunk
-once on the checkpointer's I/O threads and compares it with its hash.
-A chunk shared by several tensors (dedup) is read once and reported under each of them.
-
-While it reads, verification holds a lease on the step and its packs (when the store is
-writable), so retention and garbage collection running elsewhere cannot pull packs away
-mid-check and make an intact step look damaged.
+The check itself (parse the manifest afresh, read each distinct chunk once, compare hashes,
+report every damaged item) is the engine's:
+:mod:`stalwart.checkpoint.durable.verification`; this module runs it over a checkpointer's
+steps for the CLI and scripts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.gc import Lease
-from stalwart.checkpoint.durable.integrity import pack_problems
-from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
-from stalwart.checkpoint.durable.reshard import verify_chunk
-from stalwart.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ObjectNotFoundError,
-    StorageError,
+from stalwart.checkpoint.durable.verification import (
+    Progress,
+    VerifyReport,
+    reader_lease,
+    verify_stored_step,
 )
-from stalwart.storage.base import Storage
+from stalwart.errors import CheckpointNotFoundError
 
 __all__ = ["VerifyReport", "reader_lease", "verify_all", "verify_step"]
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[int, int], None]
-"""Called as ``progress(chunks_done, chunks_total)`` after each distinct chunk is checked."""
-
-
-@dataclass
-class VerifyReport:
-    """The outcome of verifying one committed step.
-
-    Attributes:
-        step: the step verified.
-        ok: True when nothing is damaged.
-        chunks_checked: distinct chunks read and hashed.
-        bytes_checked: stored bytes read.
-        damaged: one line per damaged item: for a chunk, the tensor, shard, chunk hash, pack
-            and byte offset plus the reason; a chunk shared by several tensors appears once
-            per tensor. Also shards that do not tile their tensor and a damaged manifest.
-    """
-
-    step: int
-    ok: bool = True
-    chunks_checked: int = 0
-    bytes_checked: int = 0
-    damaged: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, object]:
-        """A JSON-serialisable dict of the report."""
-        return {
-            "step": self.step,
-            "ok": self.ok,
-            "chunks_checked": self.chunks_checked,
-            "bytes_checked": self.bytes_checked,
-            "damaged": list(self.damaged),
-        }
-
-
-@contextlib.contextmanager
-def reader_lease(
-    store: Storage, *, steps: Iterable[int], packs: Iterable[str], lease_s: float
-) -> Iterator[None]:
-    """Hold a :class:`Lease` on ``steps`` and ``packs`` when the store lets us write one.
-
-    A read-only store (a mounted snapshot, a bucket without write access) cannot hold a
-    lease; reading then proceeds unprotected, with a log message.
-    """
-    lease = Lease(store, steps=steps, packs=packs, lease_s=lease_s)
-    try:
-        lease.__enter__()
-    except StorageError as e:
-        log.info("reading without a lease (the store refused one: %s)", e)
-        yield
-        return
-    try:
-        yield
-    finally:
-        lease.__exit__(None, None, None)
-
-
-def _read_manifest(ckpt: Checkpointer, store: Storage, step: int) -> Manifest:
-    """Parse ``step``'s manifest from the store, bypassing the checkpointer's cache."""
-    key = manifest_key(step)
-    try:
-        data = store.read(key)
-    except ObjectNotFoundError:
-        raise CheckpointNotFoundError(
-            f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
-            f"{ckpt.steps()} — run `stalwart ckpt ls` to list them"
-        ) from None
-    m = Manifest.from_bytes(data, where=f"{store.url}/{key}")
-    if m.step != step:
-        raise CorruptCheckpointError(f"{store.url}/{key} claims step {m.step}, not {step}")
-    return m
-
-
-def _reason(e: Exception) -> str:
-    """The short reason of a chunk error (verify_chunk prefixes messages with ``what: ``)."""
-    msg = str(e)
-    if isinstance(e, CorruptCheckpointError) and msg.startswith("chunk: "):
-        return msg.removeprefix("chunk: ").split(";")[0]
-    return f"unreadable ({msg})"
 
 
 def verify_step(
@@ -131,7 +38,7 @@ def verify_step(
     Args:
         ckpt: the checkpointer of the root to check.
         step: a committed step.
-        pool: threads that read and hash chunks; the checkpointer's I/O threads by default.
+        pool: threads that read and hash chunks; a pool of ``options.io_threads`` by default.
         progress: called as ``progress(done, total)`` after each distinct chunk.
 
     Returns:
@@ -140,52 +47,15 @@ def verify_step(
     Raises:
         CheckpointNotFoundError: the root or the step does not exist.
     """
-    store = ckpt.storage
-    report = VerifyReport(step=step)
-    try:
-        # The parse that load uses: bounds, skeleton, exact tiling, checksum (they agree).
-        m = _read_manifest(ckpt, store, step)
-    except CorruptCheckpointError as e:
-        report.ok = False
-        report.damaged.append(f"manifest of step {step}: {e}")
-        report.damaged.extend(f"manifest of step {step}: {d}" for d in e.damaged[3:])
-        return report
-
-    # Each distinct chunk reference is read once; every place that uses it is remembered,
-    # in manifest order, so the report reads tensor by tensor, chunk by chunk.
-    places: list[tuple[str, ChunkRef]] = []
-    for fqn, entry in m.tensors.items():
-        for s in entry.shards:
-            for i, c in enumerate(s.chunks):
-                where = (
-                    f"tensor {fqn!r} shard at offsets {list(s.offsets)} sizes {list(s.sizes)}: "
-                    f"chunk {i + 1}/{len(s.chunks)} {c.hash[:16]}… in {c.pack} at byte {c.offset}"
-                )
-                places.append((where, c))
-    # A chunk past its pack's end is damage, and is not read: its stored length could ask
-    # for any amount of memory.
-    bad: dict[ChunkRef, str] = pack_problems(m, store)
-    distinct = [c for c in dict.fromkeys(c for _, c in places) if c not in bad]
-    report.chunks_checked = len(bad)  # checked against the pack's length
-    own = None if pool is not None else ThreadPoolExecutor(ckpt.options.io_threads)
-    run = pool or own
-    assert run is not None
-    with (
-        reader_lease(store, steps=[step], packs=m.packs(), lease_s=ckpt.options.lease_s),
-        own if own is not None else contextlib.nullcontext(),
-    ):
-        futures = {run.submit(verify_chunk, store, c, "chunk"): c for c in distinct}
-        for done, fut in enumerate(as_completed(futures), 1):
-            try:
-                report.bytes_checked += fut.result()
-            except (CorruptCheckpointError, StorageError) as e:
-                bad[futures[fut]] = _reason(e)
-            report.chunks_checked += 1
-            if progress is not None:
-                progress(done, len(distinct))
-    report.damaged.extend(f"{where}: {bad[c]}" for where, c in places if c in bad)
-    report.ok = not report.damaged
-    return report
+    return verify_stored_step(
+        ckpt.storage,
+        step,
+        io_threads=ckpt.options.io_threads,
+        lease_s=ckpt.options.lease_s,
+        committed=ckpt.steps,
+        pool=pool,
+        progress=progress,
+    )
 
 
 def verify_all(

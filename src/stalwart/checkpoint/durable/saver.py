@@ -1,0 +1,207 @@
+"""The writing half of a checkpointer: plan, persist, commit, retain one step.
+
+    write(step, capture) ──► lease + list ──► plan ──► persist ──► commit ──► retain
+
+A save is durable and committed when it returns: every rank's pack is written atomically
+and durably, then rank 0 writes the manifest (atomically) once all ranks reported success.
+A crash at any instant leaves every earlier checkpoint loadable and no partial one visible.
+The synchronous ``save`` and the background writer of ``save_async`` both call :meth:`write`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.checkpoint.collective import Group
+from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
+from stalwart.checkpoint.durable.context import CheckpointContext
+from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention
+from stalwart.checkpoint.durable.manifest import (
+    MANIFEST_PREFIX,
+    ChunkRef,
+    Manifest,
+    manifest_key,
+    step_from_key,
+)
+from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
+from stalwart.checkpoint.durable.plan import LocalItem, merge_skeletons, plan_writes
+from stalwart.checkpoint.durable.results import SaveResult
+from stalwart.checkpoint.events import CheckpointEvent, emit
+from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError
+from stalwart.storage.base import Storage
+
+__all__ = ["Capturer", "Saver"]
+
+log = logging.getLogger(__name__)
+
+Capturer = Callable[[], tuple[list[LocalItem], dict[str, Any]]]
+"""Yields this rank's boxes and the state's skeleton, inside the save's first collective."""
+
+
+class Saver:
+    """Writes committed steps of one root; owns the fast index of the last committed save."""
+
+    def __init__(self, ctx: CheckpointContext) -> None:
+        self.ctx = ctx
+        self.fast_index: FastIndex = {}  # valid for the next save once a save committed
+
+    def write(
+        self,
+        step: int,
+        capture: Capturer,
+        metadata: dict[str, str] | None,
+        g: Group,
+        t0: float,
+        overwrite: bool,
+    ) -> SaveResult:
+        """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
+        on_event, meta, url = self.ctx.options.on_event, dict(metadata or {}), self.ctx.url
+        try:
+            r = self._write_step(step, capture, metadata, g, t0, overwrite)
+        except BaseException as e:
+            seconds = time.perf_counter() - t0
+            failed = CheckpointEvent("save_failed", step, url, g.rank, seconds, metadata=meta)
+            emit(on_event, dataclasses.replace(failed, error=repr(e)))
+            raise
+        sizes = (r.bytes_total, r.bytes_written)
+        emit(on_event, CheckpointEvent("save", step, url, g.rank, r.seconds, *sizes, metadata=meta))
+        return r
+
+    def _write_step(
+        self,
+        step: int,
+        capture: Capturer,
+        metadata: dict[str, str] | None,
+        g: Group,
+        t0: float,
+        overwrite: bool,
+    ) -> SaveResult:
+        """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
+
+        Rank 0 leases the committed steps before any rank reads their manifests, so that
+        another process's retention or GC cannot delete a pack this save deduplicates
+        against between that read and the commit (retention honours leased steps). Every
+        rank refuses a committed ``step`` on that one listing, before anything is written.
+        """
+        ctx, local = self.ctx, dict[str, Any]()
+        lease_s = ctx.options.lease_s
+        with contextlib.ExitStack() as held:
+
+            def listing() -> list[int]:
+                local["store"] = store = ctx.store(create=True)
+                steps = ctx.steps() if g.rank == 0 else []
+                if g.rank == 0:
+                    held.enter_context(Lease(store, steps=steps, packs=(), lease_s=lease_s))
+                return steps
+
+            steps = g.run(f"listing steps before step {step}", listing)[0]
+            if not overwrite:  # every rank decides on rank 0's listing: all raise alike
+                refuse_replacing(step, steps, ctx.url)
+
+            def prepare() -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+                # Everything that can fail on one rank alone (opening the store, reading
+                # manifests, flattening the state) runs inside g.run, so that such a failure
+                # fails every rank instead of leaving the others in the next collective.
+                local["items"], skeleton = capture()
+                local["known"] = self._known_chunks(steps)
+                return [it.describe() for it in local["items"]], skeleton
+
+            described = g.run(f"preparing step {step}", prepare)
+            store, items, known = local["store"], local["items"], local["known"]
+            plan = plan_writes(items, [d[0] for d in described], g.rank)
+            skeleton = merge_skeletons([d[1] for d in described])
+            pack_key = f"packs/step-{step:020d}-rank{g.rank:05d}-{uuid.uuid4().hex[:12]}.pack"
+
+            def persist() -> Any:
+                return self._persist(store, plan.writes, pack_key, known, local)
+
+            if g.rank == 0:
+                packs = {c.pack for c in known.values()}
+                held.enter_context(Lease(store, steps=steps, packs=packs, lease_s=lease_s))
+            results = g.run(f"saving step {step}", persist)
+
+            done = (step, plan.tensors, plan.aliases, skeleton, results, g.world, metadata, t0)
+            g.run(f"committing step {step}", lambda: None if g.rank else self._commit(*done))
+        if g.rank == 0:
+            self._retain_after(step, store)
+        self.fast_index = local["fast_index"]  # committed: valid for the next save
+        g.all_gather(None)  # nobody returns before retention finished on rank 0
+        return SaveResult.summed(step, time.perf_counter() - t0, [r[1] for r in results])
+
+    def _persist(
+        self,
+        store: Storage,
+        writes: Any,
+        pack_key: str,
+        known: dict[str, ChunkRef],
+        local: dict[str, Any],
+    ) -> tuple[dict[Any, Any], Any]:
+        """Write this rank's pack; its shard records (JSON) and stats go to the commit.
+
+        The new fast index stays in ``local`` until the commit: valid only once committed.
+        """
+        shards, stats = persist_boxes(
+            store,
+            writes,
+            pack_key=pack_key,
+            known=known,
+            options=self.ctx.options,
+            pool=self.ctx.io_pool,
+            previous=self.fast_index,
+        )
+        local["fast_index"], stats.fast_index = stats.fast_index, {}  # this rank's
+        return {k: s.to_json() for k, s in shards.items()}, stats
+
+    def _known_chunks(self, steps: list[int]) -> dict[str, ChunkRef]:
+        # Manifests as stored now (see CheckpointContext.manifest): dedup must never reference
+        # a pack that only an out-of-date copy of a manifest names. Listing before reading.
+        self.ctx.cache.keep_only(set(steps))
+        listed = {
+            step_from_key(i.key): i for i in self.ctx.store(create=False).list(MANIFEST_PREFIX)
+        }
+        known: dict[str, ChunkRef] = {}
+        for s in steps:
+            try:
+                m = self.ctx.manifest(s, listed.get(s))
+            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+                log.warning("not deduplicating against step %s: %s", s, e)
+                continue
+            for c in m.chunks():
+                known.setdefault(c.hash, c)
+        return known
+
+    def _commit(
+        self,
+        step: int,
+        tensors: dict[str, tuple[str, tuple[int, ...]]],
+        aliases: dict[str, Any],
+        skeleton: dict[str, Any],
+        results: list[Any],
+        world: int,
+        metadata: dict[str, str] | None,
+        t0: float,
+    ) -> Manifest:
+        m = build_manifest(step, tensors, skeleton, results, world, metadata, t0, aliases=aliases)
+        data = m.to_bytes()
+        self.ctx.store(create=True).write(manifest_key(step), [data])
+        self.ctx.cache.adopt(step, data, m)  # known bytes: the next check is one read, no parse
+        return m
+
+    def _retain_after(self, step: int, store: Storage) -> None:
+        try:
+            self.retain(store)
+        except Exception:  # the checkpoint is committed; retention retries next save
+            log.warning("retention after step %s failed", step, exc_info=True)
+
+    def retain(self, store: Storage) -> GCReport:
+        """Apply the retention policy to ``store``; forget the steps it deleted."""
+        report = apply_retention(store, self.ctx.options.keep, self.ctx.steps(), self.ctx.manifest)
+        for s in report.deleted_steps:
+            self.ctx.cache.forget(s)
+        return report
