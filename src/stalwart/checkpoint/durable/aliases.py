@@ -12,18 +12,17 @@ damaged or hostile record can never put one tensor's values under another's name
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from stalwart.checkpoint.durable.integrity import brief
+from stalwart.checkpoint.durable.integrity import brief, uint
 from stalwart.errors import CorruptCheckpointError
 
 __all__ = ["TensorAlias", "parse_aliases", "share_aliases"]
-
-_MAX = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -42,19 +41,6 @@ class TensorAlias:
 
     def to_json(self) -> dict[str, Any]:
         return {"of": self.of, "offset": self.offset, "strides": list(self.strides)}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _uint(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _MAX:
-        raise CorruptCheckpointError(f"{what} must be an int in [0, {_MAX}], not {brief(v)}")
-    return v
 
 
 def parse_aliases(value: Any, entries: Mapping[str, Any]) -> dict[str, TensorAlias]:
@@ -79,13 +65,13 @@ def parse_aliases(value: Any, entries: Mapping[str, Any]) -> dict[str, TensorAli
                 f"alias {brief(name)} of {brief(of)}: both must be tensors of the manifest, "
                 "distinct and of one dtype"
             )
-        offset = _uint(a.get("offset"), f"alias {name!r} offset")
+        offset = uint(a.get("offset"), f"alias {name!r} offset")
         strides = a.get("strides")
         if not isinstance(strides, list) or len(strides) != len(e.shape):
             raise CorruptCheckpointError(f"alias {name!r}: strides must be one int per dimension")
-        strides = tuple(_uint(s, f"alias {name!r} strides") for s in strides)
+        strides = tuple(uint(s, f"alias {name!r} strides") for s in strides)
         last = offset + sum((n - 1) * st for n, st in zip(e.shape, strides, strict=True))
-        if _numel(e.shape) == 0 or last >= _numel(base.shape):
+        if math.prod(e.shape) == 0 or last >= math.prod(base.shape):
             raise CorruptCheckpointError(
                 f"alias {name!r}: a view of shape {list(e.shape)} at offset {offset} with "
                 f"strides {list(strides)} does not lie inside {of!r} of shape {list(base.shape)}"

@@ -63,6 +63,17 @@ def brief(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+MAX_INT = 1 << 62
+"""Largest integer a manifest may hold anywhere (sizes, offsets, lengths)."""
+
+
+def uint(value: Any, what: str, limit: int = MAX_INT) -> int:
+    """``value`` if it is a JSON integer in ``[0, limit]`` (not a bool), else corruption."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+        raise CorruptCheckpointError(f"{what} must be an int in [0, {limit}], not {brief(value)}")
+    return value
+
+
 def _numel(sizes: tuple[int, ...] | list[int]) -> int:
     n = 1
     for s in sizes:

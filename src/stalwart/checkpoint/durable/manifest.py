@@ -24,7 +24,13 @@ from typing import Any
 import blake3
 
 from stalwart.checkpoint.durable.aliases import TensorAlias, parse_aliases
-from stalwart.checkpoint.durable.integrity import brief, check_skeleton, tiling_problems
+from stalwart.checkpoint.durable.integrity import (
+    MAX_INT,
+    brief,
+    check_skeleton,
+    tiling_problems,
+    uint,
+)
 from stalwart.checkpoint.durable.summary import inspect_manifest, render_inspection
 from stalwart.errors import CorruptCheckpointError
 from stalwart.storage.base import validate_key
@@ -50,7 +56,7 @@ READ_VERSIONS = (1, 2)
 MANIFEST_PREFIX = "manifests/"
 MAX_STEP = 10**20 - 1
 """Largest step: the manifest key holds the step in 20 digits."""
-MAX_BYTES = 1 << 62
+MAX_BYTES = MAX_INT
 """Bound on every byte count, offset and length (and a tensor's size) a manifest may state."""
 MAX_NDIM = 64
 MAX_WORLD_SIZE = (1 << 31) - 1
@@ -105,7 +111,7 @@ class ChunkRef:
         if not (isinstance(h, str) and _HASH_RE.fullmatch(h)):
             raise CorruptCheckpointError(f"malformed chunk hash {brief(h)}")
         for name, v in (("nbytes", nbytes), ("offset", offset), ("length", length)):
-            _uint(v, f"chunk {h}: {name}")
+            uint(v, f"chunk {h}: {name}")
         if offset + length > MAX_BYTES:
             raise CorruptCheckpointError(f"chunk {h}: offset + length exceeds {MAX_BYTES}")
         if codec not in CODECS:
@@ -274,7 +280,7 @@ class Manifest:
         entries = {name: _tensor_entry(name, t) for name, t in tensors.items()}
         problems = [p for name, e in entries.items() for p in tiling_problems(name, e)]
         check_skeleton(doc["skeleton"], entries)
-        step = _uint(doc["step"], "step", MAX_STEP)
+        step = uint(doc["step"], "step", MAX_STEP)
         meta = _dict(doc.get("metadata", {}), "metadata")
         if not all(isinstance(v, str) for v in meta.values()):
             raise CorruptCheckpointError("metadata must map strings to strings")
@@ -285,7 +291,7 @@ class Manifest:
             step=step,
             tensors=entries,
             skeleton=doc["skeleton"],
-            world_size=_uint(doc.get("world_size", 1), "world_size", MAX_WORLD_SIZE),
+            world_size=uint(doc.get("world_size", 1), "world_size", MAX_WORLD_SIZE),
             created_unix=_finite(doc.get("created_unix", 0.0), "created_unix"),
             metadata=meta,
             stats=stats,
@@ -344,12 +350,6 @@ def _tensor_entry(name: str, t: Any) -> TensorEntry:
     return TensorEntry(dtype, shape, tuple(shards))
 
 
-def _uint(value: Any, what: str, limit: int = MAX_BYTES) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
-        raise CorruptCheckpointError(f"{what} must be an int in [0, {limit}], not {brief(value)}")
-    return value
-
-
 def _finite(value: Any, what: str) -> float:
     try:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -376,7 +376,7 @@ def _list(value: Any, what: str) -> list[Any]:
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise CorruptCheckpointError(f"{what} must be a list of at most {MAX_NDIM} ints")
-    return tuple(_uint(v, what) for v in value)
+    return tuple(uint(v, what) for v in value)
 
 
 def _numel(sizes: tuple[int, ...]) -> int:
