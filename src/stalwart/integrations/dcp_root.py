@@ -21,9 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpoint.durable.async_api import refuse_replacing
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.commit import build_manifest
+from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
 from stalwart.checkpoint.durable.gc import apply_retention
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
 from stalwart.checkpoint.durable.persist import PersistStats, persist_boxes

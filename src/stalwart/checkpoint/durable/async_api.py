@@ -26,8 +26,7 @@ from stalwart.checkpoint.durable.saver import Capturer, Saver
 from stalwart.errors import DistributedError, StorageError
 from stalwart.tree import flatten
 
-# check_save_args and refuse_replacing live in commit.py; re-exported for older importers.
-__all__ = ["AsyncSaves", "check_save_args", "refuse_replacing"]
+__all__ = ["AsyncSaves"]
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +42,20 @@ class AsyncSaves:
         self.ctx, self.saver, self.queue = ctx, saver, queue
         self.background: Group | None = None
         self.guarded: list[torch.optim.Optimizer] = []
+        self.newest: int | None = None  # the newest step checked here (None: root not listed)
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
         """Refuse, on every rank alike, to replace ``step`` unless ``overwrite`` is True.
 
-        Collective: every rank of the group calls it. Rank 0 lists the committed steps and
-        every rank decides on that one listing; a step still saving in the background
-        counts as taken (every rank submitted the same saves, so they agree on it too).
-        A listing that fails (a flaky store) is logged and left to the save itself, which
-        lists again, on every rank alike, before it writes anything.
+        A step still saving in the background counts as taken (every rank submitted the
+        same saves, so they agree on it). The first check of a Checkpointer, and any check of
+        a step not newer than every step checked before, is collective: rank 0 lists the
+        committed steps and every rank decides on that one listing (a restarted run that
+        forgot to resume is refused at once). A training loop's rising steps add no listing
+        and no collective to the blocking phase; a step another process committed meanwhile
+        is refused by the save itself, which lists the root, on every rank alike, before it
+        writes anything (the refusal surfaces at ``wait()`` or the next call). A listing that
+        fails (a flaky store) is logged and left to the save.
 
         Raises:
             StepExistsError: ``step`` is committed or in flight and ``overwrite`` is False.
@@ -59,15 +63,20 @@ class AsyncSaves:
         if overwrite:
             return
         in_flight = [p.step for p in self.queue.pending if not p.done()]  # before listing
-        g = self.ctx.group
-        try:
-            listing = g.run(
-                f"listing steps before {step}", lambda: [] if g.rank else self.ctx.steps()
-            )
-        except (StorageError, DistributedError) as e:  # raised on every rank alike
-            log.warning("could not list the steps before step %s (%s); checked at save", step, e)
-            listing = [[]]
-        refuse_replacing(step, listing[0], self.ctx.url, in_flight=in_flight)
+        listing: list[int] = []
+        if self.newest is None or step <= self.newest:  # the same decision on every rank
+            g = self.ctx.group
+            try:
+                listed = g.run(
+                    f"listing steps before {step}", lambda: [] if g.rank else self.ctx.steps()
+                )
+                listing = listed[0]
+            except (StorageError, DistributedError) as e:  # raised on every rank alike
+                log.warning(
+                    "could not list the steps before step %s (%s); checked at save", step, e
+                )
+        refuse_replacing(step, listing, self.ctx.url, in_flight=in_flight)
+        self.newest = step if self.newest is None else max(self.newest, step)
 
     def save_async(
         self,
