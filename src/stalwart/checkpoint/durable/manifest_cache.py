@@ -52,7 +52,6 @@ class ManifestCache:
         step: int,
         *,
         listed: ObjectInfo | None = None,
-        committed: Manifest | None = None,
     ) -> Manifest:
         """The manifest of ``step`` as stored now.
 
@@ -60,8 +59,6 @@ class ManifestCache:
             store: where the manifest lives.
             step: the step.
             listed: the step's entry in a listing made before this call, if any.
-            committed: the manifest this process wrote for ``step``, if any; adopted without
-                a parse when the stored bytes are exactly its bytes.
 
         Raises:
             ObjectNotFoundError: the step has no manifest (forgotten here too).
@@ -81,8 +78,6 @@ class ManifestCache:
         digest = xxhash.xxh3_128_digest(data)
         if e is not None and e.digest == digest:
             m = e.manifest
-        elif committed is not None and xxhash.xxh3_128_digest(committed.to_bytes()) == digest:
-            m = committed
         else:
             m = Manifest.from_bytes(data, where=f"{store.url}/{key}")
             if m.step != step:

@@ -33,6 +33,7 @@ from stalwart.errors import (
     CorruptCheckpointError,
     ObjectNotFoundError,
     StorageError,
+    UnsafePathError,
 )
 from stalwart.storage.base import Storage
 
@@ -87,6 +88,8 @@ def reader_lease(
     lease = Lease(store, steps=steps, packs=packs, lease_s=lease_s)
     try:
         lease.__enter__()
+    except UnsafePathError:
+        raise  # a linked leases/ folder is a broken root, not a read-only one
     except StorageError as e:
         log.info("reading without a lease (the store refused one: %s)", e)
         yield
