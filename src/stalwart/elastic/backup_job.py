@@ -14,6 +14,7 @@ import torch
 
 from stalwart.elastic.backup import BackupRound
 from stalwart.elastic.backup_wire import Result, set_rng_state
+from stalwart.elastic.commit import AllReduceCommit
 from stalwart.elastic.events import EventKind
 from stalwart.elastic.ledger import StepLedger
 from stalwart.errors import ConfigError
@@ -42,11 +43,14 @@ class BackupCommit:
 
     def __init__(self, backups: BackupRound) -> None:
         self.backups = backups
+        self.alone = AllReduceCommit()  # a member alone has nobody to wait for
 
     def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
         """Returns ``apply()``'s result for this member's step, or None when the step was
         discarded (the store timed out: a member died mid-step; the job reconfigures at the
         next boundary)."""
+        if ledger.epoch.size <= 1:
+            return self.alone.commit(ledger, apply)
         backups, epoch = self.backups, ledger.epoch
         gens = _generators(ledger.state)
         grads = [

@@ -285,8 +285,6 @@ class Job:
         ``apply()``'s result, or None when the step was discarded.
         """
         self.ledger.enter_collective()
-        if self.size <= 1 and isinstance(self._strategy, BackupCommit):
-            return AllReduceCommit(self._reduce).commit(self.ledger, apply)  # nobody to wait for
         return self._strategy.commit(self.ledger, apply)
 
     # -- the end ----------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class StepLedger:
 
     def mark_boundary(self) -> None:
         """A step starts: snapshot the RNGs and buffers a discard puts back, start the clock."""
-        self._boundary = BoundarySnapshot(self.state, self.model_buffers)
+        self._boundary = BoundarySnapshot(self.state, self.model_buffers, self._boundary)
         self.started = time.time()
 
     def enter_collective(self) -> None:

@@ -167,7 +167,7 @@ def reconcile(
     """
     table = gather_digests(step, digest(state, step), group)
     if len(set(table)) == 1 or group is None:
-        _record(agreed, state, step, table[0][1], group)
+        _record(agreed, state, step, group)
         return step, ParityResult(True, None, False, False, table)
     src, decision = choose_source(table)
     rolled_from = None
@@ -196,7 +196,7 @@ def reconcile(
             "is not deterministic (does state_dict() return values that change between "
             "calls?) or the members' models differ in structure"
         )
-    _record(agreed, state, step, after[0][1], group)
+    _record(agreed, state, step, group)
     return step, ParityResult(False, src, received, _mismatch(table), table, decision, rolled_from)
 
 
@@ -236,9 +236,9 @@ def _roll_back(
     return agreed.restore(state)
 
 
-def _record(agreed: AgreedState | None, state: Any, step: int, hexdigest: str, group: Any) -> None:
+def _record(agreed: AgreedState | None, state: Any, step: int, group: Any) -> None:
     if agreed is not None and group is not None:
-        agreed.record(state, step, hexdigest)
+        agreed.record(state, step)
 
 
 class ParityCheck:

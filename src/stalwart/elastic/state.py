@@ -143,6 +143,21 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
     return int(header["step"])
 
 
+def copy_into(saved: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``: ``saved`` refilled when it has ``t``'s shape, dtype and device."""
+    same = saved is not None and (saved.shape, saved.dtype, saved.device) == (
+        t.shape,
+        t.dtype,
+        t.device,
+    )
+    if not same:
+        return t.detach().clone()
+    assert saved is not None
+    with torch.no_grad():
+        saved.copy_(t)
+    return saved
+
+
 class BoundarySnapshot:
     """What a discarded step puts back: the RNGs and the model's buffers at the step's start.
 
@@ -156,14 +171,22 @@ class BoundarySnapshot:
     digests.
     """
 
-    def __init__(self, state: Any = None, buffers: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        state: Any = None,
+        buffers: Sequence[torch.Tensor] = (),
+        reuse: BoundarySnapshot | None = None,
+    ) -> None:
+        """Snapshot now; ``reuse``: the previous snapshot, whose buffer copies are refilled
+        (no allocation per step) and which must not be restored afterwards."""
         self.torch_state = torch.get_rng_state()
         self.numpy_state = np.random.get_state()
         self.python_state = random.getstate()
         named = getattr(state, "generators", None)
         gens = list(named.values()) if isinstance(named, Mapping) else []
         self.named = [(g, g.get_state()) for g in gens]
-        self.buffers = [(b, b.detach().clone()) for b in buffers]
+        old = {id(b): saved for b, saved in reuse.buffers} if reuse is not None else {}
+        self.buffers = [(b, copy_into(old.get(id(b)), b)) for b in buffers]
 
     def restore(self) -> None:
         """Set every generator and buffer back to the snapshot."""
@@ -188,24 +211,23 @@ class AgreedState:
 
     Attributes:
         step: the committed step of the copy (None: nothing recorded yet).
-        digest: its digest, equal on every member that recorded it.
         rollbacks: rollbacks to this copy since the job last agreed on a later step.
     """
 
     def __init__(self) -> None:
         self.step: int | None = None
-        self.digest: str | None = None
         self.rollbacks = 0
         self._skeleton: Any = None
         self._leaves: dict[str, torch.Tensor] = {}
 
-    def record(self, state: Any, step: int, hexdigest: str) -> None:
-        """Keep a copy of ``state`` at ``step`` (its agreed ``hexdigest``)."""
+    def record(self, state: Any, step: int) -> None:
+        """Keep a copy of ``state`` at ``step`` (into the last copy's tensors where they fit)."""
         flat = flatten(canonical_tree(state))
         if self.step is None or step > self.step:
             self.rollbacks = 0
-        self.step, self.digest, self._skeleton = step, hexdigest, flat.skeleton
-        self._leaves = {n: leaf.tensor.detach().clone() for n, leaf in flat.leaves.items()}
+        self.step, self._skeleton = step, flat.skeleton
+        old = self._leaves
+        self._leaves = {n: copy_into(old.get(n), leaf.tensor) for n, leaf in flat.leaves.items()}
 
     def restore(self, state: Any) -> int:
         """Load the copy into ``state``; returns its step.
