@@ -163,8 +163,7 @@ def _release(src: Source, memory_limit: str | None) -> None:
         return
     limit = duckdb_limit(memory_limit)
     src.sql(f"SET memory_limit = '{_RELEASE_LIMIT}'")
-    lit = "'" + limit.replace("'", "''") + "'" if limit else ""
-    src.sql(f"SET memory_limit = {lit}" if limit else "RESET memory_limit")
+    src.sql(f"SET memory_limit = '{limit}'" if limit else "RESET memory_limit")  # a checked size
 
 
 def _fits(n: int, width: int, memory_limit: str | None) -> bool:

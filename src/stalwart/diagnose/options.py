@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stalwart.diagnose.budget import parse_bytes
 from stalwart.errors import ConfigError
 
 __all__ = ["DiagnoseOptions"]
-
-_SIZE = re.compile(r"[0-9.]+ ?[A-Za-z]*")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +122,7 @@ class DiagnoseOptions:
         check(0.0 <= self.rare_share < 1.0, "rare_share", "a share in [0, 1)")
         check(self.example_rows >= 0, "example_rows", "0 or more")
         check(
-            self.memory_limit is None or bool(_SIZE.fullmatch(str(self.memory_limit))),
+            self.memory_limit is None or parse_bytes(str(self.memory_limit)) is not None,
             "memory_limit",
             "a size such as '4GB' or '512MiB' (digits, a unit; it reaches DuckDB's SET)",
         )
