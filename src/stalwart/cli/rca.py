@@ -1,5 +1,7 @@
 """``stalwart rca``: which combinations of attribute values single out the failures in a log
-(``--label``), or explain a KPI's deviation from its forecast (``--actual``/``--expected``).
+(``--label``), or explain a KPI's deviation from its forecast (``--actual``/``--expected``), or,
+given a folder of runs' fleet logs (docs/diagnose.md, "Fleet logs"), single out each kind of
+fault (crash, hang, straggler, SDC suspect; ``--label KIND`` picks kinds).
 
 Exit status: 0 when the analysis ran (with findings, or with a clear "nothing found"); 2 for bad
 input (a missing or misspelt column, an unreadable file, a bad option), reported as one short
@@ -48,7 +50,7 @@ def _names(values: list[str]) -> list[str]:
 
 
 def rca(
-    data: Annotated[str, typer.Argument(help="CSV or Parquet file (or glob), or a SQL query.")],
+    data: Annotated[str, typer.Argument(help="CSV/Parquet file or glob, SQL, or folder of runs.")],
     label: Annotated[
         str | None,
         typer.Option(
@@ -129,7 +131,18 @@ def rca(
 
 def _show(d: Any, out: Console, *, table: bool, html_out: Path | None) -> None:
     """The summary and notes on ``out``; the findings' table only when ``table`` (with
-    ``--json`` stdout holds the JSON document alone and stderr only messages)."""
+    ``--json`` stdout holds the JSON document alone and stderr only messages). A fleet's
+    analysis shows its summary, then each kind of fault as a section."""
+    if d.mode == "fleet":
+        out.print(escape(d.summary()))
+        for note in d.notes:
+            out.print(f"[dim]{escape(note)}[/]")
+        for kind, k in d.kinds.items():
+            out.rule(f"[bold]{escape(kind)}[/]", align="left")
+            _show(k, out, table=table, html_out=None)
+        if html_out is not None:
+            out.print(f"report: {html_out}")
+        return
     what = "failures" if d.mode == "events" else "deviation"
     out.print(
         f"{d.total_failures:,.0f} {what} in {d.total_rows:,.0f} rows "
@@ -164,10 +177,19 @@ def _analyse(
     kw: dict[str, Any],
 ) -> Any:
     from stalwart.diagnose import DiagnoseOptions, analyze, localize
+    from stalwart.diagnose.fleet import fleet_runs
     from stalwart.errors import ConfigError
 
     if engine not in ("duckdb", "spark"):
         raise ConfigError(f"--engine {engine!r}: use duckdb or spark")
+    if fleet_runs(data) is not None:
+        if weight is not None or actual is not None or expected is not None or engine != "duckdb":
+            raise ConfigError(
+                f"{data} is a folder of runs: it is analysed per fault kind with the duckdb "
+                "engine; drop --weight, --actual, --expected and --engine (--label KIND picks "
+                "kinds)"
+            )
+        return _fleet(data, label, skip_bad_lines, kw)
     kpi = actual is not None or expected is not None
     if kpi and (actual is None or expected is None):
         raise ConfigError("KPI mode needs both --actual and --expected")
@@ -190,6 +212,21 @@ def _analyse(
         return analyze_spark(data, label, weight=weight, columns=columns, options=opts)
     return analyze(
         data, label, weight=weight, columns=columns, options=opts, skip_bad_lines=skip_bad_lines
+    )
+
+
+def _fleet(data: str, label: str | None, skip_bad_lines: bool, kw: dict[str, Any]) -> Any:
+    """A folder of runs: one analysis per fault kind (``--label`` names the kinds wanted)."""
+    from stalwart.diagnose import DiagnoseOptions, analyze_fleet
+
+    columns = kw.pop("columns")
+    kinds = _names([label]) if label is not None else None
+    return analyze_fleet(
+        data,
+        kinds=kinds,
+        columns=columns,
+        options=DiagnoseOptions(**kw),
+        skip_bad_lines=skip_bad_lines,
     )
 
 

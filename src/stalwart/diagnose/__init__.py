@@ -1,5 +1,6 @@
 """Root-cause analysis over structured logs: which combinations of attribute values single out
-the failures (``analyze``) or explain a KPI's deviation from its forecast (``localize``).
+the failures (``analyze``) or explain a KPI's deviation from its forecast (``localize``), and,
+over a folder of runs' fleet logs, each kind of fault (``analyze_fleet``).
 
     load ─► clean ─► pre-aggregate (DuckDB GROUP BY) ─► mine failures (weighted FP-Growth)
          ─► count and score (lift, Wilson interval) ─► prune ─► select ─► report
@@ -19,16 +20,19 @@ require("duckdb", "rca", "stalwart.diagnose")
 require("pyarrow", "rca", "stalwart.diagnose")
 
 from stalwart.diagnose.analyze import analyze, localize  # noqa: E402
+from stalwart.diagnose.fleet import analyze_fleet  # noqa: E402
 from stalwart.diagnose.options import DiagnoseOptions  # noqa: E402
 from stalwart.diagnose.report import write_html  # noqa: E402
-from stalwart.diagnose.result import Diagnosis, Finding, Neighbour  # noqa: E402
+from stalwart.diagnose.result import Diagnosis, Finding, FleetDiagnosis, Neighbour  # noqa: E402
 
 __all__ = [
     "DiagnoseOptions",
     "Diagnosis",
     "Finding",
+    "FleetDiagnosis",
     "Neighbour",
     "analyze",
+    "analyze_fleet",
     "localize",
     "write_html",
 ]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from stalwart.diagnose.quoting import literals
 from stalwart.errors import ConfigError
 
 __all__ = ["Reads", "first_line", "lock", "one_query"]
@@ -53,18 +54,14 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _literal(values: list[str]) -> str:
-    return "[" + ", ".join("'" + v.replace("'", "''") + "'" for v in values) + "]"
-
-
 def lock(con: duckdb.DuckDBPyConnection, reads: Reads) -> None:
     """Turn off ``con``'s external access, leaving ``reads`` readable (module docstring)."""
     if not reads.lockable:
         return
     if reads.paths:
-        con.execute(f"SET allowed_paths = {_literal(reads.paths)}")
+        con.execute(f"SET allowed_paths = [{literals(reads.paths)}]")
     if reads.directories:
-        con.execute(f"SET allowed_directories = {_literal(reads.directories)}")
+        con.execute(f"SET allowed_directories = [{literals(reads.directories)}]")
     con.execute("SET enable_external_access = false")
 
 

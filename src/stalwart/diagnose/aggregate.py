@@ -29,6 +29,8 @@ import pyarrow.compute as pc
 
 from stalwart.diagnose.budget import IN_MEMORY_BYTES, in_memory_budget
 from stalwart.diagnose.clean import OTHER_VALUE, CleanPlan
+from stalwart.diagnose.options import EngineTuning
+from stalwart.diagnose.quoting import literal
 from stalwart.diagnose.rowcache import (
     SAMPLE_ROWS,
     Chunk,
@@ -55,10 +57,7 @@ log = logging.getLogger(__name__)
 Itemset = tuple[tuple[int, str], ...]
 """An item-set: (column index, value) pairs sorted by column index."""
 
-_BATCH_ROWS = 1 << 20
-_STREAM_ROWS = 1 << 22  # inputs with more rows stream their failing rows from DuckDB
 _DENSE_BINS = 1 << 22
-_GROUP_GAIN = 4  # group the coded rows out of core when that divides their number by this
 _CASE_VALUES = 32  # a CASE chain beats list_position up to about this many values
 
 
@@ -98,8 +97,6 @@ class Aggregate:
     rest), with its failure mass ``t`` and total mass ``r``."""
 
     src: Source
-    table: str | None
-    """Unused since the coded rows go to ``cache``; kept for callers that read it (None)."""
     values: dict[int, list[str]]
     total_target: float
     total_reference: float
@@ -116,10 +113,13 @@ def _num(v: float) -> str:
     return str(int(v)) if v == int(v) else f"{v:.4g}"
 
 
-def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureGroups:
+def failure_groups(
+    src: Source, plan: CleanPlan, *, target_sql: str, tuning: EngineTuning | None = None
+) -> FailureGroups:
     """The failing rows grouped by every cleaned attribute, dictionary-coded batch by batch;
-    past ``_STREAM_ROWS`` input rows the batches stream from DuckDB, so the rows' text values
-    never sit in memory all at once (at 100 M rows: millions of rows of 20 strings)."""
+    past ``tuning.stream_rows`` input rows the batches stream from DuckDB, so the rows' text
+    values never sit in memory all at once (at 100 M rows: millions of rows of 20 strings)."""
+    tuning = tuning or EngineTuning()
     # DuckDB's GROUP BY of twenty text columns costs ten times the scan (failing rows are mostly
     # distinct): the rows come ungrouped and are grouped by their codes, whenever the rows held
     # since the last grouping outnumber the groups (memory follows the groups)
@@ -130,8 +130,8 @@ def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureG
     # a materialized result is faster while small: stream only large inputs
     reader = (
         rel.to_arrow_table().to_batches()
-        if plan.rows <= _STREAM_ROWS
-        else rel.to_arrow_reader(_BATCH_ROWS)
+        if plan.rows <= tuning.stream_rows
+        else rel.to_arrow_reader(tuning.batch_rows)
     )
     n_cols = len(plan.columns)
     lookup: list[dict[str, int]] = [{} for _ in range(n_cols)]
@@ -141,7 +141,7 @@ def failure_groups(src: Source, plan: CleanPlan, *, target_sql: str) -> FailureG
     for batch in reader:
         parts.append((_dictionary_codes(batch, lookup), batch.column(n_cols).to_numpy(False)))
         held += batch.num_rows
-        if held >= max(len(t), _BATCH_ROWS):
+        if held >= max(len(t), tuning.batch_rows):
             codes, t = _regroup(codes, t, parts)
             parts, held = [], 0
     codes, t = _regroup(codes, t, parts)
@@ -175,18 +175,21 @@ def aggregate(
     target_sql: str,
     reference_sql: str,
     in_memory_bytes: int = IN_MEMORY_BYTES,
+    tuning: EngineTuning | None = None,
 ) -> Aggregate:
     """Code every attribute by ``values`` (the values frequent among failures, the rest 0) and
     attach each row's failure and total mass: held in memory as NumPy arrays when the coded rows
     fit in ``in_memory_bytes``, else written to a row cache in the analysis' temporary folder
-    (grouped by every coded column first when that pays)."""
+    (grouped by every coded column first when that divides them by ``tuning.group_gain``)."""
+    tuning = tuning or EngineTuning()
     values = dict(sorted(values.items()))
     sel = "".join(f"{_coded(plan, c, vs)} AS k{c}, " for c, vs in values.items())
+    proj = (
+        f"SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
+        f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
+    )
     if plan.rows * _row_bytes(len(values)) <= in_memory_bytes:
-        table = src.sql(
-            f"SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
-            f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
-        ).to_arrow_table()
+        table = src.sql(proj).to_arrow_table()
         n = len(values)
         cols = {
             c: table.column(i).combine_chunks().to_numpy(zero_copy_only=False)
@@ -195,33 +198,24 @@ def aggregate(
         t = table.column(n).combine_chunks().to_numpy(zero_copy_only=False)
         r = table.column(n + 1).combine_chunks().to_numpy(zero_copy_only=False)
         log.info("held %d coded rows in memory", len(t))
-        return Aggregate(
-            src, None, values, float(t.sum()), float(r.sum()), len(t), arrays=(cols, t, r)
-        )
+        return Aggregate(src, values, float(t.sum()), float(r.sum()), len(t), arrays=(cols, t, r))
     # Out of core: the coded rows are written once to local files (one scan); they are grouped
     # (a second scan) only when that shrinks them several times over, since a GROUP BY of rows
     # that are nearly all distinct costs a spilled hash table for nothing.
-    proj = (
-        f"SELECT {sel}coalesce({target_sql}, 0)::DOUBLE AS t, "
-        f"coalesce({reference_sql}, 0)::DOUBLE AS r FROM {{src}}"
-    )
     sizes, folder = {c: len(vs) for c, vs in values.items()}, scratch_folder(src)
-    # a counting pass holds one chunk of 1 M rows: larger ones cost more in page faults (measured
-    # at 10 M rows: 4 M-row chunks took twice the system time and 1.6x the peak)
-    chunk = _BATCH_ROWS
-    reader = src.sql(proj).to_arrow_reader(_BATCH_ROWS)
-    rows = write_rows(reader, list(values), sizes, folder, plan.rows // _GROUP_GAIN, chunk)
+    # a counting pass holds one chunk of tuning.batch_rows rows
+    chunk, gain = tuning.batch_rows, tuning.group_gain
+    reader = src.sql(proj).to_arrow_reader(chunk)
+    rows = write_rows(reader, list(values), sizes, folder, plan.rows // gain, chunk)
     distinct = rows.distinct()
-    if distinct * _GROUP_GAIN <= plan.rows:
+    if distinct * gain <= plan.rows:
         keys = "".join(f"k{c}, " for c in values)
         grouped = src.sql(f"SELECT {keys}sum(t) AS t, sum(r) AS r FROM ({proj}) GROUP BY ALL")
-        reader = grouped.to_arrow_reader(_BATCH_ROWS)
+        reader = grouped.to_arrow_reader(chunk)
         rows.remove()
         rows = write_rows(reader, list(values), sizes, folder, chunk_rows=chunk)
     log.info("aggregated into %d groups (about %d distinct or more)", rows.rows, distinct)
-    return Aggregate(
-        src, None, values, rows.total_target, rows.total_reference, rows.rows, cache=rows
-    )
+    return Aggregate(src, values, rows.total_target, rows.total_reference, rows.rows, cache=rows)
 
 
 def _row_bytes(n_columns: int) -> int:
@@ -231,7 +225,7 @@ def _row_bytes(n_columns: int) -> int:
 
 def _coded(plan: CleanPlan, c: int, vs: list[str]) -> str:
     """SQL coding column ``c``: 1..k for ``vs`` in order, 0 for any other value."""
-    lits = ["'" + v.replace("'", "''") + "'" for v in vs]
+    lits = [literal(v) for v in vs]
     kind = "UTINYINT" if len(vs) < 256 else "USMALLINT"  # the smallest that holds 0..k
     if OTHER_VALUE in vs or len(vs) > _CASE_VALUES:
         # a kept value is its own unfolded value, so folding is needed only when 'other'

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import duckdb
 
@@ -36,11 +36,26 @@ from stalwart.diagnose.source import Source, open_source, suggest
 from stalwart.diagnose.target import Masses, event_masses, kpi_masses
 from stalwart.errors import ConfigError
 
-__all__ = ["analyze", "localize"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ReadOptions", "analyze", "localize"]
 
 log = logging.getLogger(__name__)
 
 _SAMPLE_Z = 6.0  # the sample's bound fails with probability ~1e-9 per item-set
+
+
+class ReadOptions(TypedDict, total=False):
+    """How ``analyze`` and ``localize`` read ``data``: keyword arguments of both."""
+
+    connection: duckdb.DuckDBPyConnection | None
+    """A DuckDB connection to run a SQL ``data`` on (it sees your tables)."""
+    skip_bad_lines: bool
+    """Drop malformed CSV and JSON lines (and report how many) instead of failing."""
+    storage_options: dict[str, Any] | None
+    """Options of a URL's fsspec filesystem (for s3fs: ``key``, ``secret``,
+    ``client_kwargs={"endpoint_url": ...}``); the filesystem's environment otherwise."""
 
 
 def analyze(
@@ -50,9 +65,7 @@ def analyze(
     weight: str | None = None,
     columns: Sequence[str] | None = None,
     options: DiagnoseOptions | None = None,
-    connection: duckdb.DuckDBPyConnection | None = None,
-    skip_bad_lines: bool = False,
-    storage_options: dict[str, Any] | None = None,
+    **reading: Unpack[ReadOptions],
 ) -> Diagnosis:
     """Find the combinations of attribute values that single out failing events.
 
@@ -67,10 +80,8 @@ def analyze(
         columns: the attribute columns; all others but the label and weight when omitted.
         options: cleaning, mining and selection settings (``DiagnoseOptions()`` when omitted;
             ``dataclasses.replace(opts, min_lift=2)`` changes one field).
-        connection: a DuckDB connection to run a SQL ``data`` on (it sees your tables).
-        skip_bad_lines: drop malformed CSV lines (and report how many) instead of failing.
-        storage_options: options of a URL's fsspec filesystem (for s3fs: ``key``, ``secret``,
-            ``client_kwargs={"endpoint_url": ...}``); the filesystem's environment otherwise.
+        **reading: how to read ``data``: ``connection``, ``skip_bad_lines``,
+            ``storage_options`` (``ReadOptions``).
 
     Returns:
         A ``Diagnosis`` whose ``findings`` are empty, with ``message`` saying why, when there
@@ -80,7 +91,7 @@ def analyze(
         ConfigError: unreadable input, a missing column (with the closest names), bad options.
     """
     opts = options or DiagnoseOptions()
-    with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
+    with _open(data, opts, _checked(reading)) as src:
         masses = event_masses(src, label, weight)
         return _run(src, masses, columns, opts)
 
@@ -92,9 +103,7 @@ def localize(
     *,
     columns: Sequence[str] | None = None,
     options: DiagnoseOptions | None = None,
-    connection: duckdb.DuckDBPyConnection | None = None,
-    skip_bad_lines: bool = False,
-    storage_options: dict[str, Any] | None = None,
+    **reading: Unpack[ReadOptions],
 ) -> Diagnosis:
     """Find the combinations of attribute values that explain a KPI's deviation from forecast.
 
@@ -105,10 +114,10 @@ def localize(
     at once, and answers with a ``confidence`` whenever the total deviates. A pandas frame of
     plain text attributes skips DuckDB. See ``analyze`` for the other arguments.
     """
-    opts = options or DiagnoseOptions()
+    opts, reading = options or DiagnoseOptions(), _checked(reading)
     if (d := localize_frame(data, actual, expected, columns, opts)) is not None:
         return d
-    with _open(data, opts, connection, skip_bad_lines, storage_options) as src:
+    with _open(data, opts, reading) as src:
         masses = kpi_masses(src, actual, expected)
         attrs = _attributes(src, masses, columns, opts)
         return localize_kpi(src, actual, expected, attrs, masses, opts)
@@ -187,7 +196,7 @@ def _run(
             **kw,
         )
     base = total_t / total_r
-    fails = failure_groups(src, plan, target_sql=masses.target)
+    fails = failure_groups(src, plan, target_sql=masses.target, tuning=opts.tuning)
     codes, values = fails.codes, fails.values
     lap("aggregate failures")
     min_weight, budget = total_t * opts.min_support, in_memory_budget(opts.memory_limit)
@@ -197,12 +206,10 @@ def _run(
     # the values a finding can hold are the frequent single items (measured: writing the coded
     # rows in a thread while NumPy mines was slower on a loaded 2-core machine)
     sql = {"target_sql": masses.target, "reference_sql": masses.reference}
-    agg = aggregate(src, plan, coded_values(keepers, values), in_memory_bytes=budget, **sql)
+    kept = coded_values(keepers, values)
+    agg = aggregate(src, plan, kept, in_memory_bytes=budget, tuning=opts.tuning, **sql)
     lap("aggregate")
-    index = {c: i for i, c in enumerate(plan.columns)}
-    closure = closure_fn(
-        codes, values, [[index[c] for c in h if c in index] for h in opts.hierarchies]
-    )
+    closure = closure_fn(codes, values, plan.columns, opts.hierarchies)
     itemsets: dict[Itemset, float] = {
         tuple((c, values[c][v]) for c, v in s): w for s, w in mined.items()
     }
@@ -341,20 +348,25 @@ def _count_levels(
     return scored
 
 
-def _open(
-    data: Any,
-    opts: DiagnoseOptions,
-    connection: duckdb.DuckDBPyConnection | None,
-    skip_bad_lines: bool,
-    storage_options: dict[str, Any] | None = None,
-) -> Any:
-    """The input as a DuckDB source, with the engine settings of ``opts``."""
+def _checked(reading: ReadOptions) -> ReadOptions:
+    """``reading`` when it holds only ``ReadOptions``' keys; else Python's ``TypeError`` naming
+    the unknown ones, as for any misspelt keyword argument."""
+    unknown = sorted(set(reading) - set(ReadOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}: the input is read with "
+            f"{', '.join(ReadOptions.__annotations__)}; options go in DiagnoseOptions"
+        )
+    return reading
+
+
+def _open(data: Any, opts: DiagnoseOptions, reading: ReadOptions) -> Any:
+    """The input as a DuckDB source, read as ``reading`` says, with the engine settings of
+    ``opts``."""
     return open_source(
         data,
-        connection=connection,
         memory_limit=opts.memory_limit,
         temp_directory=opts.temp_directory,
         threads=opts.threads,
-        skip_bad_lines=skip_bad_lines,
-        storage_options=storage_options,
+        **reading,
     )

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from stalwart.diagnose.options import DiagnoseOptions
-from stalwart.diagnose.source import Source, quote
+from stalwart.diagnose.quoting import identifier, literals
+from stalwart.diagnose.source import Source
 
 __all__ = ["CleanPlan", "CleaningStep", "bucket_labels", "id_like", "plan_cleaning"]
 
@@ -94,7 +95,7 @@ def plan_cleaning(
     steps: list[CleaningStep] = []
     parts = ["count(*)", f"sum({weight_sql})", f"sum({target_sql})"]
     for c in attributes:
-        parts += [f"approx_count_distinct({quote(c)})", f"count(*) - count({quote(c)})"]
+        parts += [f"approx_count_distinct({identifier(c)})", f"count(*) - count({identifier(c)})"]
     row = src.sql(f"SELECT {', '.join(parts)} FROM {{src}}").fetchall()[0]
     assert row is not None
     n_rows = int(row[0])
@@ -105,7 +106,7 @@ def plan_cleaning(
     for i, c in enumerate(attributes):
         distinct, nulls = int(row[3 + 2 * i] or 0), int(row[4 + 2 * i] or 0)
         sql_type = src.types.get(c, "VARCHAR")
-        q = quote(c)
+        q = identifier(c)
         if nulls:
             steps.append(CleaningStep(c, "nulls", f"{nulls} empty value(s) kept as {NULL_VALUE}"))
         if distinct + (1 if nulls else 0) <= 1:
@@ -171,7 +172,7 @@ def bucket_labels(quantiles: list[float]) -> tuple[list[float], list[str]]:
 
 
 def _bucket(src: Source, column: str, sql_type: str, buckets: int) -> tuple[str | None, str]:
-    q = quote(column)
+    q = identifier(column)
     probs = [k / buckets for k in range(1, buckets)]
     row = src.sql(
         f"SELECT quantile_cont(CAST({q} AS DOUBLE), {probs}) FROM {{src}} WHERE {q} IS NOT NULL"
@@ -209,6 +210,5 @@ def _fold(
         kept.remove(OTHER_VALUE)
     if not kept:
         return f"'{OTHER_VALUE}'", "every value rare; all folded into 'other'"
-    lits = ", ".join("'" + v.replace("'", "''") + "'" for v in kept)
-    expr = f"CASE WHEN {base} IN ({lits}) THEN {base} ELSE '{OTHER_VALUE}' END"
+    expr = f"CASE WHEN {base} IN ({literals(kept)}) THEN {base} ELSE '{OTHER_VALUE}' END"
     return expr, f"kept {len(kept)} values, folded the rarer ones into '{OTHER_VALUE}'"

@@ -24,11 +24,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["fpgrowth", "fpgrowth_rows"]
+from stalwart.diagnose.options import EngineTuning
 
-_DENSE_TRIPLES = 1 << 22  # count triples in a dense array up to this many (32 MB)
-_NODE_CHUNK = 1 << 18  # nodes whose ancestors are held at once (x depth x 2 bytes)
-_TRIPLE_BUFFER = 1 << 20  # triple keys buffered (16 bytes each) before they are summed
+__all__ = ["fpgrowth", "fpgrowth_rows"]
 
 
 class _Tree:
@@ -155,7 +153,12 @@ def fpgrowth(
 
 
 def fpgrowth_rows(
-    items: np.ndarray, weights: np.ndarray, *, min_weight: float, max_len: int
+    items: np.ndarray,
+    weights: np.ndarray,
+    *,
+    min_weight: float,
+    max_len: int,
+    tuning: EngineTuning | None = None,
 ) -> dict[tuple[int, ...], float]:
     """``fpgrowth`` for transactions given as a matrix, without a Python loop per transaction.
 
@@ -168,6 +171,8 @@ def fpgrowth_rows(
         weights: one non-negative weight per transaction.
         min_weight: the smallest total weight of a frequent item-set (> 0).
         max_len: the longest item-set reported (>= 1).
+        tuning: the chunk and buffer sizes of the walk over the tree (``node_chunk``,
+            ``triple_buffer``, ``dense_triples``); they bound memory, never change the result.
 
     Returns:
         item-set (items sorted ascending) -> supporting weight, as ``fpgrowth`` returns.
@@ -199,7 +204,7 @@ def fpgrowth_rows(
     ranked.sort(axis=1)
     depth = int((ranked < k).sum(axis=1).max()) if len(ranked) else 0
     keep = (w > 0) & (ranked[:, 0] < k) if depth else np.zeros(len(w), dtype=bool)
-    found = _mine_flat_rows(ranked[keep, :depth], w[keep], k, min_weight, max_len)
+    found = _mine_flat_rows(ranked[keep, :depth], w[keep], k, min_weight, max_len, tuning)
     return {tuple(sorted(int(order[j]) for j in s)): v for s, v in found.items()}
 
 
@@ -219,13 +224,19 @@ def _mine_flat(
 
 
 def _mine_flat_rows(
-    rows: np.ndarray, w: np.ndarray, k: int, min_weight: float, max_len: int
+    rows: np.ndarray,
+    w: np.ndarray,
+    k: int,
+    min_weight: float,
+    max_len: int,
+    tuning: EngineTuning | None = None,
 ) -> dict[tuple[int, ...], float]:
     """``_mine_flat`` on paths as rows of ranks sorted ascending, padded with ``k``; identical
     paths may repeat (they become one node chain)."""
     out: dict[tuple[int, ...], float] = {}
     if len(rows) == 0 or rows.shape[1] == 0:
         return out
+    tuning = tuning or EngineTuning()
     tree = _FlatTree(rows, w, k)
     single = np.bincount(tree.item, weights=tree.weight, minlength=k)
     for i in np.flatnonzero(single >= min_weight).tolist():
@@ -233,7 +244,7 @@ def _mine_flat_rows(
     if max_len < 2:
         return out
     pair = np.zeros(k * k)
-    for item, weight, anc in tree.chunks():
+    for item, weight, anc in tree.chunks(tuning.node_chunk):
         for d in range(anc.shape[1]):
             a = anc[:, d]
             m = a >= 0
@@ -245,9 +256,9 @@ def _mine_flat_rows(
         return out
     # every (node, ancestor, older ancestor) triple whose pairs are frequent, weighted by the
     # node, summed in bounded buffers
-    sums = _TripleSums(k)
+    sums = _TripleSums(k, dense_limit=tuning.dense_triples, buffer=tuning.triple_buffer)
     keep = single >= min_weight
-    for item, weight, anc in tree.chunks():
+    for item, weight, anc in tree.chunks(tuning.node_chunk):
         for q in range(anc.shape[1]):
             y = anc[:, q]
             m = (y >= 0) & frequent_pair[np.where(y >= 0, item * k + y, 0)]
@@ -275,7 +286,7 @@ class _FlatTree:
     changes (paths sorted lexicographically), with its item, weight, parent and depth.
 
     The ancestors of the nodes (nodes x depth, the walk's largest array) are produced in chunks
-    of ``_NODE_CHUNK`` nodes, so memory stays bounded whatever the number of failing groups.
+    of ``node_chunk`` nodes, so memory stays bounded whatever the number of failing groups.
     """
 
     def __init__(self, rows: np.ndarray, w: np.ndarray, k: int) -> None:
@@ -307,11 +318,11 @@ class _FlatTree:
         self.depth = np.concatenate(depths)
         self.max_depth = depth
 
-    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def chunks(self, node_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(items as int64, weights, ancestors' items by depth, -1 below the node's own depth)
-        for each chunk of nodes."""
-        for lo in range(0, len(self.item), _NODE_CHUNK):
-            hi = min(lo + _NODE_CHUNK, len(self.item))
+        for each chunk of ``node_chunk`` nodes."""
+        for lo in range(0, len(self.item), node_chunk):
+            hi = min(lo + node_chunk, len(self.item))
             anc = np.full((hi - lo, self.max_depth), -1, dtype=self.item.dtype)
             cur = self.parent[lo:hi].astype(np.int64)
             for _ in range(self.max_depth):
@@ -324,12 +335,13 @@ class _FlatTree:
 
 
 class _TripleSums:
-    """Summed weights of triple keys, added in pieces and reduced every ``_TRIPLE_BUFFER``
-    entries: into a dense array of k^3 sums when that is small, else by sorting the keys."""
+    """Summed weights of triple keys, added in pieces and reduced every ``buffer`` entries: into
+    a dense array of k^3 sums when that is at most ``dense_limit``, else by sorting the keys."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, *, dense_limit: int, buffer: int) -> None:
         self.bins = k**3
-        self.dense = np.zeros(self.bins) if self.bins <= _DENSE_TRIPLES else None
+        self.dense = np.zeros(self.bins) if self.bins <= dense_limit else None
+        self.buffer = buffer
         self.keys: list[np.ndarray] = []
         self.weights: list[np.ndarray] = []
         self.buffered = 0
@@ -338,7 +350,7 @@ class _TripleSums:
         self.keys.append(keys)
         self.weights.append(weights)
         self.buffered += len(keys)
-        if self.buffered >= _TRIPLE_BUFFER:
+        if self.buffered >= self.buffer:
             self._reduce()
 
     def _reduce(self) -> None:

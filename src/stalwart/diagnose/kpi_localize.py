@@ -21,12 +21,13 @@ from stalwart.diagnose.clean import plan_cleaning
 from stalwart.diagnose.kpi_search import KpiLeaves, Localized, SearchParams, search
 from stalwart.diagnose.kpi_sums import cell_ids
 from stalwart.diagnose.options import DiagnoseOptions
+from stalwart.diagnose.quoting import as_double
 from stalwart.diagnose.result import Diagnosis, Finding
-from stalwart.diagnose.source import Source, quote
+from stalwart.diagnose.source import Source
 from stalwart.diagnose.target import Masses
 from stalwart.errors import ConfigError
 
-__all__ = ["kpi_leaves", "localize_frame", "localize_kpi", "params"]
+__all__ = ["kpi_leaves", "localize_frame", "localize_kpi"]
 
 _TINY = 1e-12
 _BATCH = 1 << 20
@@ -127,7 +128,7 @@ def _from_arrays(
         codes, k = _group(codes, cards, k)
     half = len(k) // 2
     leaves = kpi_leaves(codes, cards, tuple(k[:half]), tuple(k[half:]))
-    found = search(leaves, params(opts))
+    found = search(leaves, SearchParams.from_options(opts))
     mode = "kpi-additive" if half == 1 else "kpi-ratio"
     notes = []
     if found.fallback:
@@ -201,7 +202,7 @@ def _leaves(
     (``ConfigError``).
     """
     sel = ", ".join(f"{e} AS a{i}" for i, e in enumerate(exprs))
-    vals = [f"coalesce(CAST({quote(c)} AS DOUBLE), 0)" for c in kpi]
+    vals = [as_double(c) for c in kpi]
     rows = int(src.sql("SELECT count(*) FROM {src}").fetchall()[0][0])
     if not _fits(rows, len(exprs) + 8 * len(kpi), memory_limit):
         return _grouped_leaves(src, sel, len(exprs), vals, memory_limit)
@@ -255,19 +256,6 @@ def _encode(
             out[pos:end] = batch.column(width + j).to_numpy(zero_copy_only=False)
         pos = end
     return codes[:pos], [list(seen) for seen in index], [x[:pos] for x in k]
-
-
-def params(opts: DiagnoseOptions) -> SearchParams:
-    """The search's knobs from the analysis' options."""
-    return SearchParams(
-        risk=opts.kpi_risk,
-        min_ep=opts.kpi_min_ep,
-        trim=opts.kpi_trim,
-        max_depth=opts.kpi_max_depth,
-        max_causes=opts.max_findings,
-        merge=opts.kpi_merge,
-        merge_ratio=opts.kpi_merge_ratio,
-    )
 
 
 def _group(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.diagnose.options import DiagnoseOptions, EngineTuning
 from stalwart.diagnose.score import finding_confidence
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 TINY = 1e-12
+_OPTIONS = DiagnoseOptions()  # the defaults of the knobs SearchParams takes from the options
 
 
 @dataclass(frozen=True)
@@ -44,17 +46,20 @@ class KpiLeaves:
 
 @dataclass(frozen=True)
 class SearchParams:
-    """The search's knobs (``DiagnoseOptions.kpi_*`` fields)."""
+    """The search's knobs: those a user sets come from ``DiagnoseOptions`` (``from_options``;
+    its defaults are theirs), the rest were trained here and are documented one by one."""
 
-    risk: float = 0.4
-    min_ep: float = 0.02
+    risk: float = _OPTIONS.kpi_risk
+    min_ep: float = _OPTIONS.kpi_min_ep
+    merge: float = _OPTIONS.kpi_merge
+    merge_ratio: float = _OPTIONS.kpi_merge_ratio
+    trim: int = _OPTIONS.kpi_trim
+    max_depth: int | None = _OPTIONS.kpi_max_depth
+    max_causes: int = _OPTIONS.max_findings
+    tuning: EngineTuning = _OPTIONS.tuning
+    """How element sums are kept (``kpi_cache_ids``, ``kpi_dense_cells``): speed, not causes."""
     prior: float = 1.0
     balance_prior: float = 3.0
-    merge: float = 0.6
-    merge_ratio: float = 0.3
-    trim: int = 5
-    max_depth: int | None = None
-    max_causes: int = 10
     balance_leaves: int = 30
     """An element with no leaf beyond the noise cut is scored on its balance of moved leaves
     when at least this many of its leaves moved (a broad cause whose leaves all moved less than
@@ -82,6 +87,21 @@ class SearchParams:
     cut, set by the whole cube, does not bound one small leaf's noise."""
     misfit_weight: float = 1.0
     """Weight of the ripple misfit in use (``ratio_misfit`` for a ratio KPI, set by ``search``)."""
+
+    @classmethod
+    def from_options(cls, opts: DiagnoseOptions) -> SearchParams:
+        """The search's knobs from the analysis' options (``kpi_*``, ``max_findings``,
+        ``tuning``); the trained ones keep their defaults."""
+        return cls(
+            risk=opts.kpi_risk,
+            min_ep=opts.kpi_min_ep,
+            merge=opts.kpi_merge,
+            merge_ratio=opts.kpi_merge_ratio,
+            trim=opts.kpi_trim,
+            max_depth=opts.kpi_max_depth,
+            max_causes=opts.max_findings,
+            tuning=opts.tuning,
+        )
 
 
 @dataclass(frozen=True)

@@ -51,13 +51,12 @@ __all__ = ["Cause", "KpiLeaves", "Localized", "SearchParams", "search"]
 
 @dataclass(frozen=True)
 class Localized:
-    """The causes, how sure the search is overall, and what it saw."""
+    """The causes and how sure the search is of them overall."""
 
     causes: list[Cause]
     confidence: float
-    cutoff: float
-    abnormal: int
     fallback: bool
+    """No element passed the risk bar: the one cause is the best-scoring element."""
 
 
 @dataclass(frozen=True)
@@ -231,14 +230,13 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
         noise = False
         st, cut = prepare(leaves, p.trim, noise=noise)
         total_ep = st.abnormal_ep()
-    n_abnormal = int((st.w_abnormal > 0).sum())
-    if n_abnormal == 0 or total_ep <= TINY:
-        return Localized([], 0.0, cut, n_abnormal, False)
+    if not (st.w_abnormal > 0).any() or total_ep <= TINY:
+        return Localized([], 0.0, False)
     floor = p.min_ep * total_ep
     depth = min(p.max_depth or len(leaves.cards), len(leaves.cards))
     causes: list[Cause] = []
     fallback: list[_Candidate] = []
-    sums = ElementSums(st, leaves.cards)
+    sums = ElementSums(st, leaves.cards, p.tuning)
     while len(causes) < p.max_causes and st.abnormal_ep() >= floor:
         found = None
         for layer in range(1, depth + 1):
@@ -268,7 +266,5 @@ def search(leaves: KpiLeaves, params: SearchParams | None = None) -> Localized:
     return Localized(
         causes,
         overall_confidence([c.ep for c in causes], [c.confidence for c in causes]),
-        cut,
-        n_abnormal,
         pick is not None,
     )

@@ -11,13 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from stalwart.diagnose.options import EngineTuning
+
 __all__ = ["ElementSums", "Ids", "cell_ids", "element_ids", "weights"]
-
-_CACHE_IDS = 10_000_000
-"""Most element ids (leaves x cuboids) held for the whole search; beyond it, recount each round."""
-
-_DENSE_CELLS = 4
-"""A cube of at most this many cells per leaf (plus 1024) is summed as a dense array."""
 
 Ids = Callable[[], np.ndarray]
 """A cuboid's element id per live leaf, computed when first asked for (most cuboids' sums are
@@ -55,21 +51,22 @@ def weights(st: Any) -> tuple[np.ndarray, ...]:
 class ElementSums:
     """Each cuboid's element sums over the live leaves, kept current by subtracting the leaves
     a found cause removes: a cuboid is summed once per search, not once per round (skipped
-    when the element ids of every cuboid would not fit in ``_CACHE_IDS``).
+    when the element ids of every cuboid would not fit in ``tuning.kpi_cache_ids``).
 
     Beyond that, when the cube is dense (every combination of values a leaf, as in RiskLoc's
-    recipes: at most 4 cells a leaf), cuboids are summed together: each score is counted once
-    into the full cube's cells and every cuboid is a sum over the cube's other axes. All
-    layers of up to ``d - 2`` attributes (small: the cube over two missing attributes at
-    most) are summed in one pass per score when the round first asks and kept until leaves are
-    removed; the two largest layers one at a time, when asked.
+    recipes: at most ``tuning.kpi_dense_cells`` cells a leaf), cuboids are summed together:
+    each score is counted once into the full cube's cells and every cuboid is a sum over the
+    cube's other axes. All layers of up to ``d - 2`` attributes (small: the cube over two
+    missing attributes at most) are summed in one pass per score when the round first asks and
+    kept until leaves are removed; the two largest layers one at a time, when asked.
     """
 
-    def __init__(self, first: Any, cards: tuple[int, ...]) -> None:
+    def __init__(self, first: Any, cards: tuple[int, ...], tuning: EngineTuning) -> None:
         self.codes, self.cards = first.codes, cards
         """Every leaf's codes (the search's first state's, which later states shrink)."""
-        self.on = len(first.codes) * (2 ** len(cards) - 1) <= _CACHE_IDS
-        self.dense = not self.on and math.prod(cards) <= _DENSE_CELLS * len(first.codes) + 1024
+        n = len(first.codes)
+        self.on = n * (2 ** len(cards) - 1) <= tuning.kpi_cache_ids
+        self.dense = not self.on and math.prod(cards) <= tuning.kpi_dense_cells * n + 1024
         self.ids: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         self.sums: dict[tuple[int, ...], list[np.ndarray]] = {}
 

@@ -50,7 +50,7 @@ def mine_groups(
     for c in range(n_cols):
         frequent[:, c] = keepers[c][codes[:, c]]
     items = np.where(frequent, items, -1)
-    found = fpgrowth_rows(items, t, min_weight=min_weight, max_len=opts.max_len)
+    found = fpgrowth_rows(items, t, min_weight=min_weight, max_len=opts.max_len, tuning=opts.tuning)
     col_of = np.searchsorted(offsets, np.arange(offsets[-1]), side="right") - 1
     groups = [set(columns.index(c) for c in h if c in columns) for h in opts.hierarchies]
     out = {}
@@ -64,11 +64,16 @@ def mine_groups(
 
 
 def closure_fn(
-    codes: np.ndarray, values: list[list[str]], hierarchies: list[list[int]]
+    codes: np.ndarray,
+    values: list[list[str]],
+    columns: tuple[str, ...],
+    hierarchies: tuple[tuple[str, ...], ...],
 ) -> Callable[[Itemset], frozenset[tuple[int, str]]]:
-    """Item -> the coarser items it implies (learnt from the failure groups)."""
+    """Item -> the coarser items it implies along ``hierarchies`` (learnt from the failure
+    groups; levels not among ``columns``, dropped by cleaning, are skipped)."""
     implies: dict[tuple[int, str], set[tuple[int, str]]] = {}
-    for h in hierarchies:
+    for names in hierarchies:
+        h = [columns.index(c) for c in names if c in columns]
         for j in range(1, len(h)):
             child, parent = h[j], h[j - 1]
             pairs = np.unique(codes[:, [child, parent]], axis=0)

@@ -1,14 +1,61 @@
-"""Options of a root-cause analysis: one frozen, keyword-only dataclass, validated on creation."""
+"""Options of a root-cause analysis: frozen, keyword-only dataclasses, validated on creation.
+
+``DiagnoseOptions`` says what the analysis finds (mining, scoring, selection, cleaning);
+``EngineTuning``, one of its fields, sizes the engines' batches, buffers and caches, which change
+memory and speed but never a finding.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from stalwart.diagnose.budget import parse_bytes
 from stalwart.errors import ConfigError
 
-__all__ = ["DiagnoseOptions"]
+__all__ = ["DiagnoseOptions", "EngineTuning"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTuning:
+    """Sizes of the engines' batches, buffers and caches.
+
+    They trade memory for speed and never change what an analysis finds: the tests set them
+    tiny so that a small input takes the streamed, chunked, spilled and recounted paths a large
+    one takes, and check the findings against the defaults'. The defaults suit a host with a
+    few GiB free; ``memory_limit`` is the knob for a smaller one.
+    """
+
+    batch_rows: int = 1 << 20
+    """Rows of one Arrow batch streamed from DuckDB, and of one chunk of the row cache that a
+    counting pass holds (measured at 10 M rows: 4 M-row chunks took twice the system time and
+    1.6x the peak memory of 1 M-row ones)."""
+    stream_rows: int = 1 << 22
+    """Inputs with more rows stream their failing rows from DuckDB batch by batch; smaller ones
+    fetch them in one materialized result, which is faster while small."""
+    group_gain: int = 4
+    """Out of core, the coded rows are grouped by every coded column (a second scan) only when
+    that divides their number by at least this."""
+    dense_triples: int = 1 << 22
+    """FP-Growth counts item triples in a dense array up to this many cells (8 bytes each), by
+    sorting their keys beyond."""
+    node_chunk: int = 1 << 18
+    """FP-tree nodes whose ancestors are held at once (times the tree's depth, 2 bytes each)."""
+    triple_buffer: int = 1 << 20
+    """Triple keys buffered (16 bytes each) before they are summed."""
+    kpi_cache_ids: int = 10_000_000
+    """KPI search: most element ids (leaves x cuboids) held for the whole search; beyond it,
+    every cuboid is recounted each round."""
+    kpi_dense_cells: int = 4
+    """KPI search: a cube of at most this many cells per leaf (plus 1024) has its cuboids summed
+    from the full cube's cells."""
+
+    def __post_init__(self) -> None:
+        least = {"batch_rows": 1, "group_gain": 1, "node_chunk": 1, "triple_buffer": 1}
+        for f in fields(self):
+            value, low = getattr(self, f.name), least.get(f.name, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"EngineTuning.{f.name}={value!r}: expected an integer >= {low}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +91,13 @@ class DiagnoseOptions:
     min_gain: float = 0.02
     """Labelled events: selection stops when the next finding would explain less than this
     share of the failures (they include a background rate spread over every row)."""
+    rank_by: str | None = None
+    """Labelled events: which finding selection takes next. ``"explained"``: the most failures
+    attributable beyond the residual rate (a broad cause first). ``"likelihood"``: the largest
+    likelihood ratio of its rate against the residual rate, which weighs how sharply it singles
+    out failures against how many it holds, so a small, sharp cause (one bad host among
+    hundreds) comes before a broad combination that merely holds several of them. None: each
+    entry point's own (``analyze``: explained; ``analyze_fleet``: likelihood)."""
     kpi_risk: float = 0.4
     """KPI mode: an element is a cause when its risk (purity of deviating leaves minus the
     misfit of the ripple effect) reaches this; see ``kpi_search``."""
@@ -90,6 +144,8 @@ class DiagnoseOptions:
     """DuckDB worker threads; all cores when omitted."""
     example_rows: int = 5
     """Example rows kept per finding for the HTML report."""
+    tuning: EngineTuning = field(default_factory=EngineTuning)
+    """Batch, buffer and cache sizes of the engines (memory and speed, never the findings)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -106,6 +162,11 @@ class DiagnoseOptions:
         check(self.max_findings >= 1, "max_findings", "at least 1")
         check(0.0 < self.coverage <= 1.0, "coverage", "a share in (0, 1]")
         check(0.0 <= self.min_gain < 1.0, "min_gain", "a share in [0, 1)")
+        check(
+            self.rank_by in (None, "explained", "likelihood"),
+            "rank_by",
+            "None, 'explained' or 'likelihood'",
+        )
         check(self.kpi_risk <= 1.0, "kpi_risk", "a number <= 1")
         check(0.0 <= self.kpi_min_ep < 1.0, "kpi_min_ep", "a share in [0, 1)")
         check(self.kpi_trim >= 0, "kpi_trim", "0 or more")
@@ -121,6 +182,7 @@ class DiagnoseOptions:
         check(2 <= self.buckets <= 50, "buckets", "2 to 50")
         check(0.0 <= self.rare_share < 1.0, "rare_share", "a share in [0, 1)")
         check(self.example_rows >= 0, "example_rows", "0 or more")
+        check(isinstance(self.tuning, EngineTuning), "tuning", "an EngineTuning")
         check(
             self.memory_limit is None or parse_bytes(str(self.memory_limit)) is not None,
             "memory_limit",

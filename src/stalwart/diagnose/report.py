@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalwart.diagnose.notebook import FINDING_NUMBERS, escape, finding_cells, html_table, mass
+from stalwart.diagnose.result import FleetDiagnosis
 from stalwart.errors import require
 
 if TYPE_CHECKING:
@@ -53,12 +54,27 @@ def _plot(d: Diagnosis) -> str:
     return svg[svg.index("<svg") :]
 
 
-def render_html(d: Diagnosis, *, title: str) -> str:
-    """The report as one HTML document."""
-    what = "failures" if d.mode == "events" else "deviation"
-    parts = [
+def render_html(d: Diagnosis | FleetDiagnosis, *, title: str) -> str:
+    """The report as one HTML document; a fleet's gets a section per kind of fault."""
+    head = (
         f"<!doctype html><html><head><meta charset=utf-8><title>{escape(title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>",
+        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>"
+    )
+    if not isinstance(d, FleetDiagnosis):
+        return "\n".join([head, *_sections(d, 2), "</body></html>"])
+    parts = [head, f"<p>{escape(d.summary())}.</p>"]
+    if d.notes:
+        parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in d.notes) + "</ul>")
+    for kind, k in d.kinds.items():
+        parts += [f"<h2>{escape(kind)}</h2>", *_sections(k, 3)]
+    return "\n".join([*parts, "</body></html>"])
+
+
+def _sections(d: Diagnosis, level: int) -> list[str]:
+    """A diagnosis' summary, plot, findings and cleaning, its headings at ``level``."""
+    what = "failures" if d.mode == "events" else "deviation"
+    h, sub = f"h{level}", f"h{level + 1}"
+    parts = [
         f"<p>Mode <b>{escape(d.mode)}</b>: {mass(d.total_failures)} {what} over "
         f"{mass(d.total_rows)} rows (base rate {d.base_rate:.4%}), {d.groups:,} coded rows or "
         f"groups counted, {d.candidates:,} item-sets scored. The findings' rows hold "
@@ -66,13 +82,13 @@ def render_html(d: Diagnosis, *, title: str) -> str:
     ]
     if d.message:
         parts.append(f"<p><b>{escape(d.message)}</b></p>")
-    parts += [_plot(d), "<h2>Findings</h2>"]
+    parts += [_plot(d), f"<{h}>Findings</{h}>"]
     head = ["#", "finding", what, "rows", "support", "lift [interval]", "explains"]
     rows = [finding_cells(r) for r in d.to_arrow().to_pylist()]
     parts.append(html_table(head, rows, FINDING_NUMBERS))
     for i, f in enumerate(d.findings, 1):
-        parts += _finding_details(i, f, what)
-    parts.append("<h2>Cleaning</h2>")
+        parts += _finding_details(i, f, what, sub)
+    parts.append(f"<{h}>Cleaning</{h}>")
     if d.cleaning:
         cleaning = [[escape(c[k]) for k in ("column", "action", "detail")] for c in d.cleaning]
         parts.append(html_table(["column", "action", "detail"], cleaning))
@@ -82,14 +98,15 @@ def render_html(d: Diagnosis, *, title: str) -> str:
         parts.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in d.notes) + "</ul>")
     parts.append(
         f"<p class=muted>Columns analysed: {escape(', '.join(d.columns))}. Timings (s): "
-        f"{escape(d.timings_s)}.</p></body></html>"
+        f"{escape(d.timings_s)}.</p>"
     )
-    return "\n".join(parts)
+    return parts
 
 
-def _finding_details(i: int, f: Finding, what: str) -> list[str]:
-    """A finding's heading, its subsumed neighbours (folded) and its example groups."""
-    parts = [f"<h3>{i}. {escape(f.label())}</h3>"]
+def _finding_details(i: int, f: Finding, what: str, h: str) -> list[str]:
+    """A finding's heading (an ``h`` element), its subsumed neighbours (folded) and its example
+    groups."""
+    parts = [f"<{h}>{i}. {escape(f.label())}</{h}>"]
     if f.subsumed:
         nrows = [
             [
@@ -112,10 +129,10 @@ def _finding_details(i: int, f: Finding, what: str) -> list[str]:
 
 
 def write_html(
-    d: Diagnosis, path: str | Path, *, title: str = "stalwart root-cause report"
+    d: Diagnosis | FleetDiagnosis, path: str | Path, *, title: str = "stalwart root-cause report"
 ) -> Path:
-    """Write the one-file HTML report of ``d`` (findings, neighbours, examples, a plot) to
-    ``path``, and return it as a ``Path``."""
+    """Write the one-file HTML report of ``d`` (findings, neighbours, examples, a plot; a
+    fleet's with one section per kind of fault) to ``path``, and return it as a ``Path``."""
     out = Path(path)
     out.write_text(render_html(d, title=title), encoding="utf-8")
     return out

@@ -1,25 +1,26 @@
 """What an analysis returns: findings, their neighbours and examples, the cleaning applied, and
 renderings as a plain dict (JSON for bots), an Arrow table (and pandas / polars frames of it),
 a rich table for the terminal and a compact HTML table for notebooks (through the leaf
-``notebook.py``). The one-file HTML report is ``report.write_html``'s: rendering sits on top of
-the result, which never imports it."""
+``notebook.py``). A fleet's analysis (``FleetDiagnosis``) holds one ``Diagnosis`` per kind of
+fault and renders as their sections. The one-file HTML report is ``report.write_html``'s:
+rendering sits on top of the result, which never imports it."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from stalwart.diagnose.notebook import render_notebook
+from stalwart.diagnose.notebook import escape, render_notebook
 from stalwart.frames import ArrowFrames
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Diagnosis", "Finding", "Neighbour"]
+__all__ = ["Diagnosis", "Finding", "FleetDiagnosis", "Neighbour"]
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,7 @@ class Diagnosis(ArrowFrames):
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
         """The dict as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False, default=str)
-        if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
-        return text
+        return _json(self.to_dict(), path, indent)
 
     def table(self, *, title: str | None = None) -> Table:
         """A rich table of the findings."""
@@ -182,6 +180,68 @@ class Diagnosis(ArrowFrames):
             covered=self.covered,
             message=self.message,
         )
+
+
+@dataclass
+class FleetDiagnosis(ArrowFrames):
+    """Result of ``analyze_fleet``: one ``Diagnosis`` per kind of fault, each over the fleet's
+    worker incarnations (a row each) with the kind as the failure label."""
+
+    kinds: dict[str, Diagnosis]
+    """Fault kind -> its analysis, in ``FaultKind`` order."""
+    runs: int
+    members: int
+    """Worker incarnations: the rows every analysis ran over."""
+    faults: dict[str, int]
+    """Fault rows per kind (an incarnation may hold several of one kind)."""
+    columns: tuple[str, ...]
+    """The attributes: the hosts' and the runs'."""
+    notes: list[str] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    mode = "fleet"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the fleet's counts and ``{"kinds": {kind: Diagnosis.to_dict()}}``."""
+        data: dict[str, Any] = {"mode": self.mode}
+        data.update((f.name, getattr(self, f.name)) for f in fields(self))
+        data["columns"] = list(self.columns)
+        data["kinds"] = {k: d.to_dict() for k, d in self.kinds.items()}
+        return data
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
+        """The dict as JSON text; also written to ``path`` when given."""
+        return _json(self.to_dict(), path, indent)
+
+    def summary(self) -> str:
+        """One line: runs, incarnations and faults per kind."""
+        faults = ", ".join(f"{k} {n:,}" for k, n in self.faults.items())
+        return f"{self.runs:,} runs, {self.members:,} worker incarnations; faults: {faults}"
+
+    def to_arrow(self) -> pa.Table:
+        """Every kind's findings (``Diagnosis.to_arrow``) in one table, a ``kind`` column first;
+        attributes one kind's findings do not name are NULL."""
+        import pyarrow as pa
+
+        parts = []
+        for kind, d in self.kinds.items():
+            t = d.to_arrow()
+            parts.append(t.add_column(0, "kind", pa.array([kind] * t.num_rows, pa.string())))
+        return pa.concat_tables(parts, promote_options="default")
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rendering: the fleet's summary, then each kind's top findings."""
+        parts = [f"<p>{escape(self.summary())}</p>"]
+        for kind, d in self.kinds.items():
+            parts += [f"<h4>{escape(kind)}</h4>", d._repr_html_()]
+        return "\n".join(parts)
+
+
+def _json(data: dict[str, Any], path: str | Path | None, indent: int | None) -> str:
+    text = json.dumps(data, indent=indent, ensure_ascii=False, default=str)
+    if path is not None:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    return text
 
 
 def _num(x: float) -> str:

@@ -9,9 +9,12 @@ mass); the base rate is F / N over the whole table. lift(X) = (f(X) / n(X)) / (F
 - *Superset rule*: drop X when, for a kept subset Y, X's rate is not significantly above the rate
   of Y \\ X (the extra items add nothing; the FDA paper's lift-ratio rule, made a test).
 - *Subset rule*: drop Y when, for a kept superset X, the rate of Y \\ X is not significantly above
-  the base rate (Y is elevated only because it contains X; the FDA support-ratio rule).
+  the base rate (Y is elevated only because it contains X; the FDA support-ratio rule). Along a
+  hierarchy, several disjoint finer findings (hosts under a rack, or under the CPU model they
+  share) may explain Y together the same way, when the rest of Y is significantly below them.
 - *Selection*: repeatedly take the survivor with the most attributable failures on the rows not
-  yet explained, f - n * (residual rate), re-testing it against the residual rate; stop at
+  yet explained, f - n * (residual rate), or (``rank_by="likelihood"``) the largest binomial
+  likelihood ratio of its rate against the residual rate, re-testing it against that; stop at
   ``max_findings``, when the next one would add less than ``min_gain`` of the failures, or when
   the findings' rows hold ``coverage`` of the failures.
 
@@ -153,40 +156,115 @@ def prune(
         and c.rate >= options.min_lift * base
         and tester.above(c.failures, c.rows, base)
     }
-    # superset rule
+    # superset rule; along a hierarchy only against coarser findings of no more items (a host is
+    # not absorbed by a combination of the attributes it shares with another bad host)
     survivors: dict[Itemset, Scored] = {}
+    absorbed: dict[Itemset, list[Scored]] = {}
     for items, c in kept.items():
-        reason = None
-        for sub in _subsets(items, closure):
-            y = kept.get(sub)
-            if y is None:
-                continue
-            f_rest, n_rest = y.failures - c.failures, y.rows - c.rows
-            if n_rest <= 0 or not tester.greater(c.failures, c.rows, f_rest, n_rest):
-                reason = sub
-                break
+        reason = _absorber(c, kept, tester, closure)
         if reason is None:
             survivors[items] = c
-        else:
+        elif set(reason) <= set(items):
             kept[reason].subsumed.append((items, "adds no significant lift to it"))
-    # subset rule: index survivors by every sub-item-set of their closure
-    supersets: dict[Itemset, list[Scored]] = {}
+        else:
+            absorbed.setdefault(reason, []).append(c)
+    out = _subset_rule(survivors, base, tester, closure, absorbed)
+    # along a hierarchy, what a dropped item-set absorbed stands again unless a kept one absorbs
+    # it (a rack with two bad hosts absorbs the weaker one, then is explained by the stronger
+    # one alone), and the subset rule runs again with it
+    for _ in range(len(kept)):
+        final = {c.items: c for c in out}
+        held: dict[Itemset, list[Scored]] = {}
+        back = []
+        for sub, xs in absorbed.items():
+            for x in xs:
+                owner = sub if sub in final else _absorber(x, final, tester, closure)
+                if owner is None:
+                    back.append(x)
+                else:
+                    held.setdefault(owner, []).append(x)
+        absorbed = held
+        if not back:
+            break
+        out = _subset_rule({c.items: c for c in out + back}, base, tester, closure, absorbed)
+    for sub, xs in absorbed.items():
+        kept[sub].subsumed += [(x.items, "adds no significant lift to it") for x in xs]
+    return out
+
+
+def _absorber(
+    x: Scored,
+    kept: dict[Itemset, Scored],
+    tester: Tester,
+    closure: Callable[[Itemset], frozenset[tuple[int, str]]],
+) -> Itemset | None:
+    """The first item-set of ``kept`` that absorbs ``x`` (superset rule), or None."""
+    return next((s for s in _subsets(x.items, closure) if _absorbs(kept.get(s), x, tester)), None)
+
+
+def _absorbs(y: Scored | None, x: Scored, tester: Tester) -> bool:
+    """Does ``y``, a coarser item-set of no more items, leave nothing to ``x`` inside it: is
+    x's rate not significantly above the rest of y's?"""
+    if y is None or len(y.items) > len(x.items):
+        return False
+    f_rest, n_rest = y.failures - x.failures, y.rows - x.rows
+    return n_rest <= 0 or not tester.greater(x.failures, x.rows, f_rest, n_rest)
+
+
+def _subset_rule(
+    survivors: dict[Itemset, Scored],
+    base: float,
+    tester: Tester,
+    closure: Callable[[Itemset], frozenset[tuple[int, str]]],
+    absorbed: dict[Itemset, list[Scored]],
+) -> list[Scored]:
+    """Drop Y when it is elevated only through a kept superset X (of Y or of Y's closure), or,
+    along a hierarchy, only through several finer findings together (``_finer_group``): kept
+    ones, or ones Y absorbed by the superset rule (a rack absorbs each of its two bad hosts,
+    since the other one lifts the rest of the rack)."""
+    supersets: dict[Itemset, list[Scored]] = {}  # every sub-item-set of a survivor's closure
     for c in survivors.values():
         for sub in _subsets(c.items, closure):
             supersets.setdefault(sub, []).append(c)
     out = []
     for items, y in survivors.items():
-        explained_by = None
-        for x in supersets.get(items, ()):
-            f_rest, n_rest = y.failures - x.failures, y.rows - x.rows
-            if not tester.above(f_rest, n_rest, base):
-                explained_by = x
-                break
-        if explained_by is None:
-            out.append(y)
-        else:
+        finer = supersets.get(items, [])
+        explained_by = next(
+            (x for x in finer if not tester.above(y.failures - x.failures, y.rows - x.rows, base)),
+            None,
+        )
+        if explained_by is not None:
             explained_by.subsumed.append((items, "elevated only through it"))
+            continue
+        group = _finer_group(y, finer + absorbed.get(items, []), base, tester)
+        if not group:
+            out.append(y)
+        for x in group:
+            x.subsumed.append((items, f"elevated only through it and {len(group) - 1} like it"))
     return out
+
+
+def _finer_group(y: Scored, finer: list[Scored], base: float, tester: Tester) -> list[Scored]:
+    """Findings finer than ``y`` along a hierarchy (``y`` lies in their closure, not in their
+    items: hosts under a rack, or under the CPU model they share) that explain it together:
+    disjoint (one set of columns, other values), at least two, and the rest of its rows not
+    above the base rate; besides, the rest significantly below theirs, or each of them fewer
+    items than ``y`` (a combination of the attributes two bad hosts share is those hosts).
+    Empty when none do. Otherwise the coarse value is the simpler explanation: a bad kernel
+    shows on every host that runs it, and with enough runs every such host is a finding."""
+    groups: dict[tuple[int, ...], list[Scored]] = {}
+    for x in finer:
+        if not set(y.items) <= set(x.items):
+            groups.setdefault(tuple(c for c, _ in x.items), []).append(x)
+    for columns in sorted(groups, key=len):
+        xs = groups[columns]
+        f, n = sum(x.failures for x in xs), sum(x.rows for x in xs)
+        f_rest, n_rest = y.failures - f, y.rows - n
+        if len(xs) < 2 or tester.above(f_rest, n_rest, base):
+            continue
+        if len(columns) < len(y.items) or tester.greater(f, n, f_rest, n_rest):
+            return xs
+    return []
 
 
 @dataclass
@@ -220,7 +298,8 @@ def select(
     while pool and len(chosen) < options.max_findings:
         rate = f_res / n_res if n_res > 0 else 0.0
         gain = f - n * rate
-        order = np.argsort(-gain)
+        explained = options.rank_by in (None, "explained")
+        order = np.argsort(-(gain if explained else _likelihood(f, n, rate)))
         ok = [
             int(i)
             for i in order
@@ -257,6 +336,18 @@ def select(
             break
     covered = (total_failures - f_res) / total_failures if total_failures > 0 else 0.0
     return chosen, covered
+
+
+def _likelihood(f: np.ndarray, n: np.ndarray, rate: float) -> np.ndarray:
+    """Log-likelihood ratio of each item-set's own rate f / n against ``rate`` (binomial; 0
+    where its rate is not above it): Kulldorff's scan statistic."""
+    f, n = np.asarray(f, dtype=np.float64), np.asarray(n, dtype=np.float64)
+    p = np.clip(np.divide(f, n, out=np.zeros_like(f), where=n > 0), 0.0, 1.0)
+    r = min(max(rate, 1e-12), 1 - 1e-12)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inside = np.where(f > 0, f * np.log(np.maximum(p, 1e-300) / r), 0.0)
+        outside = np.where(n - f > 0, (n - f) * np.log(np.maximum(1 - p, 1e-300) / (1 - r)), 0.0)
+    return np.where(p > r, inside + outside, 0.0)
 
 
 def _simpler(

@@ -38,9 +38,10 @@ import fsspec
 from stalwart.diagnose.access import Reads, lock, one_query
 from stalwart.diagnose.access import first_line as _first_line
 from stalwart.diagnose.budget import duckdb_limit
+from stalwart.diagnose.quoting import identifier, literal
 from stalwart.errors import ConfigError, require
 
-__all__ = ["Source", "open_source", "quote", "suggest"]
+__all__ = ["Source", "open_source", "suggest"]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,6 @@ _CSV_SUFFIXES = (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".csv.zst")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.zst", ".ndjson.zst")
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 _PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
-
-
-def quote(name: str) -> str:
-    """Quote a column name for DuckDB SQL."""
-    return '"' + name.replace('"', '""') + '"'
 
 
 def suggest(name: str, names: list[str]) -> str:
@@ -234,8 +230,7 @@ def _register_lazy(con: duckdb.DuckDBPyConnection, name: str, lazy: Any, where: 
             f"the polars LazyFrame failed while streaming it: {_first_line(e)}; check its query "
             "with lazy.explain(), or pass lazy.collect() if it needs the in-memory engine"
         ) from e
-    lit = "'" + path.replace("'", "''") + "'"
-    con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
+    con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({literal(path)})")
     where.reads.paths.append(path)
 
 
@@ -296,7 +291,7 @@ def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: 
         if p.is_file() and p.stat().st_size == 0:
             raise ConfigError(f"{path}: the file is empty; nothing to analyse")
         is_dir = p.is_dir()
-    lit = "'" + path.replace("'", "''") + "'"
+    lit = literal(path)
     if lower.endswith(_PARQUET_SUFFIXES) or is_dir:
         try:
             con.execute(f"CREATE TEMP VIEW {name} AS SELECT * FROM read_parquet({lit})")
@@ -332,7 +327,7 @@ def _register_jsonl(
     if where.skip_bad:
         # DuckDB keeps a skipped JSON line as a row of NULLs: drop those rows, and say so.
         cols = [str(r[0]) for r in con.sql(f"DESCRIBE {name}").fetchall()]
-        empty = " AND ".join(f"{quote(c)} IS NULL" for c in cols) or "false"
+        empty = " AND ".join(f"{identifier(c)} IS NULL" for c in cols) or "false"
         dropped = con.execute(f"DELETE FROM {name} WHERE {empty}").fetchall()[0][0]
         if dropped:
             where.notes.append(f"skipped {dropped} malformed or empty line(s) of {path}")

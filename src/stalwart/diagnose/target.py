@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import duckdb
 
 from stalwart.diagnose.expression import check_expression
-from stalwart.diagnose.source import Source, quote, suggest
+from stalwart.diagnose.quoting import as_double, identifier
+from stalwart.diagnose.source import Source, suggest
 from stalwart.errors import ConfigError
 
 __all__ = ["Masses", "event_masses", "kpi_masses"]
@@ -61,7 +62,7 @@ def _check(src: Source, sql: str, text: str, what: str) -> None:
 
 def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
     if label in src.columns:
-        q, kind = quote(label), src.types[label].upper()
+        q, kind = identifier(label), src.types[label].upper()
         if kind == "BOOLEAN":
             return f"coalesce({q}, false)", {label}
         if kind.startswith(
@@ -109,7 +110,7 @@ def event_masses(src: Source, label: str, weight: str | None) -> Masses:
         kind = src.types[col].upper()
         if kind in ("VARCHAR", "BOOLEAN", "DATE") or kind.startswith("TIMESTAMP"):
             raise ConfigError(f"weight column {col!r} is {kind}; it must hold numbers (counts)")
-        w = f"greatest(coalesce(CAST({quote(col)} AS DOUBLE), 0), 0)"
+        w = f"greatest({as_double(col)}, 0)"
         used.add(col)
     return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
 
@@ -124,9 +125,8 @@ def kpi_masses(
             "(numerator, denominator) pairs (ratio KPI)"
         )
     if isinstance(actual, str) and isinstance(expected, str):
-        a = quote(_column(src, actual, "actual"))
-        e = quote(_column(src, expected, "expected"))
-        a, e = f"coalesce(CAST({a} AS DOUBLE), 0)", f"coalesce(CAST({e} AS DOUBLE), 0)"
+        a = as_double(_column(src, actual, "actual"))
+        e = as_double(_column(src, expected, "expected"))
         row = src.sql(f"SELECT sum({a} - {e}) FROM {{src}}").fetchall()[0]
         s = 1.0 if row is None or (row[0] or 0) >= 0 else -1.0
         return Masses(
@@ -137,10 +137,8 @@ def kpi_masses(
         )
     if len(actual) != 2 or len(expected) != 2:
         raise ConfigError("a ratio KPI needs (numerator, denominator) for actual and expected")
-    an, ad = (f"coalesce(CAST({quote(_column(src, c, 'actual'))} AS DOUBLE), 0)" for c in actual)
-    en, ed = (
-        f"coalesce(CAST({quote(_column(src, c, 'expected'))} AS DOUBLE), 0)" for c in expected
-    )
+    an, ad = (as_double(_column(src, c, "actual")) for c in actual)
+    en, ed = (as_double(_column(src, c, "expected")) for c in expected)
     row = src.sql(f"SELECT sum({an}), sum({ad}), sum({en}), sum({ed}) FROM {{src}}").fetchall()[0]
     assert row is not None
     tot_an, tot_ad, tot_en, tot_ed = (float(v or 0) for v in row)

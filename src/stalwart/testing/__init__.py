@@ -10,6 +10,7 @@ from stalwart.testing.chaos import (
     Raise,
 )
 from stalwart.testing.flaky import FlakyStorage
+from stalwart.testing.fleet import simulate_fleet
 from stalwart.testing.run_ranks import run_ranks
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "LoseCoordinator",
     "Raise",
     "run_ranks",
+    "simulate_fleet",
 ]

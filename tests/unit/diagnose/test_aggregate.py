@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 from stalwart.diagnose import DiagnoseOptions, Diagnosis, analyze, rowcache
-from stalwart.diagnose import aggregate as aggregate_module
 from stalwart.diagnose.aggregate import ItemCounter, aggregate, in_memory_budget
 from stalwart.diagnose.clean import plan_cleaning
+from stalwart.diagnose.options import EngineTuning
 from stalwart.diagnose.source import open_source
 from stalwart.diagnose.synth import make_failure_log
 from stalwart.diagnose.target import event_masses
@@ -106,9 +106,7 @@ def _findings(d: Diagnosis) -> list[tuple[object, ...]]:
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_out_of_core_run_equals_the_in_memory_run(
-    weighted: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_out_of_core_run_equals_the_in_memory_run(weighted: bool) -> None:
     # 200k rows under a tiny memory_limit: the coded rows go to the row cache on disk, in
     # chunks of 30k (weighted: plain and weighted chunks mixed), grouped or not by their number
     log = make_failure_log(200_000, columns=12, causes=3, depth=(1, 2, 3), seed=9)
@@ -120,8 +118,7 @@ def test_out_of_core_run_equals_the_in_memory_run(
     weight = "n" if weighted else None
     opts = DiagnoseOptions(example_rows=0)
     held = analyze(table, "failed", weight=weight, options=opts)
-    monkeypatch.setattr(aggregate_module, "_BATCH_ROWS", 30_000)
-    small = replace(opts, memory_limit="16MB")
+    small = replace(opts, memory_limit="16MB", tuning=EngineTuning(batch_rows=30_000))
     assert in_memory_budget("16MB") < 200_000 * 24
     ooc = analyze(table, "failed", weight=weight, options=small)
     assert len(held.findings) == 3
@@ -129,7 +126,7 @@ def test_out_of_core_run_equals_the_in_memory_run(
     assert ooc.covered == held.covered  # (candidates differ: only in memory is a sample drawn)
 
 
-def test_streamed_sample_is_drawn_by_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streamed_sample_is_drawn_by_mass() -> None:
     # the row cache draws ItemCounter's sample while it writes, chunk by chunk: a weighted
     # item's share of the sample estimates its share of the mass, and the bound holds
     table = make_failure_log(150_000, columns=4, causes=1, seed=5).table.drop_columns(["host_id"])
@@ -140,8 +137,8 @@ def test_streamed_sample_is_drawn_by_mass(monkeypatch: pytest.MonkeyPatch) -> No
     )
     n = np.where(heavy, 3, 1)
     table = table.append_column("n", pa.array(n))
-    monkeypatch.setattr(aggregate_module, "_BATCH_ROWS", 20_000)
-    monkeypatch.setattr(aggregate_module, "_GROUP_GAIN", 10**9)  # kept as rows, not grouped
+    # chunks of 20k rows, kept as rows, not grouped
+    tuning = EngineTuning(batch_rows=20_000, group_gain=10**9)
     with open_source(table) as src:
         masses = event_masses(src, "failed", "n")
         plan = plan_cleaning(
@@ -153,7 +150,7 @@ def test_streamed_sample_is_drawn_by_mass(monkeypatch: pytest.MonkeyPatch) -> No
         )
         values = {0: ["c00v0", "c00v1"], 1: ["c01v0", "c01v2"]}
         kw = {"target_sql": masses.target, "reference_sql": masses.reference}
-        agg = aggregate(src, plan, values, in_memory_bytes=0, **kw)
+        agg = aggregate(src, plan, values, in_memory_bytes=0, tuning=tuning, **kw)
         counter = ItemCounter(agg, cache_bytes=0)
         counter.prepare()
         sets = [((0, "c00v0"),), ((0, "c00v1"),), ((0, "c00v0"), (1, "c01v2"))]

@@ -8,6 +8,7 @@ import pyarrow as pa
 import pytest
 
 from stalwart.diagnose import DiagnoseOptions, analyze, localize
+from stalwart.diagnose.options import EngineTuning
 from stalwart.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,6 +117,14 @@ def test_unknown_option_and_bad_values() -> None:
         localize(_table(), "a", "b", kpi_risk=0.1)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="max_len"):
         analyze(_table(), "outcome", options=DiagnoseOptions(max_len=0))
+    with pytest.raises(TypeError, match="skip_bad_line: the input is read with connection"):
+        analyze(_table(), "outcome", skip_bad_line=True)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="rank_by='best'"):
+        DiagnoseOptions(rank_by="best")
+    with pytest.raises(ConfigError, match=r"EngineTuning.batch_rows=0: expected an integer >= 1"):
+        EngineTuning(batch_rows=0)
+    with pytest.raises(ConfigError, match="tuning"):
+        DiagnoseOptions(tuning={"batch_rows": 10})  # type: ignore[arg-type]
 
 
 def test_unsupported_data_type() -> None:

@@ -142,6 +142,32 @@ def test_hierarchy_keeps_one_level_per_finding() -> None:
     assert [f.items for f in d.findings] == [{"rack": "r3"}]
 
 
+def test_hosts_are_reported_not_the_rack_or_attributes_they_share() -> None:
+    # two bad hosts of one rack, sharing a kernel with a few good ones: the rack and the kernel
+    # are elevated only through them, so the findings are the two hosts
+    n = 20_000
+    rng = np.random.default_rng(4)
+    host = rng.integers(0, 40, n)
+    kernel = np.where(np.isin(host, [15, 16, 3, 27]), "k2", np.where(host % 2, "k1", "k0"))
+    failed = np.isin(host, [15, 16]) & (rng.random(n) < 0.3) | (rng.random(n) < 0.01)
+    t = pa.table(
+        {
+            "rack": [f"r{x // 5}" for x in host],
+            "host": [f"h{x}" for x in host],
+            "kernel": kernel,
+            "failed": failed,
+        }
+    )
+    opts = DiagnoseOptions(hierarchies=(("rack", "host"), ("kernel", "host")))
+    d = analyze(t, "failed", options=opts)
+    assert sorted(f.label() for f in d.findings) == ["host=h15", "host=h16"]
+    for rank_by in ("explained", "likelihood"):
+        d = analyze(
+            t, "failed", options=DiagnoseOptions(hierarchies=opts.hierarchies, rank_by=rank_by)
+        )
+        assert sorted(f.label() for f in d.findings) == ["host=h15", "host=h16"]
+
+
 def test_fault_injection_campaign_table() -> None:
     # a per-trial table as a campaign writes it: which layer x bit x dtype makes trials fail?
     rng = np.random.default_rng(3)

@@ -12,6 +12,7 @@ import pytest
 from stalwart.diagnose import DiagnoseOptions, localize
 from stalwart.diagnose.kpi_localize import _leaves, kpi_leaves
 from stalwart.diagnose.kpi_search import SearchParams, search
+from stalwart.diagnose.options import EngineTuning
 from stalwart.diagnose.source import open_source
 from stalwart.errors import ConfigError
 
@@ -177,23 +178,18 @@ def test_small_deep_causes_under_broad_ones_are_found_by_the_second_stage(seed: 
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cuboid_sums_kept_recounted_or_from_the_dense_cube_agree(
-    seed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cuboid_sums_kept_recounted_or_from_the_dense_cube_agree(seed: int) -> None:
     """The three ways ElementSums counts (cuboids kept for the whole search, recounted every
     round, or every cuboid of a layer summed from the full cube's cells, as H-sized cubes
     are) find the same causes with the same scores, on a cube with broad, deep and single-leaf
     causes where both stages and several removal rounds run."""
-    from stalwart.diagnose import kpi_sums
-
     codes, cards, actual, forecast = _deep_and_broad(seed)
     order = np.random.default_rng(seed).permutation(len(codes))  # leaves in any order
     leaves = kpi_leaves(codes[order], cards, (actual[order],), (forecast[order],))
     got = {}
     for mode, cache, dense in (("kept", 10**9, 4), ("recount", 0, 0), ("dense", 0, 4)):
-        monkeypatch.setattr(kpi_sums, "_CACHE_IDS", cache)
-        monkeypatch.setattr(kpi_sums, "_DENSE_CELLS", dense)
-        got[mode] = search(leaves)
+        tuning = EngineTuning(kpi_cache_ids=cache, kpi_dense_cells=dense)
+        got[mode] = search(leaves, SearchParams(tuning=tuning))
     assert len(got["kept"].causes) >= 4
     for mode in ("recount", "dense"):
         assert [c.items for c in got[mode].causes] == [c.items for c in got["kept"].causes]
