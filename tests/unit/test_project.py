@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     "fingerprint": set(),
     "models": {"errors", "fingerprint"},
     "inject": {"errors", "moved", "tree"},
-    "vulnerability": {"errors", "frames", "moved", "tree", "inject", "fingerprint"},
+    "vulnerability": {"errors", "environment", "frames", "moved", "tree", "inject", "fingerprint"},
     "protect": {
         "errors",
         "frames",

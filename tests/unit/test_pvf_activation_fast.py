@@ -268,15 +268,14 @@ def test_a_module_whose_rows_are_not_samples_is_refused_or_run_as_dependent() ->
     _same(fast, vulnerability.run_campaign(model, x, faults, crit, engine="naive", **kw))
 
 
-def test_untraceable_row_passes_are_capped_by_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stalwart.vulnerability import eager_rows
+def test_untraceable_row_passes_are_capped_by_memory() -> None:
     from stalwart.vulnerability.activation_engine import hooked
 
     torch.manual_seed(0)
     model, x = Untraceable().eval(), torch.randn(12, 8)
-    eng = vulnerability.engine.FastEngine(model, (x,))
-    per_row = eng.eager.act_bytes // len(x)
-    monkeypatch.setattr(eager_rows, "_PASS_BYTES", 5 * per_row)  # 3 faults + 2 golden rows
+    per_row = vulnerability.engine.FastEngine(model, (x,)).eager.act_bytes // len(x)
+    budget = 5 * per_row  # a pass: 3 faults + 2 golden rows
+    eng = vulnerability.engine.FastEngine(model, (x,), pass_bytes=budget)
     faults = list(sample_activation_faults(model, (x,), 30, seed=6, modules=["fc2"]))
     passes = []
     model.register_forward_pre_hook(lambda *_: passes.append(1))

@@ -41,7 +41,8 @@ _DTYPES = {
 
 
 # The library's names as option choices (click rejects others before any work starts), copied
-# so that ``--help`` needs no SciPy; tests/unit/test_cli_surface.py keeps them equal.
+# so that no ``stalwart`` command pays for importing the vulnerability package (~50 ms) before
+# it needs it; tests/unit/test_cli_surface.py keeps them equal.
 class By(str, enum.Enum):
     """``--by``: how trials are grouped."""
 

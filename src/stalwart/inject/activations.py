@@ -9,6 +9,7 @@ exit is the undo.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -23,7 +24,7 @@ from stalwart.inject.injector import edit_raw
 __all__ = ["ActivationInjector", "activation_faults"]
 
 
-class ActivationInjector:
+class ActivationInjector(AbstractContextManager["ActivationInjector"]):
     """Forward hooks that corrupt module outputs; a context manager that removes them."""
 
     def __init__(self, model: nn.Module, faults: Iterable[Fault]) -> None:
@@ -77,9 +78,6 @@ class ActivationInjector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def __enter__(self) -> ActivationInjector:
-        return self
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

@@ -9,6 +9,7 @@ set of flips of a bit-error-rate trial (every stored bit flips with probability 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -106,8 +107,26 @@ def _bits(layout: BitLayout, bits: Sequence[int] | None, field_: str | None) -> 
     return np.asarray(allowed, dtype=np.int64)
 
 
+class _UniformElement(ABC):
+    """An error model whose fault hits a uniformly drawn element: :meth:`draw` draws the
+    elements, then :meth:`masks` says what happens to each (in that order, so a seed gives
+    the same faults as it always has)."""
+
+    def draw(
+        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, list[int], Op]:
+        """Element indices (int64, shape (n,)), masks and the op (see :class:`ErrorModel`)."""
+        idx = rng.integers(0, numel, n)
+        masks, op = self.masks(layout, n, rng)
+        return idx, masks, op
+
+    @abstractmethod
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
+        """The ``n`` drawn elements' masks and the op that applies them."""
+
+
 @dataclass(frozen=True)
-class BitFlip:
+class BitFlip(_UniformElement):
     """Flip one bit: ``bit`` if given, else uniform over ``bits`` (default all) or ``field``."""
 
     bit: int | None = None
@@ -116,58 +135,49 @@ class BitFlip:
     """Restrict random bits to ``sign``, ``exponent``, ``mantissa`` or ``value``."""
     name: str = "bitflip"
 
-    def draw(
-        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
-    ) -> tuple[np.ndarray, list[int], Op]:
-        idx = rng.integers(0, numel, n)
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
         if self.bit is not None:
             layout.check_bit(self.bit)
-            return idx, [1 << self.bit] * n, "xor"
+            return [1 << self.bit] * n, "xor"
         pick = rng.choice(_bits(layout, self.bits, self.field), n)
-        return idx, [1 << int(b) for b in pick], "xor"
+        return [1 << int(b) for b in pick], "xor"
 
 
 @dataclass(frozen=True)
-class MultiBitFlip:
+class MultiBitFlip(_UniformElement):
     """Flip ``count`` distinct bits of one element, chosen uniformly among ``bits``."""
 
     count: int = 2
     bits: Sequence[int] | None = None
     name: str = "multibit"
 
-    def draw(
-        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
-    ) -> tuple[np.ndarray, list[int], Op]:
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
         allowed = _bits(layout, self.bits, None)
         if not 1 <= self.count <= len(allowed):
             raise ConfigError(f"count={self.count} must be in 1..{len(allowed)} for {layout.name}")
-        idx = rng.integers(0, numel, n)
         masks = [
             sum(1 << int(b) for b in rng.choice(allowed, self.count, replace=False))
             for _ in range(n)
         ]
-        return idx, masks, "xor"
+        return masks, "xor"
 
 
 @dataclass(frozen=True)
-class BurstFlip:
+class BurstFlip(_UniformElement):
     """Flip ``length`` adjacent bits of one element, starting at a uniform position."""
 
     length: int = 2
     name: str = "burst"
 
-    def draw(
-        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
-    ) -> tuple[np.ndarray, list[int], Op]:
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
         if not 1 <= self.length <= layout.bits:
             raise ConfigError(f"burst length {self.length} must be in 1..{layout.bits}")
-        idx = rng.integers(0, numel, n)
         start = rng.integers(0, layout.bits - self.length + 1, n)
-        return idx, [((1 << self.length) - 1) << int(s) for s in start], "xor"
+        return [((1 << self.length) - 1) << int(s) for s in start], "xor"
 
 
 @dataclass(frozen=True)
-class StuckAt:
+class StuckAt(_UniformElement):
     """Force one bit to ``value`` (0 or 1): ``bit`` if given, else uniform over the word."""
 
     value: int = 1
@@ -178,15 +188,13 @@ class StuckAt:
         if self.value not in (0, 1):
             raise ConfigError(f"stuck-at value must be 0 or 1, got {self.value!r}")
 
-    def draw(
-        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
-    ) -> tuple[np.ndarray, list[int], Op]:
-        idx, masks, _ = BitFlip(self.bit).draw(layout, numel, n, rng)
-        return idx, masks, "set" if self.value else "clear"
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
+        masks, _ = BitFlip(self.bit).masks(layout, n, rng)
+        return masks, "set" if self.value else "clear"
 
 
 @dataclass(frozen=True)
-class RandomValue:
+class RandomValue(_UniformElement):
     """Replace an element by a random value: uniform in [low, high] when given (floats),
     else a uniformly random storage word (any bit pattern, NaN and Inf included)."""
 
@@ -194,18 +202,15 @@ class RandomValue:
     high: float | None = None
     name: str = "random_value"
 
-    def draw(
-        self, layout: BitLayout, numel: int, n: int, rng: np.random.Generator
-    ) -> tuple[np.ndarray, list[int], Op]:
-        idx = rng.integers(0, numel, n)
+    def masks(self, layout: BitLayout, n: int, rng: np.random.Generator) -> tuple[list[int], Op]:
         if self.low is None or self.high is None:
             words = rng.integers(0, 1 << min(layout.bits, 63), n, dtype=np.uint64)
             if layout.bits == 64:  # numpy cannot draw 64-bit words in one call
                 words |= rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(63)
-            return idx, [int(w) for w in words], "assign"
+            return [int(w) for w in words], "assign"
         vals = torch.tensor(rng.uniform(self.low, self.high, n), dtype=layout.dtype)
         raw = vals.view(layout.storage).tolist()
-        return idx, [int(v) & ((1 << layout.bits) - 1) for v in raw], "assign"
+        return [int(v) & ((1 << layout.bits) - 1) for v in raw], "assign"
 
 
 def draw_ber(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -61,7 +62,7 @@ def edit_raw(raw: torch.Tensor, index: torch.Tensor, op: str, mask: torch.Tensor
     return mask.expand_as(old).clone()
 
 
-class Injection:
+class Injection(AbstractContextManager["Injection"]):
     """Faults applied to live tensors; ``restore()`` (or leaving ``with``) undoes them."""
 
     def __init__(self) -> None:
@@ -157,9 +158,6 @@ class Injection:
                 if i in self._undo:
                     self._undo[i]()
         self._active = False
-
-    def __enter__(self) -> Injection:
-        return self
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

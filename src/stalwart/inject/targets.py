@@ -20,6 +20,7 @@ from stalwart.inject.quantized import find_slot, quantized_slots, quantized_targ
 
 __all__ = [
     "forward_with_hooks",
+    "matches",
     "module_of",
     "resolve",
     "rows_read",
@@ -32,6 +33,11 @@ Pattern = str | Sequence[str]
 
 def _patterns(pattern: Pattern) -> list[str]:
     return [pattern] if isinstance(pattern, str) else list(pattern)
+
+
+def matches(name: str, pattern: Pattern) -> bool:
+    """``name`` matches the glob ``pattern`` (or one of several), case-sensitively."""
+    return any(fnmatch.fnmatchcase(name, p) for p in _patterns(pattern))
 
 
 def _hint(name: str, names: Iterable[str]) -> str:
@@ -87,9 +93,7 @@ def select_tensors(
                 continue
             name = prefix + leaf
             every.append(name)
-            if any(fnmatch.fnmatchcase(name, p) for p in pats) and not any(
-                fnmatch.fnmatchcase(name, p) for p in skip
-            ):
+            if matches(name, pats) and not matches(name, skip):
                 found[name] = tensor
     if not found:
         kind = " of types " + ", ".join(t.__name__ for t in module_types) if module_types else ""
@@ -104,9 +108,7 @@ def select_modules(model: nn.Module, pattern: Pattern) -> dict[str, nn.Module]:
     """Modules whose names match a glob (for activation faults and protections)."""
     pats = _patterns(pattern)
     names = [n for n, _ in model.named_modules() if n]
-    found = {
-        n: m for n, m in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in pats)
-    }
+    found = {n: m for n, m in model.named_modules() if n and matches(n, pats)}
     if not found:
         raise ConfigError(
             f"pattern {pats[0]!r} matches no module of {type(model).__name__}; "

@@ -11,7 +11,7 @@ results = protect.evaluate(model, split.evaluation, faults, [clip, abft, sbp, sh
 """
 
 from stalwart.protect.abft import ABFT
-from stalwart.protect.base import Protection
+from stalwart.protect.base import Protection, row_fingerprints
 from stalwart.protect.clipping import ActivationClipping
 from stalwart.protect.ecc import SelectiveBitProtection
 from stalwart.protect.evaluate import (
@@ -22,7 +22,6 @@ from stalwart.protect.evaluate import (
     ber_sweep,
     evaluate,
     forward_time,
-    row_fingerprints,
     split_inputs,
 )
 from stalwart.protect.scrub import ParameterScrubber

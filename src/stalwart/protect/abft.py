@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stalwart.inject.targets import Pattern, select_modules
-from stalwart.protect.evaluate import row_fingerprints
-from stalwart.vulnerability import FaultList
+from stalwart.protect.base import Protection, batch_size, row_fingerprints
 
 __all__ = ["ABFT"]
 
@@ -54,13 +53,7 @@ def _check(
     return (y.sum(-1) - pred).abs(), scale
 
 
-def _samples(inputs: Sequence[Any]) -> int:
-    """Rows of the first input tensor (the calibration batch size)."""
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    return int(first.shape[0]) if first is not None else 0
-
-
-class ABFT:
+class ABFT(Protection):
     """Checksum-protect the matching Linear/Conv2d/EmbeddingBag modules.
 
     Args:
@@ -125,7 +118,7 @@ class ABFT:
         with self._hooks(model, observe=grab), torch.no_grad():
             model(*inputs)
         self.threshold = {n: max(factor * worst.get(n, 0.0), 1e-12) for n in self.modules}
-        self.calibration_samples = _samples(inputs)
+        self.calibration_samples = batch_size(inputs)
         self.calibration_rows = row_fingerprints(inputs)
         self.method = f"measured; thresholds calibrated on {self.calibration_samples} inputs"
         self.alarms = 0
@@ -179,16 +172,10 @@ class ABFT:
     def attach(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self._hooks(model)
 
-    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
-        return faults
-
-    def after_fault(self, model: nn.Module) -> None:
-        return None
-
     def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
         """Share of the (clean) ``inputs`` whose residual crosses a threshold in any
         module: on inputs not used for calibration, the detector's false-alarm rate."""
-        n = _samples(inputs)
+        n = batch_size(inputs)
         flagged = torch.zeros(max(n, 1), dtype=torch.bool)
 
         def flag(name: str, rel: torch.Tensor) -> None:

@@ -12,15 +12,14 @@ import torch
 from torch import nn
 
 from stalwart.inject.targets import Pattern, forward_with_hooks, select_modules
-from stalwart.protect.evaluate import row_fingerprints
-from stalwart.vulnerability import FaultList
+from stalwart.protect.base import Protection, batch_size, row_fingerprints
 
 __all__ = ["ActivationClipping"]
 
 _TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.EmbeddingBag, nn.Embedding)
 
 
-class ActivationClipping:
+class ActivationClipping(Protection):
     """Clamp outputs of the matching modules to bounds seen on clean inputs.
 
     Args:
@@ -63,8 +62,7 @@ class ActivationClipping:
         for n, (lo, hi) in seen.items():
             pad = (hi - lo) * margin
             self.bounds[n] = (lo - pad, hi + pad)
-        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        self.calibration_samples = int(first.shape[0]) if first is not None else 0
+        self.calibration_samples = batch_size(inputs)
         self.calibration_rows = row_fingerprints(inputs)
         self.method = f"measured; bounds calibrated on {self.calibration_samples} inputs"
 
@@ -85,18 +83,11 @@ class ActivationClipping:
             for h in handles:
                 h.remove()
 
-    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
-        return faults
-
-    def after_fault(self, model: nn.Module) -> None:
-        return None
-
     def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
         """Share of the (clean) ``inputs`` with any clipped module output outside its bounds
         (or NaN): on inputs not used for calibration, how often clipping alters a clean
         activation."""
-        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        n = int(first.shape[0]) if first is not None else 1
+        n = batch_size(inputs, default=1)
         flagged = torch.zeros(n, dtype=torch.bool)
         mods = dict(model.named_modules())
 

@@ -16,7 +16,6 @@ counterpart: its redundancy is stored and checked in software on every forward."
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -25,8 +24,9 @@ from torch import nn
 
 from stalwart.errors import ConfigError
 from stalwart.inject.bits import layout_of, signed_mask
-from stalwart.inject.targets import Pattern
-from stalwart.vulnerability import FaultList, PVFReport
+from stalwart.inject.targets import Pattern, matches
+from stalwart.protect.base import Protection
+from stalwart.vulnerability import PVFReport
 
 __all__ = ["SelectiveBitProtection", "bit_mask", "chosen_bits"]
 
@@ -58,7 +58,7 @@ SECDED_CHECK_BITS = 8
 CODEWORD_DATA_BITS = 64
 
 
-class SelectiveBitProtection:
+class SelectiveBitProtection(Protection):
     """Protect ``bits`` (a field list like ``("sign", "exponent")`` or bit positions) of the
     tensors matching ``tensors`` with a simulated SECDED code.
 
@@ -101,7 +101,7 @@ class SelectiveBitProtection:
         return cls(bits, [r.group for r in rows[:k]], name=f"sbp-top{k}")
 
     def _covers(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in self.tensors)
+        return matches(name, self.tensors)
 
     def mask(self, dtype: object) -> int:
         return bit_mask(self.bits, dtype)  # type: ignore[arg-type]
@@ -109,10 +109,6 @@ class SelectiveBitProtection:
     def per_codeword(self, dtype: torch.dtype) -> int:
         """Elements whose protected bits share one codeword."""
         return max(1, CODEWORD_DATA_BITS // max(bin(self.mask(dtype)).count("1"), 1))
-
-    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
-        """Faults land whole: the correction happens in :meth:`after_fault`."""
-        return faults
 
     @contextlib.contextmanager
     def attach(self, model: nn.Module) -> Iterator[None]:

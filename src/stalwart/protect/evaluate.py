@@ -14,7 +14,6 @@ disjoint evaluation split from one batch of inputs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +30,7 @@ from stalwart.inject import Fault, apply_faults
 from stalwart.inject.bits import layout_of
 from stalwart.inject.error_models import draw_ber
 from stalwart.inject.targets import Pattern, select_tensors
-from stalwart.protect.base import Protection
+from stalwart.protect.base import Protection, row_fingerprints
 from stalwart.vulnerability import FaultList, criterion, run_campaign
 from stalwart.vulnerability.campaign import check_eval
 from stalwart.vulnerability.notebook import render_notebook
@@ -45,28 +44,8 @@ __all__ = [
     "ber_sweep",
     "evaluate",
     "forward_time",
-    "row_fingerprints",
     "split_inputs",
 ]
-
-
-def row_fingerprints(inputs: Sequence[Any]) -> frozenset[bytes]:
-    """A digest per sample: the bytes of row ``i`` of every input tensor, hashed together.
-
-    Empty when the inputs are not tensors sharing dim 0 (nothing to compare row by row).
-    """
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not tensors or len({x.shape[0] for x in tensors}) != 1:
-        return frozenset()
-    n = tensors[0].shape[0]
-    rows = [x.detach().cpu().reshape(n, -1).contiguous().numpy() for x in tensors]
-    out = set()
-    for i in range(n):
-        h = hashlib.blake2b(digest_size=16)
-        for r in rows:
-            h.update(r[i].tobytes())
-        out.add(h.digest())
-    return frozenset(out)
 
 
 def _check_held_out(protections: Sequence[Protection], inputs: Sequence[Any]) -> None:

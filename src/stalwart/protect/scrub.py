@@ -4,7 +4,6 @@ one, from an in-memory copy."""
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from torch import nn
 
 from stalwart.checkpoint import Checkpointer
 from stalwart.inject.targets import Pattern, select_tensors
-from stalwart.vulnerability import FaultList
+from stalwart.protect.base import Protection
 
 __all__ = ["ParameterScrubber"]
 
@@ -23,7 +22,7 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 
 
-class ParameterScrubber:
+class ParameterScrubber(Protection):
     """Checksums of the matching tensors, and a good copy to restore them from.
 
     Args:
@@ -73,12 +72,6 @@ class ParameterScrubber:
                     self.tensors[n].copy_(self.copy[n])
         self.repaired += bad
         return bad
-
-    def attach(self, model: nn.Module) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
-        return faults
 
     def after_fault(self, model: nn.Module) -> None:
         self.scrub()

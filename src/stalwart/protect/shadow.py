@@ -23,7 +23,6 @@ times nothing), every byte of this redundancy exists, and its cost is measured.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +32,9 @@ from torch import nn
 
 from stalwart.errors import ConfigError
 from stalwart.inject.bits import layout_of, signed_mask
-from stalwart.inject.targets import Pattern
+from stalwart.inject.targets import Pattern, matches
+from stalwart.protect.base import Protection
 from stalwart.protect.ecc import bit_mask, chosen_bits
-from stalwart.vulnerability import FaultList
 
 __all__ = ["ShadowBitProtection"]
 
@@ -93,7 +92,7 @@ def _pack(bits: torch.Tensor) -> torch.Tensor:
     return (b.to(torch.int64) * weights).sum(1).to(torch.uint8)
 
 
-class ShadowBitProtection:
+class ShadowBitProtection(Protection):
     """Protect ``bits`` (fields like ``("sign", "exponent")`` or bit positions) of the
     floating-point tensors matching ``tensors`` with a stored shadow copy and parity.
 
@@ -125,7 +124,7 @@ class ShadowBitProtection:
         self._protected_bits = 0
         for n, p in model.named_parameters():
             self._total_bits += p.numel() * p.element_size() * 8
-            if p.dtype.is_floating_point and any(fnmatch.fnmatchcase(n, t) for t in self.tensors):
+            if p.dtype.is_floating_point and matches(n, self.tensors):
                 self.stores[n] = self._store(p)
         if not self.stores:
             raise ConfigError(
@@ -210,13 +209,6 @@ class ShadowBitProtection:
             yield
         finally:
             handle.remove()
-
-    def filter(self, model: nn.Module, faults: FaultList) -> FaultList:
-        """Faults land whole in the weights: the check corrects them on use."""
-        return faults
-
-    def after_fault(self, model: nn.Module) -> None:
-        return None
 
     def false_alarms(self, model: nn.Module, inputs: Sequence[Any]) -> float:
         """Share of checks of the clean model that found a difference (0 unless the model
