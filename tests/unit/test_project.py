@@ -30,6 +30,7 @@ _CORE = {
     "vulnerability",
     "protect",
     "diagnose",
+    "plan",
 }
 
 # package -> the stalwart packages it may import (dependencies flow one way, see STYLE.md).
@@ -59,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
         "models",
     },
     "diagnose": {"errors", "frames"},
+    "plan": {"errors", "frames"},
     "testing": {"errors", "tree", "storage", "checkpoint"},
     "integrations": _CORE,
     "demos": _CORE | {"testing", "__init__"},

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
-from stalwart.cli import ckpt, demo, protect, pvf, rca, run
+from stalwart.cli import ckpt, demo, plan, protect, pvf, rca, run
 from stalwart.cli.conventions import GuardedGroup
 
 app = typer.Typer(
@@ -62,6 +62,7 @@ pvf.register(app)
 protect.register(app)
 rca.register(app)
 run.register(app)
+plan.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,1 @@
+"""Tests of stalwart.plan: closed forms, simulation, planner, inputs and the CLI."""
