@@ -5,7 +5,8 @@ Subclassing :class:`ArrowFrames` and implementing ``to_arrow()`` gives it ``to_p
 ``to_polars()`` that hold exactly what the table holds. pandas and polars are optional (the
 ``frames`` extra): a missing one is a :class:`~stalwart.errors.MissingDependencyError` that
 names the extra. A result whose table takes an argument (``DiffReport.to_arrow(kind)``) calls
-the module functions :func:`to_pandas` / :func:`to_polars` with the table instead.
+the module functions :func:`to_pandas` / :func:`to_polars` with the table instead, and names
+itself in ``feature`` (``"DiffReport.to_pandas"``) for the error a missing library raises.
 
 This module is a leaf: it depends on ``stalwart.errors`` only, so every package may use it.
 """
@@ -24,29 +25,13 @@ __all__ = ["ArrowFrames", "to_pandas", "to_polars"]
 
 
 def to_pandas(table: pa.Table, feature: str) -> Any:
-    """``table`` as a pandas DataFrame.
-
-    Args:
-        table: the Arrow table to convert.
-        feature: what asks, for the message when pandas is missing (``"DiffReport.to_pandas"``).
-
-    Raises:
-        MissingDependencyError: pandas is not installed; the message names the ``frames`` extra.
-    """
+    """``table`` as a pandas DataFrame; the error names ``feature`` if pandas is missing."""
     require("pandas", "frames", feature)
     return table.to_pandas()
 
 
 def to_polars(table: pa.Table, feature: str) -> Any:
-    """``table`` as a polars DataFrame.
-
-    Args:
-        table: the Arrow table to convert.
-        feature: what asks, for the message when polars is missing (``"DiffReport.to_polars"``).
-
-    Raises:
-        MissingDependencyError: polars is not installed; the message names the ``frames`` extra.
-    """
+    """``table`` as a polars DataFrame; the error names ``feature`` if polars is missing."""
     pl = require("polars", "frames", feature)
     return pl.from_arrow(table)
 

@@ -47,7 +47,7 @@ import pytest
 import torch
 
 from stalwart.checkpoint import Checkpointer
-from stalwart.checkpoint.durable.gc import read_leases
+from stalwart.checkpoint.durable.lease import read_leases
 from stalwart.checkpoint.durable.manifest import step_from_key
 from stalwart.storage.local import TEMP_PREFIX, LocalStorage
 from stalwart.testing.run_ranks import run_ranks
@@ -290,15 +290,24 @@ def temps_under(root: Path) -> list[Path]:
     return [p for p in root.rglob(f"{TEMP_PREFIX}*") if p.is_file()]
 
 
-def collect_and_check(root: Path, history: History, where: str, **kw: Any) -> Any:
-    """Wait out the writers' leases, gc with no grace, and check nothing but garbage went."""
-    store = LocalStorage(root)
+def expire_leases(store: LocalStorage) -> None:
+    """Let every lease on ``store`` run out without waiting on the wall clock: read them with a
+    clock set just past the last one's expiry, which removes them as expired."""
+    expiries = []
     for info in store.list("leases/"):
         try:
-            expires = json.loads(store.read(info.key))["expires_unix"]
+            expiries.append(float(json.loads(store.read(info.key))["expires_unix"]))
         except Exception:
             continue
-        time.sleep(max(0.0, expires - time.time()) + 0.05)
+    if expiries:
+        later = max(expiries) + 0.05
+        read_leases(store, remove_expired=True, clock=lambda: later)
+
+
+def collect_and_check(root: Path, history: History, where: str, **kw: Any) -> Any:
+    """Let the writers' leases run out, gc with no grace, and check nothing but garbage went."""
+    store = LocalStorage(root)
+    expire_leases(store)
     with Checkpointer(root) as ckpt:
         report = ckpt.gc(grace_s=0)
         referenced = set().union(*(ckpt.manifest(s).packs() for s in ckpt.steps()))
@@ -524,7 +533,7 @@ def test_sigkill_inside_retention_keeps_the_kept_steps(zygote: Zygote, tmp_path:
         ]
     ):
         job = job_for(tmp_path, f"r{n}", root, first, 3, keep_last=2, kill=kill)
-        time.sleep(0.3)  # the previous writer's lease expired: retention may run
+        expire_leases(LocalStorage(root))  # the previous writer's lease ran out: retention may run
         status, _ = zygote.wait(zygote.spawn(job), timeout_s=60)
         oplog = Oplog.read(Path(job["oplog"]))
         committed = read_committed(Path(job["committed"]))

@@ -371,7 +371,7 @@ def test_gc_removes_orphans_only_after_grace_and_respects_leases(tmp_path: Path)
     old = time.time() - 7200
     os.utime(orphan, (old, old))
     store = LocalStorage(tmp_path)
-    from stalwart.checkpoint.durable.gc import Lease
+    from stalwart.checkpoint.durable.lease import Lease
 
     with Lease(store, steps=[], packs=[f"packs/{orphan.name}"], lease_s=60):
         assert ckpt.gc().deleted_packs == []

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import stalwart
-from stalwart.checkpoint.durable.gc import Lease, read_leases
+from stalwart.checkpoint.durable.lease import Lease, read_leases
 from stalwart.checkpoint.durable.manifest import manifest_key
 from stalwart.checkpoint.policy import KeepLast
 from stalwart.storage import LocalStorage

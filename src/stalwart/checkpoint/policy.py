@@ -47,6 +47,16 @@ def _check_count(policy: str, name: str, value: object) -> None:
         raise ConfigError(f"{policy}({name}={value!r}): {name} must be an int >= 1")
 
 
+@dataclass(frozen=True)
+class _CountPolicy:
+    """A policy set by one count ``n``, an int >= 1 (checked when the policy is made)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_count(type(self).__name__, "n", self.n)
+
+
 @runtime_checkable
 class RetentionPolicy(Protocol):
     """Decides which committed steps survive."""
@@ -65,26 +75,16 @@ class KeepAll:
 
 
 @dataclass(frozen=True)
-class KeepLast:
+class KeepLast(_CountPolicy):
     """Keep the newest ``n`` checkpoints."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        _check_count("KeepLast", "n", self.n)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.n :])
 
 
 @dataclass(frozen=True)
-class KeepEvery:
+class KeepEvery(_CountPolicy):
     """Keep every checkpoint whose step is a multiple of ``n`` (milestones)."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        _check_count("KeepEvery", "n", self.n)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in steps if s % self.n == 0}
@@ -165,13 +165,8 @@ class SavePolicy(Protocol):
 
 
 @dataclass(frozen=True)
-class EveryNSteps:
+class EveryNSteps(_CountPolicy):
     """Save every step that is a multiple of ``n``."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        _check_count("EveryNSteps", "n", self.n)
 
     def due(self, step: int, now_s: float, last_step: int | None, last_s: float | None) -> bool:
         return step % self.n == 0

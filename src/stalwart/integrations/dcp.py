@@ -61,7 +61,6 @@ from stalwart.integrations.dcp_root import (
     Root,
     dcp_leaves,
     fqn_of,
-    nest,
     parse_checkpoint_id,
     plain_value,
     strip_numpy,
@@ -207,11 +206,6 @@ class StalwartWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root, step = self._open(), self.step
         assert step is not None
-        tensors = {
-            fqn: (dtype_name(md.properties.dtype), tuple(md.size))
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)
-        }
         per_rank: list[Any] = []
         seen: set[Any] = set()
         leaves: dict[str, Any] = {}
@@ -234,14 +228,8 @@ class StalwartWriter(StorageWriter):
                     if s.pickled:
                         pickled.append(fqn)
             per_rank.append((shards, stats))
-        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        tree = nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
-        if {fqn_of(p) for p, v in dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
-            tree = dict(leaves)  # an unusual planner: keep DCP's names, flat
-        meta = {"stalwart.source": "torch.distributed.checkpoint"}
-        if pickled:
-            meta[PICKLED_KEY] = json.dumps(sorted(pickled))
-        root.commit(step, tensors, tree, per_rank, meta, self._t0)
+        source = "torch.distributed.checkpoint"
+        root.commit(step, metadata, leaves, per_rank, source=source, pickled=pickled, t0=self._t0)
 
     def close(self) -> None:
         """Release the writer's threads (it may be used again afterwards)."""

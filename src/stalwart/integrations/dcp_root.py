@@ -11,6 +11,7 @@ commits manifests with the durable engine's own functions (one format, one set o
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
@@ -30,13 +32,14 @@ from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import ConfigError
 from stalwart.storage import open_storage
-from stalwart.tree import flatten
+from stalwart.tree import dtype_name, flatten
 
 __all__ = [
     "PICKLED_KEY",
     "READ_BATCH_BYTES",
     "Root",
     "dcp_leaves",
+    "dcp_tensors",
     "fqn_of",
     "nest",
     "parse_checkpoint_id",
@@ -122,9 +125,31 @@ class Root:
             refuse_replacing(step, self.ckpt.steps(), self.store.url, fix=fix)
 
     def commit(
-        self, step: int, tensors: Any, tree: Any, results: list[Any], meta: Any, t0: float
+        self,
+        step: int,
+        md: Metadata,
+        leaves: dict[str, Any],
+        results: list[Any],
+        *,
+        source: str,
+        pickled: list[str],
+        t0: float,
     ) -> Manifest:
-        """Write the manifest of ``step`` (the commit), then apply retention."""
+        """Write the manifest of ``step`` (the commit), then apply retention.
+
+        ``leaves`` (DCP's name -> value, a placeholder for each tensor ``md`` names) nest along
+        the paths in ``md.planner_data``, or stay flat under DCP's names when those paths do
+        not name exactly those tensors (an unusual planner). The manifest's metadata says
+        where the step came from (``source``) and which values are ``pickled``.
+        """
+        tensors = dcp_tensors(md)
+        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+        tree = nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
+        if {fqn_of(p) for p, v in dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
+            tree = dict(leaves)
+        meta = {"stalwart.source": source}
+        if pickled:
+            meta[PICKLED_KEY] = json.dumps(sorted(pickled))
         skeleton = flatten(tree).skeleton
         m = build_manifest(step, tensors, skeleton, results, len(results), meta, t0)
         self.store.write(manifest_key(step), [m.to_bytes()])
@@ -134,6 +159,15 @@ class Root:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.ckpt.close()
+
+
+def dcp_tensors(md: Metadata) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor DCP's metadata ``md`` names: ``fqn -> (stalwart dtype name, shape)``."""
+    return {
+        fqn: (dtype_name(m.properties.dtype), tuple(m.size))
+        for fqn, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
 
 
 def plain_value(data: bytes) -> tuple[Any, bool]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import time
 import warnings
@@ -35,7 +34,6 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
     Metadata,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem
@@ -47,16 +45,15 @@ from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.checkpoint.tools.dcp_import import parse_metadata
 from stalwart.errors import ConfigError, CorruptCheckpointError
 from stalwart.integrations.dcp_root import (
-    PICKLED_KEY,
     READ_BATCH_BYTES,
     Root,
     dcp_leaves,
+    dcp_tensors,
     fqn_of,
-    nest,
     plain_value,
     strip_numpy,
 )
-from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
+from stalwart.tree import dtype_from_name, flatten, unflatten
 
 __all__ = ["TransferResult", "export_dcp", "import_dcp"]
 
@@ -278,20 +275,14 @@ def import_dcp(
     try:
         dest.check_new_step(step, overwrite=overwrite)  # before anything is read or written
         known = dest.known()
-        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        tensors = dcp_tensors(md)
         shards: dict[Any, Any] = {}
         written = total = 0
         batch: dict[str, torch.Tensor] = {}
-        entries = [
-            (f, m)
-            for f, m in md.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata)
-        ]
-        for i, (fqn, tmd) in enumerate(entries):
-            batch[fqn] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
-            tensors[fqn] = (dtype_name(tmd.properties.dtype), tuple(tmd.size))
+        for i, (fqn, (dtype, shape)) in enumerate(tensors.items()):
+            batch[fqn] = torch.empty(shape, dtype=dtype_from_name(dtype))
             held = sum(t.numel() * t.element_size() for t in batch.values())
-            if held < batch_bytes and i + 1 < len(entries):
+            if held < batch_bytes and i + 1 < len(tensors):
                 continue
             _load(batch, reader, _SafeLoadPlanner(trust_pickle))
             items = [
@@ -305,15 +296,10 @@ def import_dcp(
                     known.setdefault(c[0], _chunk(c))
             written, total, batch = written + stats.bytes_written, total + stats.bytes_total, {}
         values, pickled = _load_values(md, reader, trust_pickle)
-        paths = md.planner_data if isinstance(md.planner_data, dict) else {}
         leaves: dict[str, Any] = {f: torch.empty(0) for f in tensors} | values
-        tree = nest({tuple(paths.get(f, (f,))): v for f, v in leaves.items()})
-        if {fqn_of(p) for p, v in dcp_leaves(tree) if isinstance(v, torch.Tensor)} != set(tensors):
-            tree = leaves
-        meta = {"stalwart.source": f"dcp import of {os.fspath(source)}"}
-        if pickled:
-            meta[PICKLED_KEY] = json.dumps(sorted(pickled))
-        dest.commit(step, tensors, tree, [(shards, PersistStats(total, written))], meta, t0)
+        results = [(shards, PersistStats(total, written))]
+        origin = f"dcp import of {os.fspath(source)}"
+        dest.commit(step, md, leaves, results, source=origin, pickled=pickled, t0=t0)
     finally:
         dest.close()
     return TransferResult(step, len(tensors), len(values), total, written, time.perf_counter() - t0)

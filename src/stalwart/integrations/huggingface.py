@@ -58,12 +58,8 @@ from stalwart.integrations.huggingface_pretrained import (
     import_pretrained,
 )
 
-try:
-    import transformers
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover (the dev extra installs transformers)
-    require("transformers", "huggingface", "stalwart.integrations.huggingface")  # raises
-    raise
+transformers = require("transformers", "huggingface", "stalwart.integrations.huggingface")
+TrainerCallback: Any = transformers.TrainerCallback  # Any: a class of a module require() returned
 
 __all__ = [
     "StalwartCallback",

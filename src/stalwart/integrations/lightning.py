@@ -64,12 +64,9 @@ from stalwart.integrations.lightning_pointer import (
     write_pointer,
 )
 
-try:
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-except ImportError:  # pragma: no cover (the dev extra installs lightning)
-    require("lightning.fabric", "lightning", "stalwart.integrations.lightning")  # raises
-    raise
+plugins_io = require("lightning.fabric.plugins.io", "lightning", "stalwart.integrations.lightning")
+CheckpointIO: Any = plugins_io.CheckpointIO  # Any: a class of a module require() returned
+TorchCheckpointIO = plugins_io.TorchCheckpointIO
 
 __all__ = ["StalwartCheckpointIO", "install_loader", "load_from_checkpoint", "read_checkpoint"]
 

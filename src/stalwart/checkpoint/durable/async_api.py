@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from stalwart.checkpoint.capture import Capture, optimizer_storages
+from stalwart.checkpoint.capture import optimizer_storages
 from stalwart.checkpoint.collective import Group, dedicated_group
-from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, guard
+from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture, guard
 from stalwart.checkpoint.durable.commit import check_save_args, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
@@ -120,20 +119,16 @@ class AsyncSaves:
     def save_captured(
         self,
         step: int,
-        cap: Capture,
-        items: list[LocalItem],
-        skeleton: dict[str, Any],
-        staged: Future[None],
+        captured: StagedCapture,
         *,
         metadata: dict[str, str] | None = None,
         overwrite: bool = False,
     ) -> PendingSave:
         """Persist a capture made by another tier (one host copy feeds every tier).
 
-        ``items`` are the boxes the capture was laid out from, in its order; ``staged``
-        completes once every copy has landed. The caller keeps the capture's buffer
-        unchanged until the returned save completes. The caller checks the step first
-        (:meth:`check_new_step`); the background save checks it again before it commits.
+        The caller keeps the capture's buffer unchanged until the returned save completes.
+        The caller checks the step first (:meth:`check_new_step`); the background save checks
+        it again before it commits.
         """
         check_save_args(step, metadata)
         g = self.background_group()
@@ -141,7 +136,7 @@ class AsyncSaves:
         def write(capture: Capturer) -> SaveResult:
             return self.saver.write(step, capture, metadata, g, time.perf_counter(), overwrite)
 
-        return self.queue.submit_captured(step, cap, items, skeleton, staged, write)
+        return self.queue.submit_captured(step, captured, write)
 
     def background_group(self) -> Group:
         """The group background saves use: never the training's (see dedicated_group).

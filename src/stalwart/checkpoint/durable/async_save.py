@@ -32,10 +32,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stalwart.checkpoint.buffer_pool import HOST_BUFFERS
 from stalwart.checkpoint.capture import Capture, HostBuffer, stage
 from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.errors import CheckpointError
@@ -43,9 +45,41 @@ from stalwart.errors import CheckpointError
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaver", "PendingSave", "guard"]
+__all__ = [
+    "AsyncSaver",
+    "PendingSave",
+    "StagedCapture",
+    "guard",
+]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagedCapture:
+    """This rank's boxes copied (or being copied) to host, for a background save to persist.
+
+    One host copy feeds every tier that saves the step. Whoever staged it owns the buffer and
+    keeps it unchanged until every save of it has completed.
+
+    Attributes:
+        capture: the host copy of the boxes.
+        items: the boxes it was laid out from, in its order.
+        skeleton: the state's skeleton.
+        staged: completes once every box has landed (deferred copies included).
+    """
+
+    capture: Capture
+    items: list[LocalItem]
+    skeleton: dict[str, Any]
+    staged: Future[None]
+
+    def host_items(self) -> list[LocalItem]:
+        """``items`` pointing at their copies in the host buffer (read once ``staged``)."""
+        return [
+            dataclasses.replace(it, tensor=self.capture.view(rec))
+            for it, rec in zip(self.items, self.capture.records, strict=True)
+        ]
 
 
 class PendingSave:
@@ -98,20 +132,13 @@ class PendingSave:
         return f"PendingSave(step={self.step}, {state})"
 
 
-def _staged_items(items: list[LocalItem], cap: Capture) -> list[LocalItem]:
-    """``items`` pointing at their copies in the capture's host buffer."""
-    return [
-        dataclasses.replace(it, tensor=cap.view(rec))
-        for it, rec in zip(items, cap.records, strict=True)
-    ]
-
-
 class AsyncSaver:
     """The background half of a checkpointer: slots, a stager, one writer thread."""
 
-    def __init__(self, max_inflight: int, exit_flush_timeout_s: float) -> None:
+    def __init__(self, max_inflight: int, exit_flush_timeout_s: float, pool_key: str = "") -> None:
         self.max_inflight = max_inflight
-        self.slots = [HostBuffer() for _ in range(max_inflight)]
+        self.pool_key = pool_key  # buffers of HOST_BUFFERS are reused by root
+        self.slots: list[HostBuffer] = []  # buffers taken from HOST_BUFFERS, first first
         self.pending: deque[PendingSave] = deque()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-persist")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
@@ -139,40 +166,47 @@ class AsyncSaver:
         """
         t0 = time.perf_counter()
         self._make_room()
-        # The lowest slot no pending save holds: back-to-back saves reuse the same buffers
-        # (warm pages) instead of cycling through cold ones.
-        busy = {id(p.slot) for p in self.pending}
-        slot = next(s for s in self.slots if id(s) not in busy)
-        cap, finish = stage(items, slot, defer=defer if lazy else frozenset())
+        # The warmest free buffer of the process: back-to-back saves, of this checkpointer
+        # or of a new one, reuse the same pages instead of faulting in fresh ones.
+        slot = HOST_BUFFERS.take(self.pool_key)
+        try:
+            cap, finish = stage(items, slot, defer=defer if lazy else frozenset())
+        except BaseException:
+            HOST_BUFFERS.give(self.pool_key, slot)
+            raise
         staged: Future[None] = Future()
         if finish is None:
             staged.set_result(None)
         else:
             staged = self._stager.submit(finish)
-        pending = self.submit_captured(step, cap, items, skeleton, staged, write, t0=t0)
-        pending.slot, pending.lazy = slot, lazy
+        captured = StagedCapture(cap, items, skeleton, staged)
+        pending = self.submit_captured(step, captured, write, t0=t0, slot=slot)
+        pending.lazy = lazy
+        if slot not in self.slots:
+            self.slots.append(slot)  # the buffers this saver used, first first
         return pending
 
     def submit_captured(
         self,
         step: int,
-        cap: Capture,
-        items: list[LocalItem],
-        skeleton: dict[str, Any],
-        staged: Future[None],
+        captured: StagedCapture,
         write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
         *,
         t0: float | None = None,
+        slot: HostBuffer | None = None,
     ) -> PendingSave:
-        """Persist a capture another tier made (``staged`` completes once it is copied).
+        """Persist ``captured`` with ``write``.
 
-        The capture's buffer belongs to the caller, who must not reuse it before the save
-        completes; no slot of this saver is used.
+        The buffer belongs to whoever staged it, who keeps it unchanged until the save
+        completes; a ``slot`` of :data:`HOST_BUFFERS` goes back there once the save is done
+        with it (before its future completes, so a save waiting on this one finds it free).
         """
         t0 = time.perf_counter() if t0 is None else t0
-        self._make_room()
+        if slot is None:
+            self._make_room()
+        staged = captured.staged
         pending = PendingSave(step, lazy=not staged.done())
-        pending.capture = cap
+        pending.capture, pending.slot = captured.capture, slot
 
         def on_staged(_f: Future[None]) -> None:
             pending.staging_s = time.perf_counter() - t0
@@ -182,10 +216,10 @@ class AsyncSaver:
 
         def capture() -> tuple[list[LocalItem], dict[str, Any]]:
             staged.result()  # a staging error fails the save on every rank
-            cap.ready()
-            return _staged_items(items, cap), skeleton
+            captured.capture.ready()
+            return captured.host_items(), captured.skeleton
 
-        self._enqueue(pending, capture, write)
+        self._enqueue(pending, capture, write, staged)
         pending.blocking_s = time.perf_counter() - t0
         return pending
 
@@ -201,18 +235,28 @@ class AsyncSaver:
         pending: PendingSave,
         capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
         write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
+        staged: Future[None],
     ) -> None:
         def run() -> None:
             if not pending.future.set_running_or_notify_cancel():
                 return
             try:
-                pending.future.set_result(write(capture))
+                result = write(capture)
             except BaseException as e:
                 pending.staged.set()  # never leave a guard waiting on a failed save
+                self._give_back(pending, staged)
                 pending.future.set_exception(e)
+            else:
+                self._give_back(pending, staged)
+                pending.future.set_result(result)
 
         self.pending.append(pending)
         self._writer.submit(run)
+
+    def _give_back(self, pending: PendingSave, staged: Future[None]) -> None:
+        """Return the save's buffer to the pool once its copies are done (now, usually)."""
+        if pending.slot is not None:
+            HOST_BUFFERS.give_when_done(self.pool_key, pending.slot, [staged])
 
     def _reap(self) -> None:
         while self.pending and self.pending[0].done():

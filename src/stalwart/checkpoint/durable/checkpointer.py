@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from stalwart.checkpoint.capture import Capture
 from stalwart.checkpoint.durable.async_api import AsyncSaves
-from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave
+from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture
 from stalwart.checkpoint.durable.commit import check_save_args
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.gc import GCReport, collect_garbage
@@ -68,7 +66,13 @@ class Checkpointer:
         self._ctx = CheckpointContext(
             root, self.options, process_group=process_group, storage_options=storage_options
         )
-        self._async = AsyncSaver(self.options.max_inflight_saves, self.options.exit_flush_timeout_s)
+        self._async = AsyncSaver(
+            self.options.max_inflight_saves,
+            self.options.exit_flush_timeout_s,
+            pool_key=(  # staging buffers are reused by the next Checkpointer of this root
+                os.path.abspath(root) if isinstance(root, (str, os.PathLike)) else root.url
+            ),
+        )
         self._saver = Saver(self._ctx)
         self._loader = Loader(self._ctx, self._async)
         self._async_saves = AsyncSaves(self._ctx, self._saver, self._async)
@@ -177,17 +181,14 @@ class Checkpointer:
     def save_captured(
         self,
         step: int,
-        cap: Capture,
-        items: list[LocalItem],
-        skeleton: dict[str, Any],
-        staged: Future[None],
+        captured: StagedCapture,
         *,
         metadata: dict[str, str] | None = None,
         overwrite: bool = False,
     ) -> PendingSave:
         """Persist a capture made by another tier; see :meth:`AsyncSaves.save_captured`."""
         return self._async_saves.save_captured(
-            step, cap, items, skeleton, staged, metadata=metadata, overwrite=overwrite
+            step, captured, metadata=metadata, overwrite=overwrite
         )
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.checkpoint.collective import Group, resolve_group
-from stalwart.checkpoint.durable.manifest import MANIFEST_PREFIX, Manifest, step_from_key
+from stalwart.checkpoint.durable.manifest import Manifest, committed_manifests
 from stalwart.checkpoint.durable.manifest_cache import ManifestCache
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointNotFoundError, ObjectNotFoundError
@@ -103,8 +103,7 @@ class CheckpointContext:
         """Committed steps, ascending (empty when the root holds none or does not exist)."""
         if not self.exists():
             return []
-        keys = self.store(create=False).list(MANIFEST_PREFIX)
-        return sorted(s for s in (step_from_key(i.key) for i in keys) if s is not None)
+        return list(committed_manifests(self.store(create=False)))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""

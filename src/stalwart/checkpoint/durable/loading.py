@@ -9,22 +9,33 @@ rank together), ``read_tensor`` (one whole tensor, verified: the read API tools 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.reshard import read_box
-from stalwart.checkpoint.durable.restore import load_first_that_verifies, load_step
+from stalwart.checkpoint.durable.restore import load_step
 from stalwart.checkpoint.durable.results import LoadResult
+from stalwart.checkpoint.durable.shared_read import PeerDamageError, withdraw
 from stalwart.checkpoint.durable.verification import VerifyReport, verify_stored_step
 from stalwart.checkpoint.events import CheckpointEvent, emit
-from stalwart.errors import CheckpointNotFoundError
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    StepRetiredError,
+)
 from stalwart.tree import dtype_from_name
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "load_first_that_verifies"]
+
+log = logging.getLogger(__name__)
 
 
 class Loader:
@@ -85,7 +96,7 @@ class Loader:
             candidates = candidates[:1]
         s, tree, read, mismatched, skipped = load_first_that_verifies(
             candidates,
-            lambda s: self._load_step(s, state, strict),
+            lambda s: self._load_step(s, state, strict, g),
             g,
             fallback=fallback,
             where=self.ctx.url,
@@ -100,10 +111,17 @@ class Loader:
         )
         return tree
 
-    def _load_step(self, step: int, state: Any, strict: bool) -> tuple[Any, int, list[str]]:
-        store = self.ctx.store(create=False)
+    def _load_step(
+        self, step: int, state: Any, strict: bool, g: Group
+    ) -> tuple[Any, int, list[str]]:
+        try:
+            store = self.ctx.store(create=False)
+            m = self.ctx.manifest(step)
+        except BaseException:
+            withdraw(g)  # the other ranks are about to plan a shared read with this one
+            raise
         return load_step(
-            self.ctx.manifest(step),
+            m,
             store,
             state,
             strict=strict,
@@ -111,6 +129,7 @@ class Loader:
             io_pool=self.ctx.io_pool,
             tensor_pool=self.ctx.tensor_pool,
             lease_s=self.ctx.options.lease_s,
+            group=g,
         )
 
     def verify(self, step: int | None = None) -> VerifyReport:
@@ -131,3 +150,65 @@ class Loader:
             lease_s=ctx.options.lease_s,
             committed=ctx.steps,
         )
+
+
+def load_first_that_verifies(
+    candidates: list[int],
+    load_one: Callable[[int], tuple[Any, int, list[str]]],
+    g: Group,
+    *,
+    fallback: bool,
+    where: str,
+) -> tuple[int, Any, int, list[str], list[tuple[int, str]]]:
+    """Load the first of ``candidates`` that loads on every rank.
+
+    Every rank reports its outcome after each try, so all ranks move to the next (older)
+    step together, or all raise. Outcome kinds: ``ok``; ``corrupt`` (fallback may try an
+    older step); ``error`` (any other failure, such as a state mismatch on one rank only:
+    every rank stops).
+
+    Returns:
+        ``(step, tree, bytes_read, ignored_problems, skipped)``.
+    """
+    skipped: list[tuple[int, str]] = []
+    err: Exception | None = None
+    for s in candidates:
+        peer: PeerDamageError | None = None
+        try:
+            tree, read, mismatched = load_one(s)
+            ok: tuple[str, str] = ("ok", "")
+        except PeerDamageError as e:  # the rank that read the damage reports it below
+            tree, read, mismatched, ok, peer = None, 0, [], ("ok", ""), e
+        except (CorruptCheckpointError, StepRetiredError) as e:  # fallback: an older step
+            if not fallback and g.world == 1:
+                raise
+            ok, err = ("corrupt", str(e)), e
+        except Exception as e:
+            if g.world == 1:
+                raise
+            ok, err = ("error", f"{type(e).__name__}: {e}"), e
+        outcomes = g.all_gather(ok)
+        failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
+        if failed:
+            if ok[0] == "error" and err is not None:
+                raise err
+            r, msg = failed[0]
+            raise DistributedError(f"loading step {s} failed on rank {r}: {msg}")
+        bad = [msg for kind, msg in outcomes if kind != "ok"]
+        if not bad:
+            if peer is not None:  # no rank owned up to the damage: never load half a state
+                raise peer
+            if skipped:
+                log.warning("loaded step %s after skipping damaged steps %s", s, skipped)
+            return s, tree, read, mismatched, skipped
+        if not fallback:
+            if ok[0] != "ok" and err is not None:
+                raise err
+            raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
+        skipped.append((s, bad[0]))
+        log.warning("step %s is damaged or retired; trying an older one: %s", s, bad[0])
+    raise CorruptCheckpointError(
+        f"no checkpoint in {where} verifies (tried steps {[s for s, _ in skipped]}); "
+        "see the reasons in .damaged",
+        damaged=[f"step {s}: {why}" for s, why in skipped],
+    )

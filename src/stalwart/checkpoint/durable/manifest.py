@@ -33,7 +33,7 @@ from stalwart.checkpoint.durable.integrity import (
 )
 from stalwart.checkpoint.durable.summary import inspect_manifest, render_inspection
 from stalwart.errors import CorruptCheckpointError
-from stalwart.storage.base import validate_key
+from stalwart.storage.base import ObjectInfo, Storage, validate_key
 from stalwart.tree import dtype_from_name
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ShardEntry",
     "TensorAlias",
     "TensorEntry",
+    "committed_manifests",
     "manifest_key",
     "step_from_key",
 ]
@@ -77,6 +78,15 @@ def step_from_key(key: str) -> int | None:
     """The step a manifest key names, or None for keys that are not manifests."""
     m = _MANIFEST_RE.match(key)
     return int(m.group(1)) if m else None
+
+
+def committed_manifests(store: Storage) -> dict[int, ObjectInfo]:
+    """The manifests on ``store`` now, by step, ascending: the committed steps.
+
+    Other objects under ``manifests/`` (a temporary, a stray file) are not manifests: skipped.
+    """
+    found = {step_from_key(i.key): i for i in store.list(MANIFEST_PREFIX)}
+    return {s: found[s] for s in sorted(s for s in found if s is not None)}
 
 
 @dataclass(frozen=True)

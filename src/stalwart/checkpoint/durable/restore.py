@@ -18,17 +18,16 @@ import torch
 
 from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable.aliases import share_aliases
-from stalwart.checkpoint.durable.gc import Lease
 from stalwart.checkpoint.durable.integrity import pack_problems
+from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.durable.plan import local_box
 from stalwart.checkpoint.durable.reshard import Box, read_boxes
+from stalwart.checkpoint.durable.shared_read import can_share, read_shared, withdraw
 from stalwart.errors import (
     CorruptCheckpointError,
-    DistributedError,
     StalwartError,
     StateMismatchError,
-    StepRetiredError,
 )
 from stalwart.storage.base import Storage
 from stalwart.tree import (
@@ -46,7 +45,6 @@ __all__ = [
     "fill_tensor",
     "fill_plain_values",
     "fill_tensors",
-    "load_first_that_verifies",
     "load_step",
     "match_targets",
     "restore_statefuls",
@@ -70,8 +68,12 @@ def load_step(
     io_pool: ThreadPoolExecutor,
     tensor_pool: ThreadPoolExecutor,
     lease_s: float,
+    group: Group | None = None,
 ) -> tuple[Any, int, list[str]]:
     """Load manifest ``m`` into ``state``; return ``(tree, bytes_read, ignored_problems)``.
+
+    With ``group`` the call is collective: boxes every rank loads alike are read once by
+    the group (``shared_read.py``); ``bytes_read`` counts this rank's reads.
 
     Raises:
         StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
@@ -79,6 +81,44 @@ def load_step(
         StepRetiredError: the step was deleted (or replaced and its packs collected) while
             it was being loaded.
     """
+    try:
+        flat, targets, problems, tensors = _prepare(m, store, state, strict, where)
+        lease = Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s).__enter__()
+    except BaseException:
+        if group is not None:
+            withdraw(group)  # the others are about to plan a shared read with this rank
+        raise
+    try:
+        # Retention and gc keep the step from now on; it may have gone since ``m`` was read.
+        try:
+            lease.check_committed(m, where)
+        except BaseException:
+            if group is not None:
+                withdraw(group)
+            raise
+        # One planned read of every tensor: chunks in pack order, read ahead and verified
+        # in parallel on the I/O pool; staged copies (GPU targets) on the tensor pool.
+        items = [(m.tensors[fqn], fqn, t) for fqn, t in tensors.items()]
+        try:
+            read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool, group=group)
+        except CorruptCheckpointError:
+            lease.check_committed(m, where, deep=True)  # retired meanwhile, not damaged?
+            raise
+    finally:
+        lease.__exit__(None, None, None)
+    share_aliases(m.aliases, tensors, set(tensors) - set(targets), where)  # views, verified
+    for fqn in targets:
+        flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
+    tree = unflatten(m.skeleton, tensors.__getitem__)
+    restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
+    fill_plain_values(state, tree)
+    return tree, read, problems
+
+
+def _prepare(
+    m: Manifest, store: Storage, state: Any, strict: bool, where: str
+) -> tuple[FlatTree, dict[str, torch.Tensor], list[str], dict[str, torch.Tensor]]:
+    """The state's targets and every tensor to fill (those the state lacks allocated)."""
     flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
     targets, problems = match_targets(flat, m.tensors, _entry_problem, strict=strict, where=where)
     beyond = pack_problems(m, store)  # before any buffer is sized by a stored length
@@ -92,24 +132,7 @@ def load_step(
         if e is None:
             raise CorruptCheckpointError(f"{where}: skeleton names unknown tensor {fqn!r}")
         tensors[fqn] = _allocate(e, fqn, where)
-    with Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s) as lease:
-        # Retention and gc keep the step from now on; it may have gone since ``m`` was read.
-        lease.check_committed(m, where)
-        # One planned read of every tensor: chunks in pack order, read ahead and verified
-        # in parallel on the I/O pool; staged copies (GPU targets) on the tensor pool.
-        items = [(m.tensors[fqn], fqn, t) for fqn, t in tensors.items()]
-        try:
-            read = fill_tensors(store, items, where, io_pool, copy_pool=tensor_pool)
-        except CorruptCheckpointError:
-            lease.check_committed(m, where, deep=True)  # retired meanwhile, not damaged?
-            raise
-    share_aliases(m.aliases, tensors, set(tensors) - set(targets), where)  # views, verified
-    for fqn in targets:
-        flat.leaves[fqn].write_back()  # numpy arrays the tree could not share memory with
-    tree = unflatten(m.skeleton, tensors.__getitem__)
-    restore_statefuls(flat, tree, strict=strict, where=where, problems=problems)
-    fill_plain_values(state, tree)
-    return tree, read, problems
+    return flat, targets, problems, tensors
 
 
 def _entry_problem(fqn: str, t: torch.Tensor, e: TensorEntry) -> str | None:
@@ -260,13 +283,47 @@ def fill_tensors(
     pool: ThreadPoolExecutor,
     *,
     copy_pool: ThreadPoolExecutor | None = None,
+    group: Group | None = None,
 ) -> int:
     """Read each ``(entry, fqn, target)``'s box in place; return the stored bytes read.
 
-    Contiguous CPU targets are filled directly; others (GPU, strided) are read into CPU
-    staging tensors, at most ``STAGING_BYTES`` at a time, and copied over once verified.
-    ``copy_pool`` (not ``pool``) hashes and copies while ``pool`` reads ahead.
+    Contiguous CPU targets are filled directly; with ``group`` (collective then), boxes
+    every rank wants are read once by the group and broadcast (``shared_read.py``). Others
+    (GPU, strided) are read into CPU staging tensors, at most ``STAGING_BYTES`` at a time,
+    and copied over once verified. ``copy_pool`` (not ``pool``) hashes and copies while
+    ``pool`` reads ahead.
     """
+    direct: list[Box] = []
+    rest: list[tuple[TensorEntry, str, tuple[int, ...], torch.Tensor]] = []
+    share = group is not None and can_share(group)
+    try:
+        for entry, fqn, target in items:
+            offsets, _sizes, local = local_box(target)
+            if local.numel() == 0:
+                continue
+            if local.is_contiguous() and local.device.type == "cpu":
+                direct.append(Box(entry, fqn, offsets, local))
+            else:
+                rest.append((entry, fqn, offsets, local))
+    except BaseException:
+        if share and group is not None:
+            withdraw(group)
+        raise
+    if share and group is not None:
+        stats = read_shared(store, direct, group, pool=pool, where=where, verify_pool=copy_pool)
+    else:
+        stats = read_boxes(store, direct, pool=pool, where=where, verify_pool=copy_pool)
+    return stats.bytes_read + _fill_staged(store, rest, where, pool, copy_pool)
+
+
+def _fill_staged(
+    store: Storage,
+    rest: list[tuple[TensorEntry, str, tuple[int, ...], torch.Tensor]],
+    where: str,
+    pool: ThreadPoolExecutor,
+    copy_pool: ThreadPoolExecutor | None,
+) -> int:
+    """Read GPU or strided targets through CPU staging, ``STAGING_BYTES`` at a time."""
     read = 0
     boxes: list[Box] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -287,13 +344,7 @@ def fill_tensors(
     try:
         with torch.no_grad():
             staged_bytes = 0
-            for entry, fqn, target in items:
-                offsets, _sizes, local = local_box(target)
-                if local.numel() == 0:
-                    continue
-                if local.is_contiguous() and local.device.type == "cpu":
-                    boxes.append(Box(entry, fqn, offsets, local))
-                    continue
+            for entry, fqn, offsets, local in rest:
                 dest = torch.empty(local.shape, dtype=local.dtype)
                 boxes.append(Box(entry, fqn, offsets, dest))
                 staged.append((local, dest))
@@ -301,7 +352,8 @@ def fill_tensors(
                 if staged_bytes >= STAGING_BYTES:
                     flush()
                     staged_bytes = 0
-            flush()
+            if boxes:
+                flush()
     finally:
         wait(copies)
     for f in copies:
@@ -329,62 +381,3 @@ def _restore_stateful(
             ) from e
         problems.append(msg)
         log.warning("%s", msg)
-
-
-def load_first_that_verifies(
-    candidates: list[int],
-    load_one: Callable[[int], tuple[Any, int, list[str]]],
-    g: Group,
-    *,
-    fallback: bool,
-    where: str,
-) -> tuple[int, Any, int, list[str], list[tuple[int, str]]]:
-    """Load the first of ``candidates`` that loads on every rank.
-
-    Every rank reports its outcome after each try, so all ranks move to the next (older)
-    step together, or all raise. Outcome kinds: ``ok``; ``corrupt`` (fallback may try an
-    older step); ``error`` (any other failure, such as a state mismatch on one rank only:
-    every rank stops).
-
-    Returns:
-        ``(step, tree, bytes_read, ignored_problems, skipped)``.
-    """
-    skipped: list[tuple[int, str]] = []
-    err: Exception | None = None
-    for s in candidates:
-        # Outcome kinds: "ok"; "corrupt" (fallback may try an older step); "error" (any
-        # other failure, e.g. a state mismatch on one rank only: every rank stops).
-        try:
-            tree, read, mismatched = load_one(s)
-            ok: tuple[str, str] = ("ok", "")
-        except (CorruptCheckpointError, StepRetiredError) as e:  # fallback: an older step
-            if not fallback and g.world == 1:
-                raise
-            ok, err = ("corrupt", str(e)), e
-        except Exception as e:
-            if g.world == 1:
-                raise
-            ok, err = ("error", f"{type(e).__name__}: {e}"), e
-        outcomes = g.all_gather(ok)
-        failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
-        if failed:
-            if ok[0] == "error" and err is not None:
-                raise err
-            r, msg = failed[0]
-            raise DistributedError(f"loading step {s} failed on rank {r}: {msg}")
-        bad = [msg for kind, msg in outcomes if kind != "ok"]
-        if not bad:
-            if skipped:
-                log.warning("loaded step %s after skipping damaged steps %s", s, skipped)
-            return s, tree, read, mismatched, skipped
-        if not fallback:
-            if ok[0] != "ok" and err is not None:
-                raise err
-            raise DistributedError(f"loading step {s} failed on another rank: {bad[0]}")
-        skipped.append((s, bad[0]))
-        log.warning("step %s is damaged or retired; trying an older one: %s", s, bad[0])
-    raise CorruptCheckpointError(
-        f"no checkpoint in {where} verifies (tried steps {[s for s, _ in skipped]}); "
-        "see the reasons in .damaged",
-        damaged=[f"step {s}: {why}" for s, why in skipped],
-    )

@@ -21,13 +21,13 @@ from typing import Any
 from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
-from stalwart.checkpoint.durable.gc import GCReport, Lease, apply_retention
+from stalwart.checkpoint.durable.gc import GCReport, apply_retention
+from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import (
-    MANIFEST_PREFIX,
     ChunkRef,
     Manifest,
+    committed_manifests,
     manifest_key,
-    step_from_key,
 )
 from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem, merge_skeletons, plan_writes
@@ -162,9 +162,7 @@ class Saver:
         # Manifests as stored now (see CheckpointContext.manifest): dedup must never reference
         # a pack that only an out-of-date copy of a manifest names. Listing before reading.
         self.ctx.cache.keep_only(set(steps))
-        listed = {
-            step_from_key(i.key): i for i in self.ctx.store(create=False).list(MANIFEST_PREFIX)
-        }
+        listed = committed_manifests(self.ctx.store(create=False))
         known: dict[str, ChunkRef] = {}
         for s in steps:
             try:

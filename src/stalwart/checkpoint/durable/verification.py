@@ -22,10 +22,10 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from stalwart.checkpoint.durable.gc import Lease
 from stalwart.checkpoint.durable.integrity import pack_problems
+from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
 from stalwart.checkpoint.durable.reshard import verify_chunk
 from stalwart.errors import (
@@ -66,14 +66,8 @@ class VerifyReport:
     damaged: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
-        """A JSON-serialisable dict of the report."""
-        return {
-            "step": self.step,
-            "ok": self.ok,
-            "chunks_checked": self.chunks_checked,
-            "bytes_checked": self.bytes_checked,
-            "damaged": list(self.damaged),
-        }
+        """A JSON-serialisable dict of the report: its fields, by name."""
+        return asdict(self)
 
 
 @contextlib.contextmanager

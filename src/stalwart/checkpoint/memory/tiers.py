@@ -28,7 +28,7 @@ import torch
 
 from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
-from stalwart.checkpoint.durable.async_save import PendingSave
+from stalwart.checkpoint.durable.async_save import PendingSave, StagedCapture
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.events import CheckpointEvent, emit
@@ -175,11 +175,11 @@ class TieredCheckpointer:
             staged.set_result(None)
         self._staged, self._staged_capture = staged, cap
         self.last_capture = cap
+        captured = StagedCapture(cap, items, skeleton, staged)
         out: dict[str, Any] = {}
         for t in due:
             if not t.is_memory:
-                ck = self.durable[t.name]
-                pending = ck.save_captured(step, cap, items, skeleton, staged, overwrite=overwrite)
+                pending = self.durable[t.name].save_captured(step, captured, overwrite=overwrite)
                 self.memory.hold(buffer, pending)
                 out[t.name] = pending
             self._last[t.name] = (step, time.monotonic())

@@ -1,0 +1,68 @@
+"""Replicated boxes are read once by the group and broadcast, every chunk still verified.
+
+Real gloo worlds (``run_ranks``) on real tmp dirs: the bytes the ranks read add up to the
+checkpoint's unique bytes (not once per rank), values come back exactly, and a flipped bit
+is found by the rank that read it, named to the others, and skipped together by fallback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.checkpoint import Checkpointer
+from stalwart.testing import run_ranks
+
+from . import shared_load_ranks as ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _unique_bytes(root: Path, step: int) -> int:
+    m = Checkpointer(root).manifest(step)
+    chunks = {
+        (c.pack, c.offset): c.length for e in m.tensors.values() for s in e.shards for c in s.chunks
+    }
+    return sum(chunks.values())
+
+
+@pytest.mark.parametrize(("world", "shm"), [(2, True), (3, True), (2, False), (3, False)])
+def test_replicated_load_reads_each_byte_once_per_node(
+    tmp_path: Path, world: int, shm: bool
+) -> None:
+    """Through /dev/shm files (one host) or gloo broadcasts: values exact, bytes once."""
+    root = tmp_path / "ckpt"
+    read = run_ranks(ranks.save_then_load, world, str(root), True, shm, timeout_s=120)
+    unique = _unique_bytes(root, 1)
+    assert sum(read) <= 1.05 * unique, (read, unique)
+    assert sum(read) >= unique  # every chunk read by some rank
+    assert sum(1 for r in read if r > 0) >= 2  # the reads are spread over ranks
+
+
+def test_solo_reads_read_everything_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    read = run_ranks(ranks.save_then_load, 2, str(root), False, timeout_s=120)
+    assert read == [_unique_bytes(root, 1)] * 2
+
+
+def test_flipped_bit_in_a_shared_box_is_named_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run_ranks(ranks.save_versions, 2, str(root), timeout_s=120)
+    m = Checkpointer(root).manifest(2)
+    chunk = m.tensors["big"].shards[0].chunks[-1]
+    assert chunk.pack not in Checkpointer(root).manifest(1).packs()
+    pack = root / chunk.pack
+    data = bytearray(pack.read_bytes())
+    data[chunk.offset + 5] ^= 0x10
+    pack.write_bytes(bytes(data))
+
+    results = run_ranks(ranks.load_damaged, 2, str(root), timeout_s=120)
+    kinds = sorted(k for k, _, _ in results)
+    # The rank that read the chunk raises CorruptCheckpointError; the other is told.
+    assert kinds == ["CorruptCheckpointError", "DistributedError"]
+    for _, msg, _ in results:
+        assert "'big'" in msg and "shard at offsets" in msg and chunk.hash[:16] in msg
+        assert "does not match its hash" in msg
+    assert not list(Path("/dev/shm").glob("stalwart-load-*"))  # nothing left behind
+    assert [s for _, _, s in results] == [1, 1]  # fallback: both load step 1 together
