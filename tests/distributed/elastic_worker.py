@@ -8,6 +8,10 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
                          [--min-size M] [--hold-at STEP --hold-size N] [--stats-window W]
                          [--batchnorm] [--corrupt-at STEP --corrupt-worker W]
+                         [--ckpt DIR --ckpt-every K [--memory-tier]]
+
+``--ckpt`` attaches checkpoint tiers (``Job(state, checkpoint=...)``): a durable tier under
+``DIR`` every ``K`` steps (``--memory-tier``: and a memory tier every step before it).
 
 ``--corrupt-at`` flips one bit of a weight on worker ``W`` right after it commits step
 ``STEP``, once per process (a silent data corruption that only the digests can see).
@@ -55,6 +59,9 @@ def main() -> None:
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after layer 0")
     parser.add_argument("--corrupt-at", type=int, default=-1)
     parser.add_argument("--corrupt-worker", type=int, default=0)
+    parser.add_argument("--ckpt", type=Path, default=None)
+    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--memory-tier", action="store_true")
     a = parser.parse_args()
     torch.manual_seed(0)  # and the other generators: the digest covers them (runs compare)
     random.seed(0)
@@ -63,7 +70,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = stalwart.TrainingState(model=model, optimizer=opt)
-    job = Job(state, min_size=a.min_size, verify_every=a.verify_every, stats_window=a.stats_window)
+    job = Job(state, min_size=a.min_size, verify_every=a.verify_every, stats_window=a.stats_window,
+              checkpoint=_tiers(a.ckpt, a.ckpt_every, a.memory_tier))  # fmt: skip
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
@@ -89,6 +97,15 @@ def main() -> None:
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save({"params": params, "digest": job.digest(), "step": job.step},
                    a.out / f"final-{tag}.pt")  # fmt: skip
+
+
+def _tiers(root: Path | None, every: int, memory: bool) -> Any:
+    if root is None:
+        return None
+    from stalwart.checkpoint import EveryNSteps, KeepLast, Tier, TieredCheckpointer
+
+    durable = Tier(name="local", root=str(root), every=EveryNSteps(every), keep=KeepLast(3))
+    return TieredCheckpointer([Tier.memory(), durable] if memory else [durable])
 
 
 if __name__ == "__main__":

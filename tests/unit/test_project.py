@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "tree": {"errors", "values"},
     "storage": {"errors", "tree"},
     "checkpoint": {"errors", "environment", "frames", "moved", "tree", "storage"},
-    "elastic": {"errors", "environment", "frames", "tree", "storage", "checkpoint"},
+    "elastic": {"errors", "environment", "frames", "moved", "tree", "storage", "checkpoint"},
     "fingerprint": set(),
     "models": {"errors", "fingerprint"},
     "inject": {"errors", "moved", "tree"},

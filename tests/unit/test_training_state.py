@@ -152,15 +152,12 @@ def test_missing_rank_reseeds_deterministically_from_rank0(
     assert not torch.equal(torch.rand(3), draws[0][0])  # another rank, another stream
 
 
-def test_missing_rank_entry_logs_and_reseeds(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_missing_rank_entry_logs_and_reseeds(caplog: pytest.LogCaptureFixture) -> None:
     from stalwart.checkpoint import training_state as mod
 
     sd = TrainingState().state_dict()
-    monkeypatch.setattr(mod, "_current_rank", lambda: 2)
     with caplog.at_level(logging.WARNING, logger=mod.__name__):
-        TrainingState().load_state_dict(sd)
+        TrainingState(rank=2).load_state_dict(sd)
     assert "no saved RNG state for rank 2" in caplog.text
 
 
@@ -193,16 +190,12 @@ def test_through_the_checkpointer_with_a_fresh_optimizer(tmp_path: Path) -> None
             assert torch.equal(opt2.state_dict()["state"][idx][key], value), (idx, key)
 
 
-def test_grown_world_loads_and_derives_the_new_ranks_rng(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_grown_world_loads_and_derives_the_new_ranks_rng(tmp_path: Path) -> None:
     from stalwart.checkpoint import Checkpointer
-    from stalwart.checkpoint import training_state as mod
 
     ckpt = Checkpointer(tmp_path / "ckpt")
     ckpt.save(1, {"train": TrainingState(extra={"a": 1})})
-    monkeypatch.setattr(mod, "_current_rank", lambda: 2)
-    ts = TrainingState(extra={})
+    ts = TrainingState(extra={}, rank=2)
     ckpt.load({"train": ts})  # rank 2 has no RNG entry: TrainingState derives one
     assert ts.extra == {"a": 1}
     model = torch.nn.Linear(2, 2)
@@ -219,3 +212,32 @@ def test_cuda_rng_round_trip() -> None:
     torch.rand(100, device="cuda")
     TrainingState().load_state_dict(sd)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_rank_keys_the_rng_entry() -> None:
+    assert list(TrainingState(rank=3).state_dict()["rng"]) == ["rank3"]
+    assert list(TrainingState().state_dict()["rng"]) == ["rank0"]  # not distributed here
+
+
+def test_stateful_objects_ride_along_and_are_checked(tmp_path: Path) -> None:
+    from stalwart.checkpoint import Checkpointer
+    from stalwart.elastic.sampler import ElasticSampler
+
+    model, opt, _ = _parts(0)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    saved = TrainingState(model=model, optimizer=opt, stateful={"sampler": ElasticSampler(50, 7)})
+    ckpt.save(3, {"train": saved})
+    assert saved.state_dict()["stateful"]["sampler"]["num_samples"] == 50
+    model2, opt2, _ = _parts(1)
+    same = TrainingState(model=model2, optimizer=opt2, stateful={"sampler": ElasticSampler(50, 7)})
+    ckpt.load({"train": same})
+    for p, q in zip(model2.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    other = TrainingState(model=model2, optimizer=opt2,
+                          stateful={"sampler": ElasticSampler(50, 8)})  # fmt: skip
+    with pytest.raises(StateMismatchError, match="another data stream"):
+        ckpt.load({"train": other})
+    with pytest.raises(StateMismatchError, match="stateful objects"):
+        TrainingState(stateful={"more": ElasticSampler(50, 7)}).load_state_dict({})
+    with pytest.raises(ValueError, match="state_dict"):
+        TrainingState(stateful={"n": 3})

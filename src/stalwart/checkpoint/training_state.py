@@ -1,13 +1,12 @@
 """TrainingState: everything a training loop needs saved so that a resume is exact.
 
-A resumed run only reproduces the uninterrupted one bit for bit if *all* of its state comes
-back: parameters and buffers, optimizer moments and step counts, the LR schedule, the
-caller's own counters, and every random number generator that decides something (dropout
-masks, data order, augmentation). :class:`TrainingState` bundles them into one stateful
-object that :class:`stalwart.Checkpointer` saves and loads like a module::
+A resumed run reproduces the uninterrupted one bit for bit only if *all* of its state comes
+back: parameters, buffers, optimizer moments, the LR schedule, the caller's counters, other
+stateful objects (a data sampler) and every RNG that decides something. :class:`TrainingState`
+bundles them into one stateful object that :class:`stalwart.Checkpointer` saves and loads::
 
     ts = TrainingState(model=model, optimizer=opt, scheduler=sched, extra={"step": 0},
-                       generators={"data": loader_generator})
+                       generators={"data": loader_generator}, stateful={"sampler": sampler})
     ckpt.save(step, {"train": ts})
     ckpt.load({"train": ts})          # restores all of the above in place
 
@@ -15,22 +14,19 @@ Its ``state_dict()`` holds only plain trees (tensors, numbers, strings), never p
 objects::
 
     {"model": ..., "optimizer": ..., "scheduler": ..., "extra": {...},
+     "stateful": {name: obj.state_dict()},
      "rng": {"rank<r>": {"torch": uint8 tensor, "cuda": [uint8 tensors] (if CUDA),
                          "numpy": {"name", "keys" (int64 tensor), "pos", "has_gauss",
                                    "cached_gaussian"},
                          "python": {"version", "state" (int64 tensor), "gauss_next"},
                          "generators": {name: uint8 tensor}}}}
 
-RNG state is per rank: each rank saves and restores its own entry, keyed by
-``torch.distributed.get_rank()`` (0 when not distributed). When a rank finds no entry of its
-own (the job restarted with more ranks), it logs a warning and *derives* its state from rank
-0's: the global torch, CUDA, numpy and Python generators are reseeded with a seed computed
-from rank 0's saved torch state and the rank number (blake2b), so the restart is
-deterministic and ranks still draw different dropout masks; the named ``generators`` are set
-to rank 0's saved states unchanged, because data-order generators are normally identical on
-every rank (a distributed sampler partitions one shared permutation). The checkpointer
-leaves keys missing under a stateful object to that object's ``load_state_dict``, so this
-works with ``strict=True``.
+RNG state is per rank, keyed by ``rank=`` (default: ``torch.distributed.get_rank()``, 0 when
+not distributed). A rank with no entry of its own (the job restarted with more ranks) logs a
+warning and *derives* its state from rank 0's: the global generators are reseeded from rank
+0's saved torch state and the rank (blake2b), deterministic and different per rank; the named
+``generators`` take rank 0's states unchanged (data order is normally shared by all ranks),
+also with ``strict=True`` (the checkpointer leaves missing keys to ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -246,6 +242,9 @@ class TrainingState:
         rng: save and restore the global torch, CUDA, numpy and Python RNGs of this rank.
         generators: further generators by name (a data loader's or sampler's
             ``torch.Generator``), saved with the RNG state of this rank.
+        stateful: other objects with ``state_dict()``/``load_state_dict()`` of plain values,
+            by name (an ``ElasticSampler``, a loader, an EMA); restored in place.
+        rank: this process's RNG entry (None: ``torch.distributed``'s rank, else 0).
         fqn_optimizer_state: build model and optimizer state with
             ``torch.distributed.checkpoint.state_dict.get_state_dict`` (restore with
             ``set_state_dict``): optimizer state keyed by parameter FQN, not by index, so
@@ -268,6 +267,8 @@ class TrainingState:
         extra: dict[str, Any] | None = None,
         rng: bool = True,
         generators: Mapping[str, torch.Generator] | None = None,
+        stateful: Mapping[str, Any] | None = None,
+        rank: int | None = None,
         fqn_optimizer_state: bool = False,
     ) -> None:
         self.fqn_optimizer_state = fqn_optimizer_state
@@ -281,12 +282,17 @@ class TrainingState:
                 "a list of model parts needs fqn_optimizer_state=True (optimizer state keyed "
                 "by parameter FQN, so the parts do not collide)"
             )
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.extra = extra
-        self.rng = rng
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra, self.rng = extra, rng
         self.generators: dict[str, torch.Generator] = dict(generators or {})
+        self.stateful: dict[str, Any] = dict(stateful or {})
+        for name, obj in self.stateful.items():
+            if not all(callable(getattr(obj, f, None)) for f in ("state_dict", "load_state_dict")):
+                raise ValueError(
+                    f"TrainingState(stateful={{{name!r}: {type(obj).__name__}}}) "
+                    "needs state_dict() and load_state_dict(); plain values: extra="
+                )
+        self.rank = rank
         if self.generators and not rng:
             logger.warning(
                 "TrainingState(rng=False) ignores the %d generators given", len(self.generators)
@@ -298,6 +304,7 @@ class TrainingState:
             for name in ("model", "optimizer", "scheduler", "extra")
             if getattr(self, name) is not None
         ]
+        parts.extend(f"stateful.{name}" for name in self.stateful)
         if self.rng:
             parts.append("rng")
             parts.extend(f"generators.{name}" for name in self.generators)
@@ -319,8 +326,10 @@ class TrainingState:
             sd["scheduler"] = self.scheduler.state_dict()
         if self.extra is not None:
             sd["extra"] = dict(self.extra)
+        if self.stateful:
+            sd["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         if self.rng:
-            sd["rng"] = {_rank_key(_current_rank()): _capture_rng(self.generators)}
+            sd["rng"] = {_rank_key(self._rank()): _capture_rng(self.generators)}
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -351,14 +360,28 @@ class TrainingState:
             loaded = dict(state_dict["extra"])  # copy first: it may be self.extra itself
             self.extra.clear()
             self.extra.update(loaded)
+        self._load_stateful(state_dict.get("stateful") or {})
         if self.rng:
             self._load_rng(state_dict.get("rng"))
+
+    def _rank(self) -> int:
+        return self.rank if self.rank is not None else _current_rank()
+
+    def _load_stateful(self, saved: Mapping[str, Any]) -> None:
+        missing = sorted(set(self.stateful) - set(saved))
+        if missing:
+            raise StateMismatchError(
+                f"TrainingState holds stateful objects {missing} that the loaded state lacks "
+                f"(found {sorted(saved)}); build it with the objects that were saved"
+            )
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(saved[name])
 
     def _load_rng(self, saved: Mapping[str, Any] | None) -> None:
         if not saved:
             logger.warning("the loaded state holds no RNG state; RNGs left as they are")
             return
-        rank = _current_rank()
+        rank = self._rank()
         entry = saved.get(_rank_key(rank))
         if entry is not None:
             _restore_rng(entry, self.generators)

@@ -20,7 +20,18 @@ _Script = Annotated[
 ]
 _Args = Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")]
 _Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Workers to start.")]
-_MinSize = Annotated[int, typer.Option("--min-size", min=1, help="Fewest members to train with.")]
+_MinSize = Annotated[
+    int, typer.Option("--min-size", min=1, help="Fewest members (replica groups) to train with.")
+]
+_GroupSize = Annotated[
+    int,
+    typer.Option(
+        "--group-size",
+        min=1,
+        help="Ranks per replica group (FSDP2 / tensor parallel inside; it must divide --nproc). "
+        "A rank's death takes its group out and a new group heals from the live ones.",
+    ),
+]
 _MaxRestarts = Annotated[
     int, typer.Option("--max-restarts", min=0, help="Replacement workers to start at most.")
 ]
@@ -28,12 +39,19 @@ _Events = Annotated[
     Path | None, typer.Option(help="Folder for the workers' event files (default: a temp folder).")
 ]
 _Timeout = Annotated[
-    float, typer.Option(min=0.1, help="Timeout of each membership epoch's gloo group, seconds.")
-]
-_HangTimeout = Annotated[
     float,
     typer.Option(
-        min=0.0, help="Kill and replace a worker silent (no heartbeat) this long, s; 0: off."
+        min=0.1,
+        help="The job's timeout, seconds: each epoch's group (gloo/NCCL) timeout; the hang "
+        "timeout (/2), heartbeat period (/10) and join timeout (x30, >= 60 s) derive from it.",
+    ),
+]
+_HangTimeout = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        help="Kill and replace a worker silent (no heartbeat) this long, s; 0: off "
+        "(default: --timeout / 2).",
     ),
 ]
 _Straggler = Annotated[
@@ -63,10 +81,11 @@ def run(
     args: _Args = None,
     nproc: _Nproc = 1,
     min_size: _MinSize = 1,
+    group_size: _GroupSize = 1,
     max_restarts: _MaxRestarts = 3,
     events: _Events = None,
     timeout: _Timeout = 10.0,
-    hang_timeout: _HangTimeout = 5.0,
+    hang_timeout: _HangTimeout = None,
     straggler_factor: _Straggler = 2.0,
     rdzv: _Rdzv = None,
     nnodes: _Nnodes = "1",
@@ -76,10 +95,10 @@ def run(
     from stalwart.elastic import launch  # torch is imported only when a job runs
 
     result = launch(
-        script, args or [], nproc=nproc, min_size=min(min_size, nproc),
+        script, args or [], nproc=nproc, min_size=min(min_size, max(nproc // group_size, 1)),
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
         hang_s=hang_timeout, straggler_factor=straggler_factor,
-        stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes,
+        stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes, group_size=group_size,
     )  # fmt: skip
     if as_json:
         emit_json(summary_json(result))
@@ -88,6 +107,9 @@ def run(
     console.print(_summary_table(result))
     if result.recoveries:
         console.print(_recovery_table(result.recoveries))
+    if result.fatal:
+        Console(stderr=True).print(f"stopped: {result.fatal}", style="red", markup=False,
+                                   highlight=False, soft_wrap=True)  # fmt: skip
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 
@@ -97,8 +119,10 @@ def summary_json(result: Any) -> dict[str, Any]:
 
     Keys: ``exit_code``, ``ok``, ``restarts``, ``coordinator_rehosts``, ``wall_s``,
     ``events_dir``, ``summary`` (:class:`~stalwart.elastic.JobSummary` fields, ``goodput`` a
-    share in [0, 1]), ``final_digests_equal``, ``recoveries`` (one object per dead worker),
-    ``hung`` (worker id to seconds of silence) and ``stragglers``.
+    share in [0, 1]), ``final_digests_equal`` (per shard with replica groups),
+    ``recoveries`` (one object per dead worker),
+    ``hung`` (worker id to seconds of silence), ``stragglers`` and ``fatal`` (the error a
+    worker reported as fatal, exit code 3; else null).
     """
     summary = dataclasses.asdict(result.summary)
     return {
@@ -109,10 +133,11 @@ def summary_json(result: Any) -> dict[str, Any]:
         "wall_s": round(result.wall_s, 3),
         "events_dir": str(result.events_dir),
         "summary": summary,
-        "final_digests_equal": len(set(summary["final_digests"].values())) <= 1,
+        "final_digests_equal": result.summary.final_digests_equal,
         "recoveries": [dataclasses.asdict(r) for r in result.recoveries],
         "hung": {str(w): s for w, s in sorted(result.hung.items())},
         "stragglers": result.stragglers,
+        "fatal": result.fatal,
     }
 
 
@@ -120,7 +145,6 @@ def _summary_table(result: Any) -> Table:
     """The ``stalwart run`` summary as a two-column table."""
     s = result.summary
     table = Table(title="stalwart run", show_header=False)
-    digests = set(s.final_digests.values())
     for name, value in (
         ("exit code", result.exit_code),
         ("final step", s.final_step),
@@ -134,13 +158,18 @@ def _summary_table(result: Any) -> Table:
         ("parity mismatches", s.parity_mismatches),
         ("hung (killed, silence)", _hung(result.hung)),
         ("stragglers (own time vs others)", _stragglers(result.stragglers)),
-        ("final digests equal", f"{len(digests) <= 1} ({len(s.final_digests)} workers)"),
+        ("final digests equal", _digests_row(s)),
         ("goodput", f"{s.goodput:.1%}"),
         ("wall time", f"{result.wall_s:.1f} s"),
         ("events", str(result.events_dir)),
     ):
         table.add_row(name, str(value))
     return table
+
+
+def _digests_row(s: Any) -> str:
+    per_shard = ", per shard across replica groups" if s.shard_ranks else ""
+    return f"{s.final_digests_equal} ({len(s.final_digests)} workers{per_shard})"
 
 
 def _hung(hung: dict[int, float]) -> str:

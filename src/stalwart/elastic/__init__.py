@@ -41,6 +41,12 @@ How it holds together:
   a heartbeat thread per worker; the launcher kills a worker silent for the hang timeout
   (which also fails the survivors' pending collective) and reports a member persistently
   slower than the others.
+* **Replica groups** (``stalwart run --group-size G``; :mod:`~stalwart.elastic.groups`,
+  :mod:`~stalwart.elastic.roster`): each replica is a group of G ranks with FSDP2 or tensor
+  parallel inside (``job.shard_mesh``); the commit and the parity checks run across groups,
+  a rank's death takes its group out, and a new group heals shard by shard from a live one.
+  The backend follows the device (gloo on CPU, NCCL on CUDA, aborted on a fault), and one
+  timeout gives the others (:mod:`~stalwart.elastic.timeouts`).
 * **Sharded state** (:mod:`~stalwart.elastic.sharded`): state only one member holds is
   protected by erasure-coded pieces on its peers; a replacement takes over the dead member's
   slot and rebuilds it from the survivors' memory, and every member returns to that step.
@@ -52,27 +58,37 @@ Replicated state means replicated RNG: every member must draw the same random nu
 from stalwart.elastic.async_outer import Buffered
 from stalwart.elastic.backup import Dynamic, Static
 from stalwart.elastic.diloco import DiLoCo, Nesterov
-from stalwart.elastic.events import JobSummary, read_events, summarize
+from stalwart.elastic.events import read_events, summarize
 from stalwart.elastic.job import Job
+from stalwart.elastic.ladder import RecoveryLadder
 from stalwart.elastic.launcher import LaunchResult, launch
 from stalwart.elastic.optimizer import ElasticOptimizer
-from stalwart.elastic.recovery import Recovery, recoveries
+from stalwart.elastic.recovery import recoveries
+from stalwart.elastic.sampler import ElasticSampler
 from stalwart.elastic.sharded import ShardedState
+from stalwart.moved import moved_getattr
 
 __all__ = [
     "Buffered",
     "DiLoCo",
     "Dynamic",
     "ElasticOptimizer",
+    "ElasticSampler",
     "Job",
-    "JobSummary",
     "LaunchResult",
     "launch",
     "Nesterov",
-    "Recovery",
     "read_events",
     "recoveries",
+    "RecoveryLadder",
     "ShardedState",
     "Static",
     "summarize",
 ]
+
+MOVED = {"JobSummary": "stalwart.elastic.events", "Recovery": "stalwart.elastic.recovery"}
+"""Results that left this front door (still found here, with a DeprecationWarning, until the
+next release)."""
+
+
+__getattr__ = moved_getattr(__name__, MOVED)

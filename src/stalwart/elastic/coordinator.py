@@ -25,7 +25,7 @@ launcher kills and replaces whoever never arrived (:meth:`absent`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch.distributed import TCPStore
@@ -56,6 +56,10 @@ class Coordinator:
         """The completion records of the workers among ``wids`` that finished."""
         return {w: decode(self.store.get(keys.done(w))) for w in wids if self._has(keys.done(w))}
 
+    def fatal(self) -> dict[str, Any] | None:
+        """The fatal error a worker reported (``{"wid", "error"}``), or None."""
+        return decode(self.store.get(keys.FATAL)) if self._has(keys.FATAL) else None
+
     def stats(self, wids: Iterable[int]) -> dict[int, dict[str, Any]]:
         """The latest step-time windows published by the workers among ``wids``."""
         return {w: decode(self.store.get(keys.stats(w))) for w in wids if self._has(keys.stats(w))}
@@ -75,11 +79,17 @@ class Coordinator:
         """The members published for ``epoch``."""
         return tuple(decode(self.store.get(keys.members(epoch))))
 
-    def publish(self, members: Iterable[int]) -> int:
-        """Publish the next epoch with ``members``; returns its number."""
+    def publish(self, members: Iterable[int], groups: Sequence[Sequence[int]] | None = None) -> int:
+        """Publish the next epoch with ``members``; returns its number.
+
+        ``groups``: the replica groups (each its worker ids by rank in the group), written
+        before the epoch number so that a worker that sees the epoch finds them.
+        """
         self.members = tuple(sorted(members))
         self.epoch += 1
         self.store.set(keys.members(self.epoch), encode(list(self.members)))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        if groups is not None:
+            self.store.set(keys.groups(self.epoch), encode([list(g) for g in groups]))  # type: ignore[arg-type]  # bytes are accepted
         self.store.set(keys.EPOCH, str(self.epoch))
         return self.epoch
 

@@ -112,6 +112,11 @@ class DiLoCo:
         self.outer = (outer or Nesterov()).build(self.global_model.parameters())
         state = TrainingState(model=self.global_model, optimizer=self.outer, rng=False)
         self.job = Job(state, **job_options)
+        if self.job.group_size > 1:
+            raise ConfigError(
+                f"DiLoCo under replica groups of {self.job.group_size}: DiLoCo replicates the "
+                "whole model on each member; run it with --group-size 1"
+            )
         self._outer = self.job.optimizer(self.outer)
         self.job.data_parallel(self.global_model)  # float buffers are averaged too
         self._local = list(model.parameters())

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 __all__ = [
+    "LAUNCHER_LOG",
     "Event",
     "EventKind",
     "EventLog",
@@ -46,13 +47,19 @@ __all__ = [
     "JobSummary",
     "ParityMismatch",
     "Reconfigured",
+    "Resumed",
+    "SdcSuspect",
     "Start",
     "StateReceived",
     "StepCommitted",
     "StepDiscarded",
+    "launcher_lines",
     "read_events",
+    "read_lines",
     "summarize",
 ]
+
+LAUNCHER_LOG = "launcher.jsonl"
 
 
 class EventKind(StrEnum):
@@ -68,6 +75,8 @@ class EventKind(StrEnum):
     PARITY_MISMATCH = "parity-mismatch"  # step, epoch, decision, ... (parity.py)
     FIRST_COMMIT_AFTER_CHANGE = "first-commit-after-change"  # step, epoch
     FINISH = "finish"  # step, epoch, digest
+    RESUMED = "resumed"  # step, tier, steps_lost, last_known, source, rejected (ladder.py)
+    SDC_SUSPECT = "sdc-suspect"  # step, epoch, suspect, tensor, decided_by (parity.py)
     # strategies
     BACKUP = "backup"  # step, epoch, ticket, used, next_k, shares, abandoned
     SHARD_HEALED = "shard-healed"  # step, lost, rebuilt, seconds, rebuild_s, slot
@@ -76,9 +85,11 @@ class EventKind(StrEnum):
     DILOCO_MISSING = "diloco-missing"  # worker, buffer, ticket
     DILOCO_AGGREGATE = "diloco-aggregate"  # worker, version, used, dropped, momentum, ...
     # the launcher (launcher.jsonl)
-    SPAWNED = "spawned"  # wid, replaces
-    EXITED = "exited"  # wid, rc, stopped
-    HUNG = "hung"  # wid, silent_s
+    SPAWNED = "spawned"  # wid, replaces, group (replica groups only)
+    EXITED = "exited"  # wid, rc, stopped, taken_down_by (killed with its replica group)
+    GROUP_DOWN = "group-down"  # wid (who died), killed (its group's others), group
+    HUNG = "hung"  # wid, silent_s (0.0: it never joined an abandoned epoch)
+    FATAL = "fatal"  # wid, error: nothing can resume the job; it stopped at once
     STRAGGLER = "straggler"  # stats.py's report
     COORDINATOR_REHOSTED = "coordinator-rehosted"  # address, why, ...
 
@@ -100,6 +111,7 @@ class Start(Event):
 
     KIND = EventKind.START
     pid: int
+    host: dict[str, str] = field(default_factory=dict)  # environment.host_attributes()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +195,41 @@ class FirstCommitAfterChange(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Resumed(Event):
+    """No live member held the committed state: every member resumed from a checkpoint tier.
+
+    ``tier`` is where the step came from (``memory``, a durable root); ``steps_lost`` is the
+    last committed step known to the job minus ``step``; ``rejected`` lists the newer
+    candidates that did not verify, each with why (:mod:`stalwart.elastic.ladder`).
+    """
+
+    KIND = EventKind.RESUMED
+    step: int
+    tier: str
+    steps_lost: int | None
+    last_known: int | None
+    source: int | None
+    rejected: list[list[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SdcSuspect(Event):
+    """Worker ``suspect``'s state differed from the agreeing members' at a parity check.
+
+    Silent data corruption is suspected (its hardware computed or stored a wrong value):
+    ``tensor`` names the first differing entry of the state, ``decided_by`` the rule
+    (``majority``, ``re-execution``, ``rollback``). The suspect's host is in its ``start`` line.
+    """
+
+    KIND = EventKind.SDC_SUSPECT
+    step: int
+    epoch: int
+    suspect: int
+    tensor: str | None
+    decided_by: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Finish(Event):
     """The worker agreed on the final step and left; ``digest`` of its final state."""
 
@@ -226,18 +273,28 @@ class EventLog:
             self._file = None
 
 
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of one event file; a torn line (a killed writer) is skipped."""
+    out = []
+    for raw in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def read_events(folder: Path) -> dict[int, list[dict[str, Any]]]:
     """Every worker's events by worker id; a torn last line (a killed writer) is skipped."""
-    out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(folder.glob("worker*.jsonl")):
-        lines = []
-        for raw in path.read_text().splitlines():
-            try:
-                lines.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue
-        out[int(path.stem.removeprefix("worker"))] = lines
-    return out
+    return {
+        int(path.stem.removeprefix("worker")): read_lines(path)
+        for path in sorted(folder.glob("worker*.jsonl"))
+    }
+
+
+def launcher_lines(folder: Path) -> list[dict[str, Any]]:
+    """The launcher's own events (``launcher.jsonl``: spawned, exited, hung, group-down ...)."""
+    return read_lines(folder / LAUNCHER_LOG)
 
 
 @dataclass
@@ -255,6 +312,8 @@ class JobSummary:
         parity_mismatches: digest comparisons that found members apart.
         goodput: committed step time over worker lifetime, both summed over workers.
         final_digests: each finished worker's last digest.
+        shard_ranks: each worker's rank in its replica group (from the launcher's log; empty
+            without replica groups, where every worker holds the whole state).
     """
 
     workers: int = 0
@@ -266,6 +325,15 @@ class JobSummary:
     parity_mismatches: int = 0
     goodput: float = 0.0
     final_digests: dict[int, str] = field(default_factory=dict)
+    shard_ranks: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def final_digests_equal(self) -> bool:
+        """Whether the finished workers holding the same shard ended on the same digest."""
+        by_shard: dict[int, set[str]] = {}
+        for wid, d in self.final_digests.items():
+            by_shard.setdefault(self.shard_ranks.get(wid, 0), set()).add(d)
+        return all(len(ds) == 1 for ds in by_shard.values())
 
 
 def summarize(folder: Path) -> JobSummary:
@@ -301,4 +369,9 @@ def summarize(folder: Path) -> JobSummary:
         max(1, len(members - reporters)) for reporters, members in by_epoch.values()
     )
     summary.goodput = busy / alive if alive > 0 else 0.0
+    summary.shard_ranks = {
+        int(e["wid"]): int(e["group_rank"])
+        for e in launcher_lines(folder)
+        if e["kind"] == EventKind.SPAWNED and "group_rank" in e
+    }
     return summary

@@ -33,12 +33,13 @@ from collections.abc import Iterable
 from torch.distributed import Store, TCPStore
 
 from stalwart.elastic.protocol import WorkerEnv, keys, read_address
+from stalwart.elastic.timeouts import BEATS_PER_HANG
 
 __all__ = ["BEATS_PER_TIMEOUT", "Heartbeat", "HeartbeatWatch"]
 
 log = logging.getLogger(__name__)
 
-BEATS_PER_TIMEOUT = 5
+BEATS_PER_TIMEOUT = BEATS_PER_HANG  # one definition, with the other timeouts
 
 
 class Heartbeat:

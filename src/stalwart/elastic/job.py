@@ -2,33 +2,37 @@
 
 A step is *committed* when its gradient all-reduce completed on this member: the reduced
 buffer carries one vote per member, and the optimizer applies the update only when all votes
-are there. A failed collective (a peer died, a timeout) discards the step (parameters and
-optimizer state were not touched; the global RNGs are put back as they were at the step's
-start), tells the coordinator, and marks the job for reconfiguration. Membership changes only
-at step boundaries: at the next ``zero_grad()`` (or ``step()``), the member joins the next
-epoch published by the coordinator, builds its gloo group on a fresh
-``PrefixStore(f"epoch{n}", store)``, and reconciles with the other members
-(:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a rollback), so a
-newcomer and any member behind receive the committed state peer to peer.
+are there. A failed collective (a peer died, a timeout) discards the step (parameters,
+optimizer state and global RNGs as at the step's start), tells the coordinator, and marks the
+job for reconfiguration. Membership changes only at step boundaries: at the next
+``zero_grad()`` (or ``step()``) the member joins the next epoch published by the coordinator,
+builds its group on a fresh ``PrefixStore(f"epoch{n}", store)``, and reconciles with the
+other members (:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a
+rollback), so a newcomer and any member behind receive the committed state peer to peer. A
+newcomer is noticed by rank 0 of the epoch, which raises a flag inside the next gradient
+all-reduce, so that every member changes epoch after the same step. When no live member holds
+the committed state, the job resumes from its checkpoint tiers (``Job(checkpoint=...)``,
+:mod:`stalwart.elastic.checkpointing`).
 
-The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``:
-the committed step, the epoch, commit, discard, fault, reconfigure); :meth:`Job.commit` hands
-each step to one :class:`~stalwart.elastic.ledger.CommitStrategy` that receives the ledger:
-the all-reduce (:mod:`stalwart.elastic.commit`) or backup workers
-(:mod:`stalwart.elastic.backup_job`).
+The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``);
+:meth:`Job.commit` hands each step to one
+:class:`~stalwart.elastic.ledger.CommitStrategy`: the all-reduce
+(:mod:`stalwart.elastic.commit`) or backup workers (:mod:`stalwart.elastic.backup_job`).
 
-A newcomer announced by the coordinator is noticed by rank 0 of the epoch, which raises a
-flag inside the next gradient all-reduce: every member sees the same flag in the same reduced
-buffer, so all of them change epoch after the same step.
+**Replica groups** (``Job(state, group_size=G)``; default ``stalwart run --group-size``):
+each replica is a group of ``G`` ranks with FSDP2 or tensor parallel inside
+(``job.shard_group``, ``job.shard_mesh``); the commit and the parity checks run on the
+replicate dimension, and the group's ranks agree before a step is applied
+(:mod:`stalwart.elastic.groups`). ``job.rank`` / ``job.size`` are the data-parallel rank and
+size over all ranks (``replica_rank * G + shard_rank``, ``replicas * G``). The model is
+sharded on ``job.shard_mesh`` after the job is built, so such a job joins its first epoch at
+the first step boundary: fill the state before the first ``zero_grad()``.
 
-Three worlds (:class:`World`), given as ``Job(..., world=...)`` or, by default, detected
-from the environment (:mod:`stalwart.environment`):
-
-* ``"elastic"``, under ``stalwart run`` (``STALWART_ELASTIC_STORE`` set): as above;
-* ``"torchrun"`` (``RANK``/``WORLD_SIZE`` set, more than one process): the default gloo
-  process group, a fixed world; a failed collective raises
-  :class:`~stalwart.errors.DistributedError`;
-* ``"single"``: a world of one, no collectives.
+The backend follows the device (gloo on CPU, NCCL on CUDA); one timeout gives the others
+(:mod:`stalwart.elastic.timeouts`). Three worlds (:class:`World`, detected from the
+environment): ``"elastic"`` under ``stalwart run``; ``"torchrun"`` (the default process group,
+a fixed world: a failed collective raises :class:`~stalwart.errors.DistributedError`);
+``"single"`` (a world of one).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -48,15 +51,18 @@ from torch import nn
 
 from stalwart.elastic.backup import BackupRound, Dynamic, Static
 from stalwart.elastic.backup_job import BackupCommit, check_reduce
+from stalwart.elastic.checkpointing import JobCheckpoint
 from stalwart.elastic.commit import AllReduceCommit
 from stalwart.elastic.events import EventLog, Finish, Start
+from stalwart.elastic.groups import backend_for, build_solo_group, shard_mesh
 from stalwart.elastic.ledger import CommitStrategy, Listener, StepLedger
-from stalwart.elastic.membership import Epoch, Membership
+from stalwart.elastic.membership import Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
-from stalwart.elastic.parity import Decision, gather_digests
 from stalwart.elastic.protocol import from_env
 from stalwart.elastic.reduce import REDUCTIONS
-from stalwart.environment import torchrun_world
+from stalwart.elastic.timeouts import DEFAULT_TIMEOUT_S, Timeouts
+from stalwart.elastic.worlds import World, first_epoch, pick_device
+from stalwart.environment import host_attributes
 from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["Job", "World"]
@@ -64,49 +70,37 @@ __all__ = ["Job", "World"]
 log = logging.getLogger(__name__)
 
 
-class World(StrEnum):
-    """Where a :class:`Job` runs, and so how it finds its members (module docstring)."""
-
-    ELASTIC = "elastic"  # stalwart run's coordinator: members come and go
-    TORCHRUN = "torchrun"  # the default gloo process group, a fixed world
-    SINGLE = "single"  # one process, no collectives
-
-    @classmethod
-    def detect(cls) -> World:
-        """The world the environment says: ``stalwart run``, then ``torchrun``, else one process."""
-        if from_env() is not None:
-            return cls.ELASTIC
-        world = torchrun_world()
-        return cls.TORCHRUN if world is not None and world[1] > 1 else cls.SINGLE
-
-
-def _fixed_epoch(world: World) -> Epoch:
-    """The world of ``torchrun`` (default process group) or of a single process."""
-    if world is World.TORCHRUN:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        size = dist.get_world_size()
-        return Epoch(0, tuple(range(size)), dist.get_rank(), dist.group.WORLD)
-    return Epoch(0, (0,), 0, None)
-
-
 class Job:
     """Join the job that started this process, and keep its members' state identical.
 
     Args:
         state: the replicated state (normally a :class:`stalwart.TrainingState`); its
-            ``state_dict()`` is digested and sent to members that need it.
-        min_size: the fewest members to train with; below it, members wait for replacements.
+            ``state_dict()`` is digested and sent to members that need it. With replica
+            groups, each rank's part of it (FSDP2 DTensors hold their local shard).
+        min_size: the fewest members (replica groups) to train with; below it, members wait
+            for replacements.
         verify_every: compare digests every this many committed steps (0: only after heals).
-        join_timeout_s: how long to wait for a membership epoch before giving up.
+        join_timeout_s: how long to wait for a membership epoch (None: derived from the
+            timeout, :mod:`stalwart.elastic.timeouts`).
         stats_window: summarise step times every this many committed steps (``step-stats``
             events, and the launcher's straggler check; 0: off).
         world: ``"elastic"``, ``"torchrun"`` or ``"single"`` (:class:`World`); None: detected
             from the environment (:meth:`World.detect`).
+        group_size: ranks per replica group (None: ``stalwart run --group-size``, else 1).
+        timeout_s: the one timeout (None: ``stalwart run --timeout``, else 10 s); the
+            collective and join timeouts derive from it.
+        device: the device of the collectives, which picks the backend (gloo on CPU, NCCL on
+            CUDA); None: the device of the state's first tensor. ``"cuda"`` without an index
+            is this worker's device slot (``job.device``).
+        checkpoint: a Checkpointer or TieredCheckpointer: the job resumes from it by itself
+            when no live member holds the committed state, and saves on its schedule
+            (:mod:`stalwart.elastic.checkpointing`). Under ``stalwart run`` its default
+            process group is the replica group (each group's ranks save their shards).
+        save_every: a plain Checkpointer's interval, committed steps (tiers have their own).
 
     Attributes:
-        ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`),
-            the interface the commit strategies, DiLoCo and sharded state work through.
+        ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`).
+        timeouts: the derived timeouts; device: the collectives' device.
 
     Example:
         >>> job = Job(TrainingState(model=model, optimizer=opt))  # doctest: +SKIP
@@ -123,40 +117,64 @@ class Job:
         *,
         min_size: int = 1,
         verify_every: int = 50,
-        join_timeout_s: float = 300.0,
+        join_timeout_s: float | None = None,
         stats_window: int = 20,
         world: World | str | None = None,
+        group_size: int | None = None,
+        timeout_s: float | None = None,
+        device: str | torch.device | None = None,
+        checkpoint: Any = None,
+        save_every: int = 100,
     ) -> None:
-        if min_size < 1 or verify_every < 0:
+        if min_size < 1 or verify_every < 0 or (group_size is not None and group_size < 1):
             raise ConfigError(
-                f"Job(min_size={min_size}, verify_every={verify_every}): min_size must be >= 1 "
-                "and verify_every >= 0"
+                f"Job(min_size={min_size}, verify_every={verify_every}, group_size={group_size})"
+                ": min_size and group_size must be >= 1 and verify_every >= 0"
             )
-        self.state = state
-        self.verify_every = verify_every
-        self.join_timeout_s = join_timeout_s
-        self._reduce = "mean"
+        self.state, self.verify_every = state, verify_every
+        self._reduce, self._closed = "mean", False
         self._strategy: CommitStrategy = AllReduceCommit()
-        self._closed = False
+        self._solo: dist.ProcessGroup | None = None  # a group of one, made on first use
+        self._save_every = save_every  # for the checkpoint setter
         self.world = World.detect() if world is None else World(world)
         env = from_env() if self.world is World.ELASTIC else None
         if self.world is World.ELASTIC and env is None:
             raise ConfigError(
                 "Job(world='elastic') needs the coordinator: run the script with `stalwart run`"
             )
-        membership = Membership(env, min_size) if env else None
+        self.timeouts = Timeouts(
+            timeout_s=timeout_s or (env.timeout_s if env else DEFAULT_TIMEOUT_S),
+            hang_override_s=env.hang_s if env else 0.0, join_override_s=join_timeout_s,
+        )  # fmt: skip
+        self.join_timeout_s = self.timeouts.join_s
+        membership = Membership(env, min_size, timeouts=self.timeouts) if env else None
+        local_rank = membership.layout.local_rank if membership else 0
+        self.device = pick_device(device, state, local_rank)
         events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
-        events.record(Start(pid=os.getpid()))
-        first = membership.join(0, join_timeout_s) if membership else _fixed_epoch(self.world)
+        index = self.device.index if self.device.type == "cuda" else None
+        events.record(Start(pid=os.getpid(), host=host_attributes(index)))
+        first, shard_group = first_epoch(
+            self.world, membership, group_size, self.device, self.timeouts, timeout_s
+        )
         self.ledger = StepLedger(
             state, events, membership, first, verify_every=verify_every,
-            join_timeout_s=join_timeout_s, stats_window=stats_window,
+            join_timeout_s=self.join_timeout_s, stats_window=stats_window,
+            shard_group=shard_group,
         )  # fmt: skip
-        if membership is not None:
+        self.checkpoint = checkpoint
+        self._start(first.number)
+
+    def _start(self, first: int) -> None:
+        """Join the first epoch (replica groups: at the first boundary), or start alone."""
+        if self.ledger.membership is not None and first == 0:  # replica groups: join later
+            self.ledger.flag_newer_epoch()
+            atexit.register(self._close_at_exit)
+        elif self.ledger.membership is not None:
             self.ledger.settle_after_join()
             atexit.register(self._close_at_exit)
         else:
             self.ledger.check_parity("start")
+            self.ledger.resume_if_lost()  # a fixed world starts from its newest checkpoint
         self.ledger.mark_boundary()
 
     # -- what the training loop reads -------------------------------------------------------
@@ -168,13 +186,52 @@ class Job:
 
     @property
     def rank(self) -> int:
-        """This member's rank in the current epoch (0 .. size-1)."""
-        return self.ledger.epoch.rank
+        """Data-parallel rank over every rank of the epoch: ``replica_rank * G + shard_rank``."""
+        return self.ledger.epoch.rank * self.group_size + self.ledger.epoch.shard_rank
 
     @property
     def size(self) -> int:
-        """Number of members in the current epoch."""
+        """Ranks in the current epoch (``replicas * group_size``; members without groups)."""
+        return self.ledger.epoch.size * self.group_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica group's index among the epoch's groups (its replicate rank)."""
+        return self.ledger.epoch.rank
+
+    @property
+    def replicas(self) -> int:
+        """Replica groups in the current epoch (members, without groups)."""
         return self.ledger.epoch.size
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per replica group (1: plain data parallelism)."""
+        return self.ledger.group_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's rank in its replica group (its shard index; 0 without groups)."""
+        return self.ledger.epoch.shard_rank
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """This replica group's ranks, an ordinary process group (one rank without groups)."""
+        if self.ledger.shard_group is not None:
+            return self.ledger.shard_group
+        if self._solo is None:
+            self._solo = build_solo_group(self.device)
+        return self._solo
+
+    @property
+    def shard_mesh(self) -> Any:
+        """:attr:`shard_group` as a 1-D ``DeviceMesh`` (``fully_shard(model, mesh=...)``)."""
+        return shard_mesh(self.shard_group, self.device)
+
+    @property
+    def backend(self) -> str:
+        """The collectives' backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA)."""
+        return backend_for(self.device)
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -191,15 +248,25 @@ class Job:
         """True under ``stalwart run`` (members may come and go)."""
         return self.ledger.membership is not None
 
+    @property
+    def checkpoint(self) -> Any:
+        """The tiers the job resumes from and saves to (settable before the first step)."""
+        held = self.ledger.checkpoint
+        return None if held is None else held.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, checkpoint: Any) -> None:
+        self.ledger.checkpoint = (
+            None if checkpoint is None
+            else JobCheckpoint(checkpoint, self.state, save_every=self._save_every)
+        )  # fmt: skip
+
     def digest(self) -> str:
         """Hex digest of parameters, optimizer state, RNG and the committed step."""
         return self.ledger.digest()
 
     def add_listener(self, fn: Listener) -> None:
-        """Call ``fn(event, step)`` at ``step-begin``, ``collective-enter`` and ``commit``.
-
-        Used by :mod:`stalwart.testing.chaos` to kill a member at an exact point.
-        """
+        """Call ``fn(event, step)`` at ``step-begin``, ``collective-enter``, ``commit`` (chaos)."""
         self.ledger.add_listener(fn)
 
     # -- wrapping the user's objects --------------------------------------------------------
@@ -214,10 +281,16 @@ class Job:
         all-reduce). Returns ``model`` itself: nothing changes in the forward pass.
 
         Raises:
-            ConfigError: ``reduce`` is not one of ``"mean"``, ``"adasum"``, or Adasum with backup.
+            ConfigError: ``reduce`` is not one of ``"mean"``, ``"adasum"``, or Adasum with
+                backup, or Adasum with replica groups (it needs whole tensors).
         """
         if reduce not in REDUCTIONS:
             raise ConfigError(f"data_parallel(reduce={reduce!r}): use one of {REDUCTIONS}")
+        if reduce != "mean" and self.group_size > 1:
+            raise ConfigError(
+                f"data_parallel(reduce={reduce!r}) with replica groups of {self.group_size}: "
+                "Adasum combines whole tensors, a rank holds a shard; use reduce='mean'"
+            )
         check_reduce(reduce, isinstance(self._strategy, BackupCommit))
         self._reduce = reduce
         if isinstance(self._strategy, AllReduceCommit):
@@ -236,6 +309,11 @@ class Job:
         partial (:mod:`stalwart.elastic.backup`); elastic jobs only (needs the coordinator).
         """
         check_reduce(self._reduce, backup != 0)
+        if backup != 0 and self.group_size > 1:
+            raise ConfigError(
+                "backup workers with replica groups are not supported: the groups commit "
+                "together (backup=0), or run with --group-size 1"
+            )
         backups = None
         if backup != 0 and self.ledger.membership is not None:
             backups = BackupRound(self.ledger.membership.store, backup)
@@ -256,22 +334,14 @@ class Job:
     def refresh(self) -> None:
         """At a step boundary, join a newer epoch if the coordinator published one.
 
-        Collective: every member calls it at the same boundary (``optimizer.step()`` does the
-        same check for free inside its all-reduce). Use it to wait for replacements, e.g.
-        ``while job.size < 3: job.refresh()`` before an evaluation.
+        Collective, at the same boundary on every member; e.g. to wait for replacements:
+        ``while job.replicas < 3: job.refresh()``.
         """
         ledger = self.ledger
         if ledger.membership is None:
             return
         if not ledger.reconfigure_due:
-            flag = torch.tensor([ledger.change_flag()])
-            try:
-                if ledger.group is not None:
-                    ledger.group.allreduce([flag]).wait()
-            except RuntimeError as e:
-                ledger.fault(e)
-            if float(flag[0]) > 0:
-                ledger.flag_newer_epoch()
+            ledger.poll_epoch()
         if ledger.reconfigure_due:
             ledger.reconfigure()
         else:
@@ -292,15 +362,14 @@ class Job:
     def close(self) -> None:
         """Agree with the other members that everyone finished at the same step, then leave.
 
-        A member whose copy of the last all-reduce failed is healed here, so that no member
-        leaves with a state the others do not have. Idempotent once done; run at exit if forgotten.
+        A member whose last all-reduce failed is healed here first. Idempotent; run at exit.
         """
         if self._closed:
             return
         ledger = self.ledger
         if ledger.membership is not None:
             deadline = time.monotonic() + self.join_timeout_s
-            while not self._agree_final():  # a rollback raises: the loop must train on
+            while not ledger.agree_final():  # a rollback raises: the loop must train on
                 if time.monotonic() > deadline:
                     raise DistributedError("members did not agree on the final step in time")
             final = self.digest()
@@ -308,30 +377,11 @@ class Job:
             ledger.drop_group()
         else:
             final = self.digest()
+        if ledger.checkpoint is not None:
+            ledger.checkpoint.wait()  # the last saves land before the process leaves
         self._closed = True
         ledger.events.record(Finish(step=self.step, epoch=self.epoch, digest=final))
         ledger.events.close()
-
-    def _agree_final(self) -> bool:
-        ledger = self.ledger
-        if ledger.reconfigure_due:
-            ledger.reconfigure()
-        try:
-            table = gather_digests(self.step, self.digest(), ledger.group)
-            if len(set(table)) == 1:
-                return True
-            ledger.check_parity("final")
-            if ledger.last_decision is Decision.ROLLBACK:
-                raise DistributedError(
-                    f"no majority at the final step: rolled back to step {self.step}, the last "
-                    "agreed; train on to the total and call close() again (or make verify_every "
-                    "divide the total steps, so that the check runs inside the training loop)"
-                )
-        except RuntimeError as e:
-            if isinstance(e, DistributedError):
-                raise
-            ledger.fault(e)
-        return False
 
     def _close_at_exit(self) -> None:
         if getattr(sys, "last_value", None) is not None:

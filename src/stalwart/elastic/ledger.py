@@ -11,6 +11,11 @@ start (its RNG and buffer snapshot, its clock) and the bookkeeping of each outco
   reconcile with its members (:mod:`stalwart.elastic.parity`);
 * :meth:`StepLedger.rewind`: go back to a step every member restored (sharded state).
 
+With replica groups (``G`` ranks per group, :mod:`stalwart.elastic.groups`) the ledger's
+``group`` is the replicate dimension and ``shard_group`` the member's own group:
+:meth:`StepLedger.agree` sums a step's outcome over the group before any rank applies it, so
+that no group ever holds half a step, and parity checks take one decision per group.
+
 How a step's contributions are combined is a :class:`CommitStrategy` that receives the
 ledger: the all-reduce (:mod:`stalwart.elastic.commit`), backup workers
 (:mod:`stalwart.elastic.backup_job`). DiLoCo's buffered mode and sharded state use the same
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.checkpointing import JobCheckpoint
 from stalwart.elastic.events import (
     EventKind,
     EventLog,
@@ -36,11 +42,12 @@ from stalwart.elastic.events import (
     StepCommitted,
     StepDiscarded,
 )
+from stalwart.elastic.groups import abort_group, agree, device_of
 from stalwart.elastic.membership import Epoch, Membership
-from stalwart.elastic.parity import Decision, ParityCheck
+from stalwart.elastic.parity import Decision, ParityCheck, gather_table
 from stalwart.elastic.state import BoundarySnapshot, digest
 from stalwart.elastic.stats import StepStats
-from stalwart.errors import DistributedError
+from stalwart.errors import CheckpointNotFoundError, DistributedError, StateMismatchError
 
 __all__ = ["CommitStrategy", "Listener", "StepLedger"]
 
@@ -69,14 +76,16 @@ class StepLedger:
         verify_every: compare digests every this many committed steps (0: only after heals).
         join_timeout_s: how long to wait for a membership epoch.
         stats_window: committed steps per ``step-stats`` window (0: off).
+        shard_group: this member's replica group, when groups have more than one rank.
     """
 
     def __init__(
         self, state: Any, events: EventLog, membership: Membership | None, epoch: Epoch, *,
-        verify_every: int, join_timeout_s: float, stats_window: int,
+        verify_every: int, join_timeout_s: float, stats_window: int, shard_group: Any = None,
     ) -> None:  # fmt: skip
         self.state, self.events, self.membership, self.epoch = state, events, membership, epoch
         self.verify_every, self.join_timeout_s = verify_every, join_timeout_s
+        self.shard_group = shard_group
         self.params: list[torch.Tensor] = []  # the optimizer's parameters: their grads are reduced
         self.buffers: list[torch.Tensor] = []  # the model's float buffers: averaged at a commit
         self.model_buffers: list[torch.Tensor] = []  # all of them: put back on a discard
@@ -84,10 +93,11 @@ class StepLedger:
         self.started = time.time()  # the step's start (wall clock)
         self._step = 0
         self._stats = StepStats(stats_window)
-        self._parity = ParityCheck(state, events)
+        self._parity = ParityCheck(state, events, shard_group)
         self._listeners: list[Listener] = []
         self._due = self._changed = False
         self._boundary: BoundarySnapshot | None = None
+        self.checkpoint: JobCheckpoint | None = None  # the tiers (Job(checkpoint=...))
 
     # -- what strategies read ---------------------------------------------------------------
 
@@ -98,8 +108,13 @@ class StepLedger:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The current epoch's gloo group (None: a world of one, or dropped after a fault)."""
+        """The current epoch's replicate group (None: one member, or dropped after a fault)."""
         return self.epoch.group
+
+    @property
+    def group_size(self) -> int:
+        """Ranks per replica group (1: plain data parallelism)."""
+        return 1 if self.shard_group is None else int(self.shard_group.size())
 
     @property
     def reconfigure_due(self) -> bool:
@@ -126,9 +141,50 @@ class StepLedger:
 
     def change_flag(self) -> float:
         """1.0 when this member sees a newer epoch published (checked by rank 0 only)."""
-        if self.membership is None or self.epoch.rank != 0:
+        if self.membership is None or self.epoch.rank != 0 or self.epoch.shard_rank != 0:
             return 0.0  # a lost coordinator: followed, or DistributedError (membership.py)
         return 1.0 if self.membership.latest_epoch() > self.epoch.number else 0.0
+
+    def agree(self, ok: bool, change: float) -> tuple[bool, bool]:
+        """Whether every rank of this replica group succeeded, and whether any saw the flag.
+
+        Collective on the shard group (nothing without groups): after a replicate
+        collective, the group's ranks agree before any applies the step, so that a step is
+        applied by all of a group's ranks or by none. A failure of the agreement itself (a
+        rank of the group died) is a failure of the step.
+        """
+        if self.shard_group is None:
+            return ok, change > 0
+        try:
+            votes, flags = agree(self.shard_group, [float(ok), change])
+        except RuntimeError:
+            return False, False
+        return votes >= self.group_size, flags > 0
+
+    def poll_epoch(self) -> None:
+        """Collective: learn with every member whether a newer epoch is published (refresh)."""
+        flag = torch.tensor([self.change_flag()])
+        err: RuntimeError | None = None
+        try:
+            if self.group is not None:
+                flag = flag.to(self.device)
+                self.group.allreduce([flag]).wait()
+        except RuntimeError as e:
+            err = e
+        ok, change = self.agree(err is None, float(flag[0]))
+        if not ok:
+            self.fault(err or DistributedError("a rank of this replica group failed a collective"))
+        elif change:
+            self._due = True
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the replicate group's collectives (CPU for gloo)."""
+        return device_of(self.group)
+
+    def table(self) -> list[tuple[int, str]]:
+        """(step, digest) per replica, the same on every rank (:func:`.parity.gather_table`)."""
+        return gather_table(self._step, self.digest(), self.group, self.shard_group)
 
     def newer_epoch_published(self) -> bool:
         """Whether the coordinator published an epoch after this one (False: unknown)."""
@@ -170,6 +226,9 @@ class StepLedger:
                     raise
                 self.fault(e)
         self._record(digest_hex)
+        if self.checkpoint is not None:  # elastic: replicate rank 0's group writes; fixed: all
+            writer = self.membership is None or self.epoch.rank == 0
+            self.checkpoint.after_commit(self._step, writer=writer)
         self.notify("commit")
         self.mark_boundary()
 
@@ -186,7 +245,7 @@ class StepLedger:
         if self._changed:
             self.events.record(FirstCommitAfterChange(step=self._step, epoch=number))
             self._changed = False
-        if self.membership is not None and self.epoch.rank == 0:
+        if self.membership is not None and self.epoch.rank == 0 == self.epoch.shard_rank:
             self.membership.record_progress(self._step)
 
     def discard(self, err: BaseException) -> None:
@@ -220,8 +279,9 @@ class StepLedger:
         self._due = True
 
     def drop_group(self) -> None:
-        """Forget the current epoch's group (its sockets close)."""
-        self.epoch = Epoch(self.epoch.number, self.epoch.members, self.epoch.rank, None)
+        """Give up the current epoch's group: gloo's sockets close, NCCL's is aborted."""
+        abort_group(self.epoch.group)
+        self.epoch = self.epoch.without_group()
 
     def flag_newer_epoch(self) -> None:
         """Join the next epoch at the next boundary (every member saw the same flag)."""
@@ -246,16 +306,72 @@ class StepLedger:
                                             members=list(self.epoch.members)))  # fmt: skip
             try:
                 self.check_parity("heal")
+                if self._parity.last_decision is not Decision.ROLLBACK:  # rolled back on purpose
+                    self.resume_if_lost()
             except RuntimeError as e:
                 if isinstance(e, DistributedError):
                     raise
                 self.fault(e)
                 self.epoch = self.membership.join(self.epoch.number, self.join_timeout_s)
                 continue
-            if self._parity.last_decision is not Decision.ROLLBACK:  # rolled back on purpose
-                self.membership.check_progress(self._step, self.epoch.number)
             self._due, self._changed = False, True
             return
+
+    def resume_if_lost(self) -> None:
+        """At step 0 no live member holds committed state: resume from the checkpoint tiers.
+
+        Collective over the epoch (every member is at step 0 alike after a parity check).
+        Without a checkpoint, refuses to start over when the job had committed steps.
+
+        Raises:
+            DistributedError: no checkpoint attached and the job had committed steps.
+            CheckpointNotFoundError, StateMismatchError: nothing to resume from although the
+                job committed steps, or the state does not fit; reported to the launcher as
+                fatal (it stops at once: replacements would fail alike).
+        """
+        if self._step > 0:
+            return
+        membership = self.membership
+        if self.checkpoint is None:
+            if membership is not None:
+                membership.check_progress(self._step, self.epoch.number)
+            return
+        reached = membership.progress() if membership is not None else 0
+        try:
+            step = self.checkpoint.resume(self.group, self.shard_group, reached, self.events)
+        except (CheckpointNotFoundError, StateMismatchError) as e:
+            if membership is not None:
+                membership.report_fatal(f"worker {membership.wid}: {e}")
+            raise
+        if step is not None:
+            self._step = step
+            self.check_parity("resumed")  # every member holds the same bytes, or is repaired
+
+    def agree_final(self) -> bool:
+        """One round of agreeing on the final step (``Job.close``); True once all agree.
+
+        Raises:
+            DistributedError: the members split with no majority at the final step (they
+                rolled back: the loop must train on), or a check failed for good.
+        """
+        if self._due:
+            self.reconfigure()
+        try:
+            if len(set(self.table())) == 1:
+                return True
+            self.check_parity("final")
+            if self.last_decision is Decision.ROLLBACK:
+                raise DistributedError(
+                    f"no majority at the final step: rolled back to step {self._step}, the "
+                    "last agreed; train on to the total and call close() again (or make "
+                    "verify_every divide the total steps, so that the check runs inside the "
+                    "training loop)"
+                )
+        except RuntimeError as e:
+            if isinstance(e, DistributedError):
+                raise
+            self.fault(e)
+        return False
 
     def check_parity(self, why: str) -> str:
         """Reconcile members (see :mod:`stalwart.elastic.parity`); returns the common digest."""

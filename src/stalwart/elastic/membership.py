@@ -14,6 +14,13 @@ So a member never builds a group that another member abandoned (which would cost
 timeout), and a member that dies before arriving only costs the time until the coordinator
 publishes the next epoch.
 
+**Replica groups** (``--group-size G``, :mod:`stalwart.elastic.groups`): an epoch also lists
+its groups (``coord/epoch{n}/groups``, each its worker ids by rank in the group); every
+member of the epoch arrives as above, then rank ``i`` of each group builds the replicate
+group of shard ``i`` (``PrefixStore(f"epoch{n}/shard{i}", store)``), its rank there the
+index of its group in the epoch. The epoch's ``rank`` and ``size`` are then those of the
+replicate dimension.
+
 **Coordinator loss.** A store call that fails on the connection (the store's host died) makes
 the worker look for a re-hosted coordinator: ``stalwart run`` writes the store's address to
 ``STALWART_ELASTIC_STORE_FILE``, and a launcher that re-hosts the store writes the new one
@@ -25,16 +32,20 @@ it raises :class:`~stalwart.errors.DistributedError` saying that the coordinator
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
-import torch.distributed as dist
+import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from stalwart.elastic.groups import Layout, all_or_none, build_group, read_layout
 from stalwart.elastic.heartbeat import Heartbeat
 from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys, read_address
+from stalwart.elastic.timeouts import Timeouts
 from stalwart.errors import DistributedError
 
 __all__ = ["Epoch", "Membership"]
@@ -50,20 +61,34 @@ class Epoch:
 
     Attributes:
         number: the epoch number (increasing, published by the coordinator).
-        members: worker ids, ascending; a member's rank is its index here.
-        rank: this worker's rank in the epoch.
-        group: the epoch's gloo process group (None for a world of one).
+        members: worker ids, ascending; without replica groups a member's rank is its index.
+        rank: this worker's rank in the replicate dimension: its index in ``members``, or
+            with replica groups its group's index in ``groups``.
+        group: the epoch's replicate process group (gloo, or a watched NCCL group; None
+            when it has one member).
+        groups: the replica groups, each its worker ids by rank in the group (empty: none).
+        shard_rank: this worker's rank in its replica group (0 without groups).
     """
 
     number: int
     members: tuple[int, ...]
     rank: int
-    group: dist.ProcessGroup | None
+    group: Any
+    groups: tuple[tuple[int, ...], ...] = ()
+    shard_rank: int = 0
 
     @property
     def size(self) -> int:
-        """Number of members."""
-        return len(self.members)
+        """Members of the replicate dimension (replica groups, or workers without groups)."""
+        return len(self.groups) if self.groups else len(self.members)
+
+    def worker(self, replica: int) -> int:
+        """The worker id at replicate rank ``replica`` holding this worker's shard."""
+        return self.groups[replica][self.shard_rank] if self.groups else self.members[replica]
+
+    def without_group(self) -> Epoch:
+        """This epoch with its process group forgotten (after a fault)."""
+        return Epoch(self.number, self.members, self.rank, None, self.groups, self.shard_rank)
 
 
 class Membership:
@@ -71,26 +96,41 @@ class Membership:
 
     Args:
         env: the settings ``stalwart run`` gave this worker.
-        min_size: the fewest members this worker trains with (told to the coordinator).
+        min_size: the fewest members (replica groups) this worker trains with (told to the
+            coordinator).
+        timeouts: the job's timeouts (default: derived from ``env``).
+        device: the device of the replicate group's collectives (gloo: CPU; CUDA: NCCL).
+
+    Attributes:
+        layout: this worker's place in its replica group (the launcher's record).
+        shard_group: the replica group's own process group, set by the job when groups have
+            more than one rank: a replicate group is built by all of a group's ranks or none.
     """
 
-    def __init__(self, env: WorkerEnv, min_size: int) -> None:
+    def __init__(self, env: WorkerEnv, min_size: int, *, timeouts: Timeouts | None = None,
+                 device: torch.device | None = None) -> None:  # fmt: skip
         self.env = env
         self.wid = env.worker_id
         self.min_size = min_size
+        self.timeouts = timeouts or Timeouts(timeout_s=env.timeout_s, hang_override_s=env.hang_s)
+        self.device = device or torch.device("cpu")
         self.address = (env.host, env.port)
         self.moves = 0  # re-hosted coordinators followed
         self.store: Store = self._connect(self.address)
+        self.layout: Layout = read_layout(self.store, self.wid)
+        self.shard_group: Any = None
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
         self._announce()
 
     def _connect(self, address: tuple[str, int]) -> Store:
         host, port = address
-        return TCPStore(host, port, is_master=False, timeout=self.env.timeout,
+        return TCPStore(host, port, is_master=False, timeout=self.timeouts.collective,
                         wait_for_workers=False)  # fmt: skip
 
     def _announce(self) -> None:
-        record = encode({"pid": os.getpid(), "min_size": self.min_size})
+        layout = self.layout
+        record = encode({"pid": os.getpid(), "min_size": self.min_size,
+                         "group": layout.group, "group_rank": layout.group_rank})  # fmt: skip
         self.store.set(keys.ready(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
 
     def follow_coordinator(self, err: BaseException) -> None:
@@ -103,7 +143,7 @@ class Membership:
         """
         log.warning("worker %d: the coordinator at %s:%d failed (%s); looking for a new one",
                     self.wid, *self.address, err)  # fmt: skip
-        deadline = time.monotonic() + self.env.timeout_s
+        deadline = time.monotonic() + self.timeouts.collective_s
         while time.monotonic() < deadline:
             address = read_address(self.env.store_file)
             if address is not None and address != self.address:
@@ -121,8 +161,8 @@ class Membership:
         raise DistributedError(
             f"worker {self.wid}: the coordinator at {self.address[0]}:{self.address[1]} is gone "
             f"({err}) and no re-hosted coordinator was announced{where} within "
-            f"{self.env.timeout_s:.0f} s: the `stalwart run` launcher or its host died. This "
-            "member stops; run the job again with `stalwart run`, resuming from your last "
+            f"{self.timeouts.collective_s:.0f} s: the `stalwart run` launcher or its host died. "
+            "This member stops; run the job again with `stalwart run`, resuming from your last "
             "checkpoint"
         ) from err
 
@@ -142,24 +182,49 @@ class Membership:
             except RuntimeError as e:  # the store's host is gone: follow it, or stop clearly
                 self.follow_coordinator(e)
 
+    def progress(self) -> int:
+        """The newest step the job is known to have committed (0: none recorded)."""
+        while True:
+            try:
+                if not self.store.check([keys.PROGRESS]):
+                    return 0
+                return int(self.store.get(keys.PROGRESS))
+            except RuntimeError as e:  # the store's host is gone: follow it, or stop clearly
+                self.follow_coordinator(e)
+
+    def report_fatal(self, error: str) -> None:
+        """Tell the launcher that the job cannot go on (it stops at once, exit code 3).
+
+        For errors no replacement worker can fix (nothing to resume from): the first report
+        wins; the launcher prints it and stops respawning.
+        """
+        record = encode({"wid": self.wid, "error": error[:2000]})
+        try:
+            self.store.compare_set(keys.FATAL, "", record)  # type: ignore[arg-type]  # bytes are accepted
+        except RuntimeError as e:  # the coordinator is gone: the error is raised here anyway
+            log.warning("could not report a fatal error to the coordinator: %s", e)
+
     def check_progress(self, step: int, epoch: int) -> None:
         """Refuse to train on from step 0 when the job had committed steps and every member
-        that held them died before a newcomer could heal from it.
+        that held them died before a newcomer could heal from it (no checkpoint attached).
 
         Raises:
             DistributedError: the members of ``epoch`` hold step 0 but the job reached a later
-                step; nothing in memory holds it any more.
+                step; nothing in memory holds it any more (also reported as fatal).
         """
-        if step > 0 or not self.store.check([keys.PROGRESS]):
+        if step > 0:
             return
-        reached = int(self.store.get(keys.PROGRESS))
+        reached = self.progress()
         if reached > 0:
-            raise DistributedError(
+            err = DistributedError(
                 f"worker {self.wid}: epoch {epoch} formed at step 0, but the job had committed "
                 f"step {reached} and every member holding that state died before a replacement "
-                "could heal from it; training on would silently start over. Restart from the last "
-                "durable checkpoint (load it before the first step), or keep more workers alive"
+                "could heal from it; training on would silently start over. Attach checkpoint "
+                "tiers (Job(state, checkpoint=...)) so that the job resumes from the last "
+                "durable checkpoint by itself, or keep more workers alive"
             )
+            self.report_fatal(str(err))
+            raise err
 
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""
@@ -207,16 +272,18 @@ class Membership:
                     raise
                 self.follow_coordinator(e)  # then look for the next epoch on the new store
                 continue
-            rank = members.index(self.wid)
             try:
-                group = self._build_group(number, rank, len(members))
+                groups, rank = self._place(number, members)
+                size = len(groups) if groups else len(members)
+                build = functools.partial(self._build_group, number, rank, size)
+                group = all_or_none(self.shard_group, build)
             except RuntimeError as e:  # a member died while the group was being built
                 log.warning(
                     "epoch %d: building the group failed (%s); waiting for the next", number, e
                 )
                 self.report_fault(number)
                 continue
-            return Epoch(number, members, rank, group)
+            return Epoch(number, members, rank, group, groups, self.layout.group_rank)
         raise DistributedError(
             f"worker {self.wid} found no membership epoch to join within {deadline_s:.0f} s "
             f"(last seen: epoch {floor}); check that `stalwart run` is alive and that enough "
@@ -245,7 +312,7 @@ class Membership:
         fate_key = keys.fate(number)
         if arrived >= size:
             return self._decide(fate_key, "go")
-        hung_after = time.monotonic() + self.env.timeout_s
+        hung_after = time.monotonic() + self.timeouts.collective_s
         while True:
             if self.store.check([fate_key]):
                 return self.store.get(fate_key).decode() == "go"
@@ -262,8 +329,31 @@ class Membership:
         won = self.store.compare_set(fate_key, "", wish)
         return bytes(won).decode() == "go"
 
-    def _build_group(self, number: int, rank: int, size: int) -> dist.ProcessGroup | None:
-        if size == 1:
-            return None
-        prefixed = PrefixStore(f"epoch{number}", self.store)
-        return dist.ProcessGroupGloo(prefixed, rank, size, self.env.timeout)  # type: ignore[return-value]
+    def _place(
+        self, number: int, members: tuple[int, ...]
+    ) -> tuple[tuple[tuple[int, ...], ...], int]:
+        """The epoch's replica groups (empty without) and this worker's replicate rank."""
+        if self.layout.group_size == 1:
+            return (), members.index(self.wid)
+        groups = tuple(tuple(g) for g in decode(self.store.get(keys.groups(number))))
+        for index, group in enumerate(groups):
+            if self.wid in group:
+                if group.index(self.wid) != self.layout.group_rank:
+                    raise DistributedError(
+                        f"epoch {number} lists worker {self.wid} at rank {group.index(self.wid)} "
+                        f"of its group, but it is rank {self.layout.group_rank}: the launcher's "
+                        "records disagree; restart the job"
+                    )
+                return groups, index
+        raise DistributedError(f"epoch {number} lists worker {self.wid} in no replica group")
+
+    def _build_group(self, number: int, rank: int, size: int) -> Any:
+        """The replicate group of ``number`` (gloo or watched NCCL, :mod:`.groups`)."""
+        prefix = f"epoch{number}"
+        if self.layout.group_size > 1:
+            prefix += f"/shard{self.layout.group_rank}"
+        return build_group(
+            PrefixStore(prefix, self.store), rank, size, device=self.device,
+            timeout=self.timeouts.collective, patience_s=self.timeouts.heartbeat_s,
+            abandon=lambda: self.latest_epoch() > number,
+        )  # fmt: skip

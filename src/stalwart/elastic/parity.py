@@ -8,7 +8,13 @@ takes the same decision without further messages):
    contribution, so it is a valid step of the old membership, and the members behind (whose
    copy of that all-reduce failed) roll forward to it rather than everyone rolling back.
 2. **Then a strict majority.** Among the members at the highest step, a group holding more
-   than half of them wins (3 members, 2 agree: the odd one is repaired).
+   than half of them wins (3 members, 2 agree: the odd one is repaired), and the odd ones are
+   SDC suspects (:mod:`stalwart.elastic.sdc` names them and the first differing tensor).
+   Their gradients entered every member's updates since the last agreed state, so when every
+   member holds an agreed copy not yet rolled back to, all of them load it and the loop
+   recomputes (as in 3., the decision stays ``majority``); otherwise (and at the final check
+   of ``close()``, after which nothing recomputes) the minority is repaired from the
+   majority's current state.
 3. **No majority: evidence, never rank.** When the members at the highest step split with
    no strict majority (two members, two digests; 1-1-1; 2-2), nothing says which copy is
    right: every member loads the :class:`~stalwart.elastic.state.AgreedState` it recorded at
@@ -27,6 +33,15 @@ takes the same decision without further messages):
 The decision is returned (:class:`Decision`, in :class:`ParityResult`); :class:`ParityCheck`,
 the job's collaborator, keeps the agreed copy and writes the decision in its
 ``parity-mismatch`` event.
+
+**Replica groups.** With ``G > 1`` ranks per replica group, each rank digests its own shard
+and the replicate dimension of shard ``i`` all-gathers rank ``i``'s (step, digest) of every
+group; the ``G`` ranks of a group then all-gather these columns over their shard group
+(:func:`gather_table`), so every rank of the job holds the same table with one row per
+group, its digest the hash of the group's per-shard digests. The policy runs on that table:
+a group's decision (ahead, majority, rollback) is one decision for all its ranks, and a heal
+is rank ``i`` of the chosen group sending shard ``i`` to rank ``i`` of the others, every
+shard in parallel on its own replicate group.
 """
 
 from __future__ import annotations
@@ -39,9 +54,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
-from stalwart.elastic.events import EventLog, ParityMismatch, StateReceived
+from stalwart.elastic.events import EventLog, ParityMismatch, SdcSuspect, StateReceived
+from stalwart.elastic.groups import all_or_none, device_of
 from stalwart.elastic.membership import Epoch
+from stalwart.elastic.sdc import Evidence, examine
 from stalwart.elastic.state import AgreedState, digest, receive_state, send_state
 from stalwart.errors import DistributedError
 
@@ -51,6 +69,7 @@ __all__ = [
     "ParityResult",
     "choose_source",
     "gather_digests",
+    "gather_table",
     "reconcile",
 ]
 
@@ -79,7 +98,9 @@ class ParityResult:
         mismatch: members at the same step held different digests (silent divergence).
         table: (step, digest) per rank, before any repair.
         decision: the rule that chose the state.
-        rolled_back_from: the step the members left when ``decision`` is a rollback.
+        rolled_back_from: the step the members left when they rolled back (no majority, or
+            a majority whose suspect's updates are undone by recomputing).
+        evidence: the per-tensor comparison of a mismatch (:func:`.sdc.examine`).
     """
 
     agreed: bool
@@ -89,6 +110,7 @@ class ParityResult:
     table: list[tuple[int, str]]
     decision: Decision = Decision.AGREED
     rolled_back_from: int | None = None
+    evidence: Evidence | None = None
 
 
 def gather_digests(
@@ -97,15 +119,48 @@ def gather_digests(
     """All-gather every member's (committed step, 128-bit hex digest), in rank order."""
     if group is None:
         return [(step, hexdigest)]
+    rows = _allgather_rows(_row(step, hexdigest), group)
+    return [(int(t[0]), _hex(t)) for t in rows]
+
+
+def _row(step: int, hexdigest: str) -> torch.Tensor:
     words = np.frombuffer(bytes.fromhex(hexdigest), dtype=np.int64)
-    mine = torch.tensor([step, int(words[0]), int(words[1])], dtype=torch.int64)
-    out = [torch.empty(3, dtype=torch.int64) for _ in range(group.size())]
-    group.allgather([out], [mine]).wait()
-    table = []
-    for t in out:
-        raw = np.asarray(t[1:].tolist(), dtype=np.int64).tobytes()
-        table.append((int(t[0]), raw.hex()))
-    return table
+    return torch.tensor([step, int(words[0]), int(words[1])], dtype=torch.int64)
+
+
+def _hex(row: torch.Tensor) -> str:
+    return np.asarray(row[1:].tolist(), dtype=np.int64).tobytes().hex()
+
+
+def _allgather_rows(mine: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every member's ``mine`` (same shape) over ``group``, in rank order, on the CPU."""
+    device = device_of(group)
+    out = [torch.empty_like(mine, device=device) for _ in range(group.size())]
+    group.allgather([out], [mine.to(device)]).wait()
+    return [t.cpu() for t in out]
+
+
+def gather_table(
+    step: int, hexdigest: str, group: Any, shard_group: Any = None
+) -> list[tuple[int, str]]:
+    """One (step, digest) row per replica (group), the same on every rank of the job.
+
+    Without replica groups (``shard_group`` None) this is :func:`gather_digests`. With them,
+    row ``r`` is group ``r``'s lowest step and the xxh3-128 of its ranks' (step, digest) in
+    rank order (module docstring): collectives on the replicate group, then the shard group.
+    """
+    table = all_or_none(shard_group, lambda: gather_digests(step, hexdigest, group))
+    if shard_group is None:
+        return table
+    column = torch.stack([_row(s, d) for s, d in table])  # replicas x 3, this shard
+    columns = _allgather_rows(column, shard_group)  # by rank in the group
+    out = []
+    for r in range(len(table)):
+        h = xxhash.xxh3_128()
+        for col in columns:
+            h.update(f"{int(col[r][0])}:{_hex(col[r])}|".encode())
+        out.append((min(int(col[r][0]) for col in columns), h.hexdigest()))
+    return out
 
 
 def choose_source(table: list[tuple[int, str]]) -> tuple[int | None, Decision]:
@@ -145,6 +200,9 @@ def reconcile(
     rank: int,
     group: dist.ProcessGroup | None,
     agreed: AgreedState | None = None,
+    shard_group: Any = None,
+    *,
+    majority_rollback: bool = True,
 ) -> tuple[int, ParityResult]:
     """Bring every member of ``group`` to the same state; collective, call on every member.
 
@@ -156,6 +214,11 @@ def reconcile(
         agreed: this member's copy of the last agreed state: rolled back to when the members
             split with no majority, and recorded again when they end in agreement. None:
             a split raises instead.
+        shard_group: this member's replica group (None: groups of one); decisions are then
+            taken per group (module docstring).
+        majority_rollback: with a majority, roll everyone back to the agreed state (rule 2);
+            False repairs the minority from the majority (the final check of ``close()``,
+            after which no loop recomputes).
 
     Returns:
         The committed step this member now holds, and what was found.
@@ -165,50 +228,79 @@ def reconcile(
         DistributedError: members still disagree after a repair; or they split with no
             majority and there is no agreed state, or it happened again since the last one.
     """
-    table = gather_digests(step, digest(state, step), group)
+    table = gather_table(step, digest(state, step), group, shard_group)
     if len(set(table)) == 1 or group is None:
         _record(agreed, state, step, group)
         return step, ParityResult(True, None, False, False, table)
     src, decision = choose_source(table)
+    mismatch = _mismatch(table)
+    evidence = examine(state, table, group, shard_group, agreed) if mismatch else None
     rolled_from = None
-    if src is None:
+    redo = majority_rollback and evidence is not None and evidence.can_roll_back
+    if src is None or (decision is Decision.MAJORITY and redo):
+        # no majority; or a majority whose suspect's gradients entered everyone's updates
+        # since the last agreed state: everyone goes back to it and recomputes
         rolled_from = max(s for s, _ in table)
-        step = _roll_back(state, step, table, agreed)
-        table2 = gather_digests(step, digest(state, step), group)
-        src, received = None, False
-        if len(set(table2)) > 1:
-            src, _ = choose_source(table2)
-            if src is None:
-                raise DistributedError(
-                    f"the members' agreed states differ after rolling back from step "
-                    f"{rolled_from} ({table2}); restart from the durable checkpoint"
-                )
-            received = table2[rank] != table2[src]
-            step = _broadcast(state, step, rank, src, group, load=received)
+        step, src, received = _roll_back_all(state, step, rank, table, agreed, group, shard_group)
     else:
         received = table[rank] != table[src]
-        step = _broadcast(state, step, rank, src, group, load=received)
+        step = _broadcast(state, step, rank, src, group, load=received, shard_group=shard_group)
     log.info("parity (%s): steps %s, rank %s sent its state", decision, [s for s, _ in table], src)
-    after = gather_digests(step, digest(state, step), group)
+    _check_repaired(state, step, src, group, shard_group)
+    _record(agreed, state, step, group)
+    return step, ParityResult(False, src, received, mismatch, table, decision, rolled_from,
+                              evidence)  # fmt: skip
+
+
+def _roll_back_all(state: Any, step: int, rank: int, table: list[tuple[int, str]],
+                   agreed: AgreedState | None, group: Any,
+                   shard_group: Any) -> tuple[int, int | None, bool]:  # fmt: skip
+    """Every member loads its agreed copy; copies that differ then follow the policy once."""
+    rolled_from = max(s for s, _ in table)
+    step = _roll_back(state, step, table, agreed)
+    table2 = gather_table(step, digest(state, step), group, shard_group)
+    if len(set(table2)) == 1:
+        return step, None, False
+    src, _ = choose_source(table2)
+    if src is None:
+        raise DistributedError(
+            f"the members' agreed states differ after rolling back from step "
+            f"{rolled_from} ({table2}); restart from the durable checkpoint"
+        )
+    received = table2[rank] != table2[src]
+    step = _broadcast(state, step, rank, src, group, load=received, shard_group=shard_group)
+    return step, src, received
+
+
+def _check_repaired(state: Any, step: int, src: int | None, group: Any, shard_group: Any) -> None:
+    """Compare the digests again after a repair; a disagreement left is an error."""
+    after = gather_table(step, digest(state, step), group, shard_group)
     if len(set(after)) != 1:
         raise DistributedError(
             f"members still disagree after repairing from rank {src}: {after}; the state "
             "is not deterministic (does state_dict() return values that change between "
             "calls?) or the members' models differ in structure"
         )
-    _record(agreed, state, step, group)
-    return step, ParityResult(False, src, received, _mismatch(table), table, decision, rolled_from)
 
 
 def _broadcast(
-    state: Any, step: int, rank: int, src: int, group: dist.ProcessGroup, *, load: bool
-) -> int:
-    """``src`` sends its state; the others take part and load it if ``load``; returns the step."""
-    if rank == src:
-        send_state(state, step, src, group)
-        return step
-    new_step = receive_state(state, src, group, load=load)
-    return new_step if load else step
+    state: Any, step: int, rank: int, src: int, group: dist.ProcessGroup, *, load: bool,
+    shard_group: Any = None,
+) -> int:  # fmt: skip
+    """``src`` sends its state; the others take part and load it if ``load``; returns the step.
+
+    With replica groups every shard is sent at once, each on its replicate group; a failure on
+    one shard fails the heal on every rank of the group (:func:`~.groups.all_or_none`).
+    """
+
+    def run() -> int:
+        if rank == src:
+            send_state(state, step, src, group)
+            return step
+        new_step = receive_state(state, src, group, load=load)
+        return new_step if load else step
+
+    return all_or_none(shard_group, run)
 
 
 def _roll_back(
@@ -247,25 +339,33 @@ class ParityCheck:
     Args:
         state: the job's replicated state.
         events: the job's event log: ``parity-mismatch`` (the table, the ``decision``, the
-            worker id whose state was sent as ``source``, ``rolled_back_from``) and
-            ``state-received``.
+            worker id whose state was sent as ``source``, ``rolled_back_from``),
+            ``state-received`` and ``sdc-suspect`` (:mod:`stalwart.elastic.sdc`: the workers
+            outside a majority, ``majority``; every worker of a split, ``rollback``).
+        shard_group: the member's replica group (None: groups of one).
     """
 
-    def __init__(self, state: Any, events: EventLog) -> None:
+    def __init__(self, state: Any, events: EventLog, shard_group: Any = None) -> None:
         self.state = state
         self.events = events
+        self.shard_group = shard_group
         self.agreed = AgreedState()
         self.last_decision: Decision | None = None
 
     def run(self, step: int, epoch: Epoch, why: str) -> int:
         """Reconcile the members of ``epoch`` (collective); returns the step this member holds.
 
+        ``last_decision`` is :attr:`Decision.ROLLBACK` whenever the members went back to the
+        agreed state (the loop recomputes), whatever rule named the suspect.
+
         Raises:
             RuntimeError: a collective failed; DistributedError: see :func:`reconcile`.
         """
-        step, found = reconcile(self.state, step, epoch.rank, epoch.group, self.agreed)
-        self.last_decision = found.decision
-        src = None if found.source is None else epoch.members[found.source]
+        step, found = reconcile(self.state, step, epoch.rank, epoch.group, self.agreed,
+                                self.shard_group, majority_rollback=why != "final")  # fmt: skip
+        rolled = found.rolled_back_from is not None
+        self.last_decision = Decision.ROLLBACK if rolled else found.decision
+        src = None if found.source is None else epoch.worker(found.source)
         if found.mismatch:
             log.warning("parity mismatch (%s): %s; decided: %s", why, found.table, found.decision)
             self.events.record(ParityMismatch(
@@ -274,4 +374,21 @@ class ParityCheck:
             ))  # fmt: skip
         if found.received:
             self.events.record(StateReceived(step=step, epoch=epoch.number, source=src, why=why))
+        self._suspect(found, epoch)
         return step
+
+    def _suspect(self, found: ParityResult, epoch: Epoch) -> None:
+        """Write ``sdc-suspect`` for a majority's outsiders, or every member of a split."""
+        ev = found.evidence
+        suspects = dict(ev.suspects) if ev is not None else {}
+        if self.shard_group is not None:  # a rank whose own shard agreed names nobody
+            suspects = {r: t for r, t in suspects.items() if t is not None}
+        if ev is not None and suspects:
+            self._write(max(s for s, _ in found.table), epoch, suspects, ev.decided_by)
+
+    def _write(self, step: int, epoch: Epoch, suspects: dict[int, str | None], how: str) -> None:
+        for replica, tensor in sorted(suspects.items()):
+            wid = epoch.worker(replica)
+            log.warning("sdc suspect (%s): worker %s at step %d, tensor %s", how, wid, step, tensor)
+            self.events.record(SdcSuspect(step=step, epoch=epoch.number, suspect=wid,
+                                          tensor=tensor, decided_by=how))  # fmt: skip

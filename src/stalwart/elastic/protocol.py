@@ -6,11 +6,16 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
 
     coord/epoch                    latest published membership epoch (decimal string)
     coord/epoch{n}/members         JSON list of the worker ids in epoch n, ascending
+    coord/epoch{n}/groups          JSON list of replica groups, each its worker ids by rank in
+                                   the group (only with --group-size > 1; see groups.py)
     coord/epoch{n}/arrived         counter: members that came to build epoch n's group
     coord/epoch{n}/arrived/{wid}   set by each member that came (who never came: hung)
     coord/epoch{n}/fate            "go" or "abandon", decided once with compare_set
     coord/epoch{n}/faults          counter: members that saw a collective of epoch n fail
-    coord/ready/{wid}              JSON {"pid", "min_size"}: worker wid is ready to join
+    coord/ready/{wid}              JSON {"pid", "min_size", "group", "group_rank"}: worker
+                                   wid is ready to join
+    coord/layout/{wid}             JSON {"group", "group_rank", "group_size", "local_rank"}:
+                                   written by the launcher before it starts worker wid
     coord/done/{wid}               JSON {"step", "epoch"}: worker wid finished and agreed
     coord/beat/{wid}               counter: worker wid's heartbeats (a daemon thread adds 1)
     coord/stats/{wid}              JSON: worker wid's latest step-time window (see stats.py)
@@ -23,7 +28,8 @@ from the values :func:`stalwart.environment.elastic_worker` read):
     STALWART_ELASTIC_STORE     host:port of the coordinator's TCPStore
     STALWART_ELASTIC_WORKER    this worker's id (a replacement gets a fresh id)
     STALWART_ELASTIC_EVENTS    folder for the per-worker JSON-lines event files
-    STALWART_ELASTIC_TIMEOUT_S timeout of each epoch's gloo group (seconds, default 10)
+    STALWART_ELASTIC_TIMEOUT_S the job's one timeout (seconds, default 10): each epoch's group
+                               timeout; the others derive from it (timeouts.py)
     STALWART_ELASTIC_HANG_S    hang timeout: heartbeats are sent 5 times per it (default 5)
     STALWART_ELASTIC_STORE_FILE file holding the coordinator's current ``host:port``: after the
                                store is lost, a worker reconnects to the address written
@@ -40,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from stalwart.elastic.timeouts import DEFAULT_TIMEOUT_S
 from stalwart.environment import elastic_worker
 from stalwart.errors import ConfigError
 
@@ -64,7 +71,6 @@ ENV_TIMEOUT = "STALWART_ELASTIC_TIMEOUT_S"
 ENV_HANG = "STALWART_ELASTIC_HANG_S"
 ENV_STORE_FILE = "STALWART_ELASTIC_STORE_FILE"
 
-DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_HANG_S = 5.0
 
 
@@ -76,6 +82,7 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     NODES = "coord/nodes"
     FINAL = "coord/final"
     PROGRESS = "job/progress"  # the newest committed step, written by the lowest rank
+    FATAL = "job/fatal"  # a worker's error no replacement can fix: the launcher stops
 
     @staticmethod
     def exit(wid: int) -> str:
@@ -91,6 +98,16 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     def members(epoch: int) -> str:
         """Key of epoch ``epoch``'s member list."""
         return f"coord/epoch{epoch}/members"
+
+    @staticmethod
+    def groups(epoch: int) -> str:
+        """Key of epoch ``epoch``'s replica groups (worker ids by rank in the group)."""
+        return f"coord/epoch{epoch}/groups"
+
+    @staticmethod
+    def layout(wid: int) -> str:
+        """Worker ``wid``'s place: its replica group, rank in it, group size, device slot."""
+        return f"coord/layout/{wid}"
 
     @staticmethod
     def arrived(epoch: int) -> str:

@@ -9,16 +9,13 @@ kills a hung worker only once the others gave up on it, so its reaping comes lat
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.elastic.events import EventKind, read_events
+from stalwart.elastic.events import LAUNCHER_LOG, EventKind, launcher_lines, read_events
 
-__all__ = ["LAUNCHER_LOG", "Recovery", "recoveries"]
-
-LAUNCHER_LOG = "launcher.jsonl"
+__all__ = ["LAUNCHER_LOG", "Recovery", "digest_divergences", "recoveries"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +28,8 @@ class Recovery:
         detect_s: last sign of life → the first survivor's ``fault-detected`` (None: none).
         resume_s: last sign of life → the first step a survivor committed without it.
         reaped_s: last sign of life → the launcher saw the process exit.
-        lost_steps: step attempts the survivors discarded for it (most on one survivor).
+        lost_steps: step attempts the survivors discarded for it (most on one survivor), or
+            the committed steps lost when every holder died and the job resumed from a tier.
         replacement: the replacement's worker id (None: not replaced).
         rejoin_s: the replacement's launch → its first committed step (None: never committed).
     """
@@ -44,19 +42,6 @@ class Recovery:
     lost_steps: int
     replacement: int | None
     rejoin_s: float | None
-
-
-def _launcher_lines(folder: Path) -> list[dict[str, Any]]:
-    path = folder / LAUNCHER_LOG
-    if not path.exists():
-        return []
-    out = []
-    for raw in path.read_text().splitlines():
-        try:
-            out.append(json.loads(raw))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _first_after(lines: list[dict[str, Any]], t: float, pred: Any) -> float | None:
@@ -89,6 +74,11 @@ def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
         (sum(_discarded(e) and slack <= e["t"] <= end for e in ls) for ls in others),
         default=0,
     )  # fmt: skip
+    # every holder died: the job resumed from a checkpoint tier (``resumed``, ladder.py); the
+    # steps it lost are the committed steps past the step it resumed
+    resumed_from = [e.get("steps_lost") or 0 for ls in others for e in ls
+                    if e["kind"] == EventKind.RESUMED and e["t"] >= slack]  # fmt: skip
+    lost = max([lost, *resumed_from])
     new = next((w for w, s in spawned.items() if s.get("replaces") == wid), None)
     first = None
     if new is not None and new in events:
@@ -110,14 +100,43 @@ def _recovery(death: dict[str, Any], events: dict[int, list[dict[str, Any]]],
 def recoveries(folder: Path) -> list[Recovery]:
     """Every abnormal worker exit in ``folder``'s logs, with its recovery times.
 
-    A joiner the launcher stopped because the job had finished is not a failure.
+    A joiner the launcher stopped because the job had finished is not a failure, nor a worker
+    killed with its replica group (``taken_down_by``: the group's death is its first worker's).
     """
-    launcher = _launcher_lines(folder)
+    launcher = launcher_lines(folder)
     events = read_events(folder)
     spawned = {int(e["wid"]): e for e in launcher if e["kind"] == EventKind.SPAWNED}
     deaths = [
         e
         for e in launcher
-        if e["kind"] == EventKind.EXITED and e["rc"] != 0 and not e.get("stopped")
+        if e["kind"] == EventKind.EXITED
+        and e["rc"] != 0
+        and not e.get("stopped")
+        and e.get("taken_down_by") is None
     ]
     return [_recovery(d, events, spawned) for d in deaths]
+
+
+def digest_divergences(folder: Path) -> tuple[int, int]:
+    """``(divergences, verified steps)`` in ``folder``'s event files, per shard.
+
+    Workers holding the same shard (every worker without replica groups; rank ``i`` of every
+    group with them, from the launcher's ``spawned`` lines) must log the same digest at every
+    verified step and finish on the same one. A divergence is a (step, shard) with two
+    digests, or a shard whose finished workers' final digests differ.
+    """
+    shard = {
+        int(e["wid"]): int(e.get("group_rank", 0))
+        for e in launcher_lines(folder)
+        if e["kind"] == EventKind.SPAWNED
+    }
+    digests: dict[tuple[int, int], set[str]] = {}
+    finals: dict[int, set[str]] = {}
+    for wid, lines in read_events(folder).items():
+        for e in lines:
+            if e["kind"] == EventKind.STEP and e.get("digest"):
+                digests.setdefault((e["step"], shard.get(wid, 0)), set()).add(e["digest"])
+            elif e["kind"] == EventKind.FINISH:
+                finals.setdefault(shard.get(wid, 0), set()).add(e["digest"])
+    bad = sum(len(d) > 1 for d in digests.values()) + sum(len(d) > 1 for d in finals.values())
+    return bad, len({step for step, _ in digests})

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.groups import device_of
+from stalwart.elastic.state import local_part
 from stalwart.errors import ConfigError
 
 __all__ = [
@@ -66,6 +68,10 @@ def average_(
 ) -> torch.Tensor:
     """Average ``params``' gradients and ``buffers`` over ``group`` in place; sum ``control``.
 
+    A sharded gradient (a ``DTensor``: FSDP2 inside a replica group) is averaged by its local
+    shard, over the ranks that hold the same shard in the other groups. The buffers travel on
+    the gradients' device (gloo: CPU; NCCL: CUDA); ``control`` comes back on the CPU.
+
     Returns:
         The summed control vector (``control`` itself for a world of one).
 
@@ -76,7 +82,9 @@ def average_(
     if group is None or group.size() == 1:
         return control
     size = group.size()
-    tensors = [_grad_or_zeros(p) for p in params] + list(buffers)
+    grads = [_grad_or_zeros(p) for p in params]
+    tensors = [local_part(g) for g in grads] + list(buffers)
+    device = device_of(group)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -84,10 +92,10 @@ def average_(
         by_dtype[control.dtype] = []
     flats: list[tuple[list[int], torch.Tensor]] = []
     for n, (dtype, idx) in enumerate(by_dtype.items()):
-        parts = [tensors[i].detach().reshape(-1) for i in idx]
+        parts = [tensors[i].detach().reshape(-1).to(device) for i in idx]
         if n == 0:
-            parts.append(control.to(dtype))
-        flats.append((idx, torch.cat(parts) if parts else control.to(dtype)))
+            parts.append(control.to(device, dtype))
+        flats.append((idx, torch.cat(parts)))
     works = [group.allreduce([flat]) for _, flat in flats]
     for w in works:
         w.wait()
@@ -98,8 +106,8 @@ def average_(
             t.copy_(flat[offset : offset + t.numel()].view_as(t).div_(size))
             offset += t.numel()
         if n == 0:
-            control = flat[offset:].to(control.dtype)
-    for p, g in zip(params, tensors[: len(params)], strict=True):
+            control = flat[offset:].to("cpu", control.dtype)
+    for p, g in zip(params, grads, strict=True):
         if p.grad is None:
             p.grad = g
     return control

@@ -154,6 +154,12 @@ class ShardedState:
     ) -> None:
         if every < 1 or k < 1 or m < 1:
             raise ConfigError(f"ShardedState(k={k}, m={m}, every={every}): all must be >= 1")
+        if job.group_size > 1:
+            raise ConfigError(
+                f"ShardedState with replica groups of {job.group_size}: a replica group's "
+                "shards heal from the matching rank of a live group; ShardedState is for "
+                "--group-size 1"
+            )
         self.job, self.shard, self.k, self.m = job, shard, k, m
         self.every, self.codec = every, codec
         self.n = job.size

@@ -9,10 +9,15 @@ the same state, RNG included: :class:`~stalwart.TrainingState` files the RNG und
 back under its own rank.
 
 * :func:`digest` is xxh3-128 over the skeleton (JSON, sorted keys), then every leaf in FQN
-  order (name, dtype, shape, bytes), then the committed step.
+  order (name, dtype, shape, bytes), then the committed step. A ``DTensor`` leaf (FSDP2,
+  tensor parallel inside a replica group) contributes its global shape and the bytes of its
+  *local* shard: the digest of rank ``i`` of a replica group covers shard ``i``, and equals
+  the digest of rank ``i`` of every other group holding the same state.
 * :func:`send_state` / :func:`receive_state` move the state from one member to all others
-  of a process group: a header (skeleton, leaf names, dtypes, shapes, step) and then one
-  flat byte buffer with every tensor, each in one ``broadcast``. Nothing touches disk or the
+  of a process group: a header (skeleton, leaf names, dtypes, shapes, step, and a DTensor's
+  global shape, stride and placements) and then one flat byte buffer with every tensor
+  (local shards), each in one ``broadcast`` on the group's device (CPU for gloo, CUDA for
+  NCCL). A receiver rebuilds each DTensor on its own mesh. Nothing touches disk or the
   coordinator.
 * :class:`BoundarySnapshot` is what a discarded step puts back (RNGs, the model's buffers);
   :class:`AgreedState` the copy of the state at the last parity point every member agreed
@@ -30,8 +35,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from stalwart.errors import DistributedError
+from stalwart.elastic.groups import device_of
+from stalwart.errors import ConfigError, DistributedError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
 __all__ = [
@@ -70,9 +77,51 @@ def _localize(tree: Any) -> Any:
     return tree
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a ``DTensor`` (sharing its storage); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 CPU tensor (a view when already contiguous on CPU)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    """The tensor's (local) bytes as a flat uint8 CPU tensor (a view when contiguous on CPU)."""
+    return local_part(t).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _spec(t: torch.Tensor) -> dict[str, Any] | None:
+    """A DTensor's global shape, stride and placements, as JSON (None: a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return None
+    placements: list[list[Any]] = []
+    for p in t.placements:
+        if isinstance(p, Shard):
+            placements.append(["shard", p.dim])
+        elif isinstance(p, Replicate):
+            placements.append(["replicate"])
+        else:
+            raise ConfigError(
+                f"a state tensor is a DTensor with placement {p}: only Shard and Replicate "
+                "placements can be sent to a replica (reduce partial tensors before committing)"
+            )
+    return {"shape": list(t.shape), "stride": list(t.stride()), "placements": placements}
+
+
+def _rebuild(local: torch.Tensor, spec: dict[str, Any], like: torch.Tensor | None,
+             mesh: Any) -> torch.Tensor:  # fmt: skip
+    """A DTensor from a received local shard, on the receiver's mesh (``like``'s, if any)."""
+    if like is not None and isinstance(like, DTensor):
+        mesh = like.device_mesh
+        local = local.to(like.to_local().device)
+    elif mesh is not None:
+        local = local.to(mesh.device_type)
+    else:
+        raise ConfigError(
+            "received a sharded (DTensor) state but this member holds no DTensor to take the "
+            "device mesh from: shard the model (fully_shard(model, mesh=job.shard_mesh)) "
+            "before the first step, on every member"
+        )
+    placements = [Shard(p[1]) if p[0] == "shard" else Replicate() for p in spec["placements"]]
+    shape, stride = torch.Size(spec["shape"]), tuple(spec["stride"])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def digest(state: Any, step: int) -> str:
@@ -94,12 +143,17 @@ def _broadcast_bytes(
     """Broadcast a uint8 tensor of any length from ``src`` (pass None on the others)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    device = device_of(group)
+    size = 0 if payload is None else payload.numel()
+    length = torch.tensor([size], dtype=torch.int64, device=device)
     group.broadcast([length], opts).wait()
-    buf = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
+    if payload is not None:
+        buf = payload.to(device)
+    else:
+        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     if buf.numel():
         group.broadcast([buf], opts).wait()
-    return buf
+    return buf.cpu()
 
 
 def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> None:
@@ -111,7 +165,8 @@ def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> Non
         "skeleton": flat.skeleton,
         "step": step,
         "leaves": [
-            [n, dtype_name(t.dtype), list(t.shape)] for n, t in zip(names, tensors, strict=True)
+            [n, dtype_name(t.dtype), list(local_part(t).shape), _spec(t)]
+            for n, t in zip(names, tensors, strict=True)
         ],
     }
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
@@ -132,12 +187,18 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
         return int(header["step"])
     tensors: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, dtype, shape in header["leaves"]:
+    own: dict[str, torch.Tensor] | None = None  # this member's leaves: templates for DTensors
+    for name, dtype, shape, *rest in header["leaves"]:
         dt = dtype_from_name(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
         chunk = data[offset : offset + nbytes].clone()
         tensors[name] = chunk.view(dt).reshape(shape)
         offset += nbytes
+        if rest and rest[0] is not None:
+            if own is None:
+                own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
+            mesh = next((t.device_mesh for t in own.values() if isinstance(t, DTensor)), None)
+            tensors[name] = _rebuild(tensors[name], rest[0], own.get(name), mesh)
     tree = unflatten(header["skeleton"], tensors.__getitem__)
     state.load_state_dict(_localize(tree))
     return int(header["step"])
@@ -186,7 +247,9 @@ class BoundarySnapshot:
         gens = list(named.values()) if isinstance(named, Mapping) else []
         self.named = [(g, g.get_state()) for g in gens]
         old = {id(b): saved for b, saved in reuse.buffers} if reuse is not None else {}
-        self.buffers = [(b, copy_into(old.get(id(b)), b)) for b in buffers]
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (b, copy_into(old.get(id(b)), b)) for b in buffers
+        ]
 
     def restore(self) -> None:
         """Set every generator and buffer back to the snapshot."""

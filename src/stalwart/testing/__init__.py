@@ -1,6 +1,7 @@
 """Helpers for testing code built on stalwart: fault-injecting wrappers, fakes, and gloo worlds."""
 
 from stalwart.testing.chaos import (
+    BitFlip,
     Delay,
     Drop,
     InjectedFault,
@@ -14,6 +15,7 @@ from stalwart.testing.fleet import simulate_fleet
 from stalwart.testing.run_ranks import run_ranks
 
 __all__ = [
+    "BitFlip",
     "Delay",
     "Drop",
     "FlakyStorage",

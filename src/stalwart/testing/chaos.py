@@ -3,11 +3,12 @@
 A schedule travels to the workers in one environment variable (``STALWART_CHAOS``, JSON), and
 each worker script calls :func:`install` on its job. The job announces points of its step to
 listeners (``step-begin``: the step boundary; ``collective-enter``: about to enter the
-gradient all-reduce); a worker scheduled to die there kills itself with SIGKILL, which is what
-the other members see of a crashed host; with ``signal="STOP"`` it freezes instead (a hung
-host; the launcher kills it once it is taken for hung). ``delay_s`` > 0 on a ``collective``
-kill fires from a timer thread that many seconds after entry, i.e. while the all-reduce is in
-flight.
+gradient all-reduce; ``group-agree``: with replica groups, the replicate all-reduce done, before
+the group's ranks agree to apply the step); a worker scheduled to die there kills itself with
+SIGKILL, which is what the other members see of a crashed host; with ``signal="STOP"`` it
+freezes instead (a hung host; the launcher kills it once it is taken for hung). ``delay_s``
+> 0 on a ``collective`` kill fires from a timer thread that many seconds after entry, i.e.
+while the all-reduce is in flight.
 
 Two more kinds of fault, in user space (``tc netem`` is not available on these machines):
 
@@ -32,6 +33,9 @@ Two faults of the job's plumbing:
 
 :meth:`KillSchedule.mixed` draws a seeded mix of kill, stop, raise and delay.
 
+Silent data corruption: :class:`BitFlip` (:mod:`stalwart.testing.bitflip`) flips one bit
+of one element of the worker's state right after it commits a step, once per process.
+
 Faults name the *original* worker id; a replacement gets a fresh id and is not hit again.
 
     schedule = KillSchedule((Kill(worker=1, step=7, where="collective", delay_s=0.002),))
@@ -53,9 +57,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from stalwart.errors import ConfigError, StalwartError
+from stalwart.testing.bitflip import BitFlip, flip_in_state
 
 __all__ = [
     "ENV_CHAOS",
+    "BitFlip",
     "Delay",
     "Drop",
     "InjectedFault",
@@ -70,7 +76,9 @@ ENV_CHAOS = "STALWART_CHAOS"
 # The worker id ``stalwart run`` gives each process (stalwart.elastic.protocol.ENV_WORKER;
 # spelled out here because testing sits below elastic in the layering).
 _ENV_WORKER = "STALWART_ELASTIC_WORKER"
-_WHERE = ("boundary", "collective")
+_WHERE = ("boundary", "collective")  # the points seeded schedules draw from
+_POINTS = (*_WHERE, "agree")  # every point a fault may name ("agree": replica groups only)
+_EVENTS = {"step-begin": "boundary", "collective-enter": "collective", "group-agree": "agree"}
 _SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 
@@ -89,7 +97,8 @@ class Kill:
     Attributes:
         worker: the worker id to kill.
         step: the step at which it dies.
-        where: ``boundary`` (start of the step) or ``collective`` (entering the all-reduce).
+        where: ``boundary`` (start of the step), ``collective`` (entering the all-reduce) or
+            ``agree`` (replica groups: the replicate all-reduce done, before the group agrees).
         delay_s: for ``collective``: seconds after entry, from a timer thread.
         signal: ``KILL`` (a crash) or ``STOP`` (a hang).
     """
@@ -101,8 +110,8 @@ class Kill:
     signal: str = "KILL"
 
     def __post_init__(self) -> None:
-        if self.where not in _WHERE or self.delay_s < 0 or self.step < 0:
-            raise ConfigError(f"{self}: where must be one of {_WHERE}, step >= 0 and delay_s >= 0")
+        if self.where not in _POINTS or self.delay_s < 0 or self.step < 0:
+            raise ConfigError(f"{self}: where must be one of {_POINTS}, step >= 0 and delay_s >= 0")
         if self.signal not in _SIGNALS:
             raise ConfigError(f"{self}: signal must be one of {sorted(_SIGNALS)}")
 
@@ -190,6 +199,7 @@ class KillSchedule:
     delays: tuple[Delay, ...] = ()
     coordinator_losses: tuple[LoseCoordinator, ...] = ()
     drops: tuple[Drop, ...] = ()
+    flips: tuple[BitFlip, ...] = ()
 
     @classmethod
     def seeded(cls, seed: int, *, workers: int, steps: range, count: int = 1,
@@ -247,6 +257,7 @@ class KillSchedule:
             "delays": self.delays,
             "coordinator_losses": self.coordinator_losses,
             "drops": self.drops,
+            "flips": self.flips,
         }
         return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
 
@@ -266,6 +277,7 @@ class KillSchedule:
             tuple(Delay(**d) for d in data.get("delays", ())),
             tuple(LoseCoordinator(**c) for c in data.get("coordinator_losses", ())),
             tuple(Drop(**d) for d in data.get("drops", ())),
+            tuple(BitFlip(**f) for f in data.get("flips", ())),
         )
 
 
@@ -280,14 +292,17 @@ def _die(sig: str, delay_s: float = 0.0) -> None:
 
 
 def install(
-    job: _Announcer, schedule: KillSchedule | None = None, worker: int | None = None
-) -> None:
+    job: _Announcer, schedule: KillSchedule | None = None, worker: int | None = None,
+    state: Any = None,
+) -> None:  # fmt: skip
     """Make ``job`` (a :class:`stalwart.elastic.Job`) fail as ``schedule`` says for ``worker``.
 
     Args:
         job: anything with ``add_listener(fn(event, step))``.
         schedule: default: :meth:`KillSchedule.from_env`.
         worker: this process's worker id; default: from the environment (no faults without one).
+        state: what a :class:`BitFlip` corrupts (default: ``job.state``), right after the
+            ``commit`` of its step, once per process.
     """
     schedule = schedule if schedule is not None else KillSchedule.from_env()
     if worker is None:
@@ -298,11 +313,19 @@ def install(
     delays = [d for d in schedule.delays if d.worker == worker]
     losses = {c.step for c in schedule.coordinator_losses if c.worker == worker}
     drops = {d.step for d in schedule.drops if d.worker == worker}
-    if not (kills or raises or delays or losses or drops):
+    flips = [f for f in schedule.flips if f.worker == worker]
+    if not (kills or raises or delays or losses or drops or flips):
         return
+    target = state if state is not None else getattr(job, "state", None)
+    if flips and target is None:
+        raise ConfigError("a BitFlip needs the state to corrupt: chaos.install(job, state=...)")
 
     def listener(event: str, step: int) -> None:
-        where = {"step-begin": "boundary", "collective-enter": "collective"}.get(event)
+        if event == "commit":
+            for f in [f for f in flips if f.step == step]:
+                flips.remove(f)  # once: a rollback recomputes the step without it
+                flip_in_state(target, f)
+        where = _EVENTS.get(event)
         if where == "collective":
             for d in delays:
                 if d.covers(step):

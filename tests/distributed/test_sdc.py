@@ -1,0 +1,116 @@
+"""Silent data corruption caught in a real ``stalwart run``: one bit of one member's weights flips
+(chaos ``BitFlip``), the parity check names the member and the tensor, every member rolls back
+to the last agreed state and recomputes, and the run ends bit-identical to a fault-free one.
+With two members nobody is decided by rank. A run with a kill becomes fleet-log rows that the
+fleet reader accepts. gloo on CPU, ``elastic_worker.py``; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalwart.diagnose.fleet import read_fleet
+from stalwart.elastic import read_events
+from stalwart.elastic.events import EventKind
+from stalwart.elastic.fleet_log import write_fleet_log
+from stalwart.testing import Kill, KillSchedule
+from stalwart.testing.chaos import BitFlip
+
+from .test_elastic import RUN_TIMEOUT_S, STEPS, WORKER, _env
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _run(tmp: Path, nproc: int, schedule: KillSchedule | None) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), "--max-restarts", "2",
+           "--events", str(tmp / "events"), "--timeout", "20", "--hang-timeout", "5", "--json",
+           str(WORKER), "--steps", str(STEPS), "--verify-every", "5"]  # fmt: skip
+    done = subprocess.run(
+        cmd, env=_env(schedule), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    doc: dict[str, Any] = json.loads(done.stdout)
+    doc["events"] = read_events(tmp / "events")
+    return doc
+
+
+def _kinds(doc: dict[str, Any], kind: EventKind) -> list[dict[str, Any]]:
+    return [e for lines in doc["events"].values() for e in lines if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """Fault-free runs of 3 and 2 workers: the references."""
+    return {n: _run(tmp_path_factory.mktemp(f"clean{n}"), n, None) for n in (3, 2)}
+
+
+def _flip(worker: int) -> KillSchedule:
+    # after step 12; the check at step 15 sees it (verify every 5)
+    return KillSchedule(flips=(BitFlip(worker, 12, "model.2.weight", index=4, bit=20),))
+
+
+def test_a_clean_run_has_no_suspect(clean: dict[int, dict[str, Any]]) -> None:
+    for doc in clean.values():
+        assert _kinds(doc, EventKind.SDC_SUSPECT) == []
+        assert _kinds(doc, EventKind.PARITY_MISMATCH) == [] and doc["final_digests_equal"]
+
+
+def test_three_members_name_the_suspect_and_end_bit_identical(
+    tmp_path: Path, clean: dict[int, dict[str, Any]]
+) -> None:
+    doc = _run(tmp_path, 3, _flip(1))
+    suspects = _kinds(doc, EventKind.SDC_SUSPECT)
+    assert sorted(e["wid"] for e in suspects) == [0, 1, 2], "every member writes it"
+    for e in suspects:
+        assert (e["suspect"], e["tensor"], e["decided_by"], e["step"]) == (
+            1, "model.2.weight", "majority", 15,
+        )  # fmt: skip
+    for e in _kinds(doc, EventKind.PARITY_MISMATCH):
+        assert (e["decision"], e["rolled_back_from"], e["step"]) == ("majority", 15, 10)
+    assert doc["summary"]["final_digests"] == clean[3]["summary"]["final_digests"]
+
+
+def test_two_members_are_never_decided_by_rank(
+    tmp_path: Path, clean: dict[int, dict[str, Any]]
+) -> None:
+    doc = _run(tmp_path, 2, _flip(0))  # rank 0: the rank an old tie rule trusted
+    for e in _kinds(doc, EventKind.PARITY_MISMATCH):
+        assert (e["decision"], e["source"], e["rolled_back_from"]) == ("rollback", None, 15)
+    suspects = {(e["suspect"], e["tensor"], e["decided_by"])
+                for e in _kinds(doc, EventKind.SDC_SUSPECT)}  # fmt: skip
+    assert suspects == {(0, "model.2.weight", "rollback"), (1, "model.2.weight", "rollback")}
+    assert all(e["step"] == 0 for e in _kinds(doc, EventKind.STATE_RECEIVED)), "nobody adopted"
+    assert doc["summary"]["final_digests"] == clean[2]["summary"]["final_digests"]
+
+
+def test_a_killed_run_becomes_fleet_rows_the_reader_accepts(tmp_path: Path) -> None:
+    doc = _run(tmp_path, 3, KillSchedule((Kill(worker=1, step=8, where="boundary"),)))
+    assert doc["final_digests_equal"]
+    rows = write_fleet_log(tmp_path / "events", tmp_path / "fleet" / "kill-run")
+    crashes = [f for f in rows.faults if f["kind"] == "crash"]
+    assert [(f["worker"], f["incarnation"], f["decided_by"]) for f in crashes] == [
+        (1, 0, "exit-signal")
+    ]
+    assert crashes[0]["host"]["hostname"], "the host of the crashed worker's start line"
+    assert {(m["worker"], m["incarnation"]) for m in rows.members} >= {(1, 0), (1, 1)}
+    log = read_fleet(tmp_path / "fleet")
+    assert log.faults.get("crash") == 1 and log.runs == 1
+
+
+def test_a_flip_after_the_last_check_is_repaired_at_close_from_the_majority(
+    tmp_path: Path, clean: dict[int, dict[str, Any]]
+) -> None:
+    # after the last step's check: close() finds it; nothing would recompute a rollback there
+    flip = BitFlip(2, STEPS, "model.0.bias", index=3, bit=30)
+    doc = _run(tmp_path, 3, KillSchedule(flips=(flip,)))
+    suspects = {(e["suspect"], e["tensor"], e["step"]) for e in _kinds(doc, EventKind.SDC_SUSPECT)}
+    assert suspects == {(2, "model.0.bias", STEPS)}
+    for e in _kinds(doc, EventKind.PARITY_MISMATCH):
+        assert (e["why"], e["decision"], e["rolled_back_from"]) == ("final", "majority", None)
+    assert doc["summary"]["final_digests"] == clean[3]["summary"]["final_digests"]
