@@ -20,7 +20,7 @@ from stalwart.elastic import read_events
 from stalwart.elastic.events import EventKind
 from stalwart.elastic.fleet_log import write_fleet_log
 from stalwart.testing import Kill, KillSchedule
-from stalwart.testing.chaos import BitFlip
+from stalwart.testing.chaos import BitFlip, GradFlip
 
 from .test_elastic import RUN_TIMEOUT_S, STEPS, WORKER, _env
 
@@ -73,6 +73,22 @@ def test_three_members_name_the_suspect_and_end_bit_identical(
         )  # fmt: skip
     for e in _kinds(doc, EventKind.PARITY_MISMATCH):
         assert (e["decision"], e["rolled_back_from"], e["step"]) == ("majority", 15, 10)
+    assert doc["summary"]["final_digests"] == clean[3]["summary"]["final_digests"]
+
+
+def test_a_nan_in_one_members_gradients_is_named_discarded_and_retried_clean(
+    tmp_path: Path, clean: dict[int, dict[str, Any]]
+) -> None:
+    # worker 1's local gradient gets a NaN while step 12 is attempted, before the all-reduce
+    doc = _run(tmp_path, 3, KillSchedule(grad_flips=(GradFlip(1, 12, "0.weight", index=3),)))
+    suspects = _kinds(doc, EventKind.SDC_SUSPECT)
+    assert sorted(e["wid"] for e in suspects) == [0, 1, 2], "every member decides alike"
+    for e in suspects:
+        assert (e["suspect"], e["decided_by"], e["step"]) == (1, "nonfinite-count", 12)
+    discarded = [e for e in _kinds(doc, EventKind.STEP) if not e["committed"]]
+    assert sorted(e["wid"] for e in discarded) == [0, 1, 2]
+    assert {e["step"] for e in discarded} == {12}
+    assert _kinds(doc, EventKind.FAULT_DETECTED) == [], "a discard, not a fault"
     assert doc["summary"]["final_digests"] == clean[3]["summary"]["final_digests"]
 
 

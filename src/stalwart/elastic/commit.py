@@ -6,22 +6,64 @@ the update is applied only when every member's vote arrived, else the step is di
 this member. With replica groups the ranks of a group then agree (:meth:`StepLedger.agree`,
 chaos point ``group-agree``) before any applies the step: a rank whose replicate all-reduce
 failed makes its whole group discard, so no group holds half a step.
+
+In-reduction signals (without replica groups): the control vector also carries, per member
+slot (its rank), a flag for non-finite gradients (a NaN, an infinity or an overflowing norm)
+and the squared local gradient norm, 2·W floats. Every member sees the same sums, so every
+member decides alike (:func:`grad_signals`): a non-finite flag names the member (``SdcSuspect``,
+``decided_by="nonfinite-count"``) and the step is discarded on every member without a fault
+(the retried step recomputes; non-finite again at the same step is not transient: every member
+raises ``DistributedError``); a norm above ``grad_norm_k`` times the median of the others' (≥ 3
+members, off at 0) is recorded (``decided_by="grad-norm"``) and the step kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from stalwart.elastic.events import SdcSuspect
 from stalwart.elastic.ledger import StepLedger
 from stalwart.elastic.reduce import reduce_
-from stalwart.errors import DistributedError
+from stalwart.errors import ConfigError, DistributedError
 
-__all__ = ["AllReduceCommit"]
+__all__ = ["DEFAULT_GRAD_NORM_K", "AllReduceCommit", "grad_signals"]
 
 _PARTNER_FAILED = "another rank of this replica group could not reduce: the group discards"
+DEFAULT_GRAD_NORM_K = 10.0  # a member's squared-norm root this many times the others' median
+
+
+def grad_signals(
+    nonfinite: Sequence[float], norms_sq: Sequence[float], k: float
+) -> tuple[list[int], list[int]]:
+    """The member slots with non-finite gradients, and those whose norm is an outlier.
+
+    A slot's norm (the root of ``norms_sq``) is an outlier when it exceeds ``k`` times the
+    median of the other slots' finite norms; only with ≥ 3 slots, never when ``k`` is 0.
+    """
+    bad = [i for i, n in enumerate(nonfinite) if n > 0]
+    norms = [max(float(s), 0.0) ** 0.5 for s in norms_sq]
+    outliers: list[int] = []
+    if k > 0 and len(norms) >= 3:
+        for i, n in enumerate(norms):
+            others = [m for j, m in enumerate(norms) if j != i and j not in bad]
+            if i not in bad and others and n > k * statistics.median(others):
+                outliers.append(i)
+    return bad, outliers
+
+
+def _local_signals(params: list[torch.Tensor]) -> tuple[float, float]:
+    """This member's non-finite flag (1.0: a gradient holds a NaN or an infinity, or its norm
+    overflows) and its squared gradient norm: one read of the gradients, no copies."""
+    sq = 0.0
+    for p in params:
+        if p.grad is not None:
+            sq += float(torch.linalg.vector_norm(p.grad.detach())) ** 2
+    return (0.0, sq) if math.isfinite(sq) else (1.0, 0.0)
 
 
 class AllReduceCommit:
@@ -29,22 +71,34 @@ class AllReduceCommit:
 
     Args:
         reduce: how gradients combine, ``"mean"`` or ``"adasum"`` (see ``reduce.py``).
+        grad_norm_k: the gradient-norm outlier factor (see :func:`grad_signals`; 0: off).
     """
 
-    def __init__(self, reduce: str = "mean") -> None:
-        self.reduce = reduce
+    def __init__(self, reduce: str = "mean", grad_norm_k: float = DEFAULT_GRAD_NORM_K) -> None:
+        if grad_norm_k < 0:
+            raise ConfigError(f"grad_norm_k={grad_norm_k}: use 0 (off) or a factor > 0")
+        self.reduce, self.grad_norm_k = reduce, grad_norm_k
+        self._nonfinite_at: int | None = None  # the step last discarded for non-finite gradients
 
     def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
         """Reduce gradients and buffers, then ``apply()`` if every member voted; else discard."""
-        control = torch.tensor([1.0, ledger.change_flag()])
+        size, signals = ledger.epoch.size, ledger.group_size == 1
+        control = torch.zeros(2 + (2 * size if signals else 0))
+        control[0], control[1] = 1.0, ledger.change_flag()
+        if signals:
+            rank = ledger.epoch.rank
+            control[2 + rank], control[2 + size + rank] = _local_signals(ledger.params)
         err: BaseException | None = None
         try:
             control = reduce_(ledger.params, ledger.buffers, control, ledger.group, self.reduce)
         except RuntimeError as e:
             err = e
-        votes, size = float(control[0]), ledger.epoch.size
+        votes = float(control[0])
         if err is None and votes < size:  # cannot happen with gloo SUM; kept as the commit rule
             err = DistributedError(f"{votes:g} of {size} votes")
+        if err is None and signals and self._suspects(ledger, control[2:].tolist(), size):
+            ledger.discard(DistributedError("non-finite gradients"), fault=False)
+            return None
         ledger.notify("group-agree")
         ok, change = ledger.agree(err is None, float(control[1]))
         if not ok:
@@ -53,3 +107,23 @@ class AllReduceCommit:
         result = apply()
         ledger.commit(change=change)
         return result
+
+    def _suspects(self, ledger: StepLedger, sums: list[float], size: int) -> bool:
+        """Record the signals' suspects; True when a member's gradients were non-finite."""
+        bad, outliers = grad_signals(sums[:size], sums[size:], self.grad_norm_k)
+        if bad and self._nonfinite_at == ledger.step:  # every member sees the same sums
+            raise DistributedError(
+                f"gradients non-finite again at step {ledger.step} on worker(s) "
+                f"{[ledger.epoch.worker(i) for i in bad]} after a retry: not a transient fault "
+                "(the model diverged, or a device is persistently faulty); lower the learning "
+                "rate or exclude that host, and resume from the last checkpoint"
+            )
+        self._nonfinite_at = ledger.step if bad else None
+        for slot, rule in [(i, "nonfinite-count") for i in bad] + [
+            (i, "grad-norm") for i in outliers
+        ]:
+            ledger.events.record(SdcSuspect(
+                step=ledger.step, epoch=ledger.epoch.number, suspect=ledger.epoch.worker(slot),
+                tensor=None, decided_by=rule,
+            ))  # fmt: skip
+        return bool(bad)

@@ -52,7 +52,7 @@ from torch import nn
 from stalwart.elastic.backup import BackupRound, Dynamic, Static
 from stalwart.elastic.backup_job import BackupCommit, check_reduce
 from stalwart.elastic.checkpointing import JobCheckpoint
-from stalwart.elastic.commit import AllReduceCommit
+from stalwart.elastic.commit import DEFAULT_GRAD_NORM_K, AllReduceCommit
 from stalwart.elastic.events import EventLog, Finish, Start
 from stalwart.elastic.groups import backend_for, build_solo_group, shard_mesh
 from stalwart.elastic.ledger import CommitStrategy, Listener, StepLedger
@@ -271,18 +271,19 @@ class Job:
 
     # -- wrapping the user's objects --------------------------------------------------------
 
-    def data_parallel(self, model: nn.Module, *, reduce: str = "mean") -> nn.Module:
+    def data_parallel(
+        self, model: nn.Module, *, reduce: str = "mean", grad_norm_k: float = DEFAULT_GRAD_NORM_K
+    ) -> nn.Module:
         """Average ``model``'s floating-point buffers over the members at every commit.
 
-        Every buffer (BatchNorm's statistics and counters too) is put back on a discard.
-        Gradients are reduced by :meth:`optimizer`'s ``step()``: ``reduce="mean"`` averages
-        them (one all-reduce per step, with the buffers); ``reduce="adasum"`` combines them by
-        Adasum (:mod:`stalwart.elastic.reduce`: a tree and a broadcast, then the buffers'
-        all-reduce). Returns ``model`` itself: nothing changes in the forward pass.
+        Every buffer (BatchNorm's too) is put back on a discard. :meth:`optimizer`'s ``step()``
+        reduces gradients: ``reduce="mean"`` averages them (one all-reduce per step, with the
+        buffers); ``"adasum"`` combines them by Adasum (:mod:`stalwart.elastic.reduce`).
+        ``grad_norm_k``: the gradient-norm outlier factor of the in-reduction signals
+        (:mod:`stalwart.elastic.commit`, docs/sdc.md; 0: off). Returns ``model`` itself.
 
         Raises:
-            ConfigError: ``reduce`` is not one of ``"mean"``, ``"adasum"``, or Adasum with
-                backup, or Adasum with replica groups (it needs whole tensors).
+            ConfigError: ``reduce`` unknown, or Adasum with backup or with replica groups.
         """
         if reduce not in REDUCTIONS:
             raise ConfigError(f"data_parallel(reduce={reduce!r}): use one of {REDUCTIONS}")
@@ -294,7 +295,7 @@ class Job:
         check_reduce(reduce, isinstance(self._strategy, BackupCommit))
         self._reduce = reduce
         if isinstance(self._strategy, AllReduceCommit):
-            self._strategy = AllReduceCommit(reduce)
+            self._strategy = AllReduceCommit(reduce, grad_norm_k)
         self.ledger.model_buffers = list(model.buffers())
         self.ledger.buffers = [b for b in self.ledger.model_buffers if b.is_floating_point()]
         return model

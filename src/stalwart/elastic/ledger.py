@@ -248,15 +248,16 @@ class StepLedger:
         if self.membership is not None and self.epoch.rank == 0 == self.epoch.shard_rank:
             self.membership.record_progress(self._step)
 
-    def discard(self, err: BaseException) -> None:
-        """The step failed: put back its start, report the fault, start the step again."""
+    def discard(self, err: BaseException, *, fault: bool = True) -> None:
+        """The step failed: put back its start, report the fault (if ``fault``), start again."""
         if self._boundary is not None:
             self._boundary.restore()
         self.events.record(StepDiscarded(
             step=self._step, epoch=self.epoch.number, members=list(self.epoch.members),
             dt=time.time() - self.started,
         ))  # fmt: skip
-        self.fault(err)
+        if fault:
+            self.fault(err)
         self.mark_boundary()
 
     def fault(self, err: BaseException) -> None:

@@ -16,6 +16,11 @@ The flip is done in place on the live tensor's bytes (:func:`flip_bit`); the sta
 ``state_dict()`` must alias the live tensors, as ``nn.Module`` and ``torch.optim`` state dicts
 do. It rides in ``STALWART_CHAOS`` with the other faults (:class:`stalwart.testing.KillSchedule`
 ``flips``) and fires from the ``commit`` point of :func:`stalwart.testing.chaos.install`.
+
+A :class:`GradFlip` (``grad_flips``) instead writes a value (NaN, or a large finite one) into
+one element of one parameter's local gradient after backward, before the commit's all-reduce
+(chaos point ``collective-enter``): the in-reduction signals of
+:mod:`stalwart.elastic.commit` see it; a parity digest cannot, the reduction spreads it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ import torch
 from stalwart.errors import ConfigError
 from stalwart.tree import flatten
 
-__all__ = ["BIT_CLASSES", "BitFlip", "bit_range", "flip_bit", "flip_in_state"]
+__all__ = [
+    "BIT_CLASSES",
+    "BitFlip",
+    "GradFlip",
+    "bit_range",
+    "flip_bit",
+    "flip_grad",
+    "flip_in_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +161,36 @@ def flip_in_state(state: Any, flip: BitFlip) -> tuple[str, int, int, float, floa
     log.warning("chaos: worker %s flipped bit %d of %s[%d]: %r -> %r", flip.worker, bit, name,
                 index, before, after)  # fmt: skip
     return name, index, bit, before, after
+
+
+@dataclass(frozen=True)
+class GradFlip:
+    """Write ``value`` into worker ``worker``'s local gradient while it attempts step ``step``.
+
+    Attributes:
+        worker: the original worker id.
+        step: the step being attempted (committed steps so far); once per process, so the
+            retried step computes clean.
+        param: the parameter's name in ``state.model.named_parameters()`` (empty: the first).
+        index: the flat element index.
+        value: what the element becomes (NaN, inf, or a large finite value).
+    """
+
+    worker: int
+    step: int
+    param: str = ""
+    index: int = 0
+    value: float = float("nan")
+
+
+def flip_grad(state: Any, flip: GradFlip) -> str:
+    """Apply ``flip`` to the gradient of ``state.model``'s parameter; returns its name."""
+    params = dict(getattr(state, "model", state).named_parameters())
+    name = flip.param or next(iter(params), "")
+    if name not in params or params[name].grad is None:
+        raise ConfigError(f"{flip}: no parameter {name!r} with a gradient ({sorted(params)})")
+    with torch.no_grad():
+        _local(params[name].grad).view(-1)[flip.index] = flip.value
+    log.warning("chaos: worker %s set %s.grad[%d] to %r", flip.worker, name, flip.index,
+                flip.value)  # fmt: skip
+    return name

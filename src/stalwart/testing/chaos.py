@@ -57,13 +57,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from stalwart.errors import ConfigError, StalwartError
-from stalwart.testing.bitflip import BitFlip, flip_in_state
+from stalwart.testing.bitflip import BitFlip, GradFlip, flip_grad, flip_in_state
 
 __all__ = [
     "ENV_CHAOS",
     "BitFlip",
     "Delay",
     "Drop",
+    "GradFlip",
     "InjectedFault",
     "Kill",
     "KillSchedule",
@@ -200,6 +201,7 @@ class KillSchedule:
     coordinator_losses: tuple[LoseCoordinator, ...] = ()
     drops: tuple[Drop, ...] = ()
     flips: tuple[BitFlip, ...] = ()
+    grad_flips: tuple[GradFlip, ...] = ()
 
     @classmethod
     def seeded(cls, seed: int, *, workers: int, steps: range, count: int = 1,
@@ -258,6 +260,7 @@ class KillSchedule:
             "coordinator_losses": self.coordinator_losses,
             "drops": self.drops,
             "flips": self.flips,
+            "grad_flips": self.grad_flips,
         }
         return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
 
@@ -278,6 +281,7 @@ class KillSchedule:
             tuple(LoseCoordinator(**c) for c in data.get("coordinator_losses", ())),
             tuple(Drop(**d) for d in data.get("drops", ())),
             tuple(BitFlip(**f) for f in data.get("flips", ())),
+            tuple(GradFlip(**f) for f in data.get("grad_flips", ())),
         )
 
 
@@ -314,10 +318,11 @@ def install(
     losses = {c.step for c in schedule.coordinator_losses if c.worker == worker}
     drops = {d.step for d in schedule.drops if d.worker == worker}
     flips = [f for f in schedule.flips if f.worker == worker]
-    if not (kills or raises or delays or losses or drops or flips):
+    grads = [g for g in schedule.grad_flips if g.worker == worker]
+    if not (kills or raises or delays or losses or drops or flips or grads):
         return
     target = state if state is not None else getattr(job, "state", None)
-    if flips and target is None:
+    if (flips or grads) and target is None:
         raise ConfigError("a BitFlip needs the state to corrupt: chaos.install(job, state=...)")
 
     def listener(event: str, step: int) -> None:
@@ -325,6 +330,10 @@ def install(
             for f in [f for f in flips if f.step == step]:
                 flips.remove(f)  # once: a rollback recomputes the step without it
                 flip_in_state(target, f)
+        if event == "collective-enter":
+            for g in [g for g in grads if g.step == step]:
+                grads.remove(g)  # once: the retried step computes clean
+                flip_grad(target, g)
         where = _EVENTS.get(event)
         if where == "collective":
             for d in delays:
