@@ -58,11 +58,13 @@ def grad_signals(
 
 def _local_signals(params: list[torch.Tensor]) -> tuple[float, float]:
     """This member's non-finite flag (1.0: a gradient holds a NaN or an infinity, or its norm
-    overflows) and its squared gradient norm: one read of the gradients, no copies."""
-    sq = 0.0
-    for p in params:
-        if p.grad is not None:
-            sq += float(torch.linalg.vector_norm(p.grad.detach())) ** 2
+    overflows) and its squared gradient norm: one read of the gradients, no copies, and one
+    host synchronisation (the norm of the per-tensor norms), not one per parameter."""
+    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in params if p.grad is not None]
+    if not norms:
+        return 0.0, 0.0
+    device = norms[0].device
+    sq = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))) ** 2
     return (0.0, sq) if math.isfinite(sq) else (1.0, 0.0)
 
 
