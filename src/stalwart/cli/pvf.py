@@ -15,10 +15,10 @@ never a traceback); choices are checked before any work.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import importlib
 import tempfile
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,62 +42,20 @@ _DTYPES = {
 
 # The library's names as option choices (click rejects others before any work starts), copied
 # so that no ``stalwart`` command pays for importing the vulnerability package (~50 ms) before
-# it needs it; tests/unit/test_cli_surface.py keeps them equal.
-class By(str, enum.Enum):
-    """``--by``: how trials are grouped."""
-
-    tensor = "tensor"
-    layer = "layer"
-    module = "module"
-    param = "param"
-    part = "part"
-    bit = "bit"
-    field = "field"
-    dtype = "dtype"
-    component = "component"
-    all = "all"
-
-
-class Error(str, enum.Enum):
-    """``--error``: the error model of each fault."""
-
-    bitflip = "bitflip"
-    multibit = "multibit"
-    burst = "burst"
-    stuck_at = "stuck_at"
-    random_value = "random_value"
-
-
-class Dtype(str, enum.Enum):
-    """``--dtype``: the dtype the model runs in."""
-
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    fp64 = "fp64"
-
-
-class Interval(str, enum.Enum):
-    """``--interval``: the confidence interval."""
-
-    wilson = "wilson"
-    clopper_pearson = "clopper-pearson"
-
-
-class Engine(str, enum.Enum):
-    """``--engine``: the campaign engine."""
-
-    fast = "fast"
-    naive = "naive"
-    copy = "copy"
-
-
-class Backend(str, enum.Enum):
-    """``--backend``: where the shards of a ``--workers`` campaign run."""
-
-    local = "local"
-    torch = "torch"
-    ray = "ray"
+# it needs it; tests/unit/test_cli_surface.py keeps them equal. Each is a ``StrEnum`` whose
+# members are named and valued by the words listed (``By["bit"].value == "bit"``).
+By = StrEnum("By", "tensor layer module param part bit field dtype component all")
+"""``--by``: how trials are grouped."""
+Error = StrEnum("Error", "bitflip multibit burst stuck_at random_value")
+"""``--error``: the error model of each fault."""
+Dtype = StrEnum("Dtype", "fp32 fp16 bf16 fp64")
+"""``--dtype``: the dtype the model runs in (the keys of ``_DTYPES``)."""
+Interval = StrEnum("Interval", "wilson clopper-pearson")
+"""``--interval``: the confidence interval."""
+Engine = StrEnum("Engine", "fast naive copy")
+"""``--engine``: the campaign engine."""
+Backend = StrEnum("Backend", "local torch ray")
+"""``--backend``: where the shards of a ``--workers`` campaign run."""
 
 
 def check_criteria(names: list[str]) -> None:

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, TextIO
 
 __all__ = [
     "LAUNCHER_LOG",
+    "EpochEvent",
     "Event",
     "EventKind",
     "EventLog",
@@ -51,6 +52,7 @@ __all__ = [
     "SdcSuspect",
     "Start",
     "StateReceived",
+    "StepAttempt",
     "StepCommitted",
     "StepDiscarded",
     "launcher_lines",
@@ -106,6 +108,14 @@ class Event:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EpochEvent(Event):
+    """An event of a member in membership epoch ``epoch``, ``step`` steps committed."""
+
+    step: int
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Start(Event):
     """A worker process started (once per process: survivors never restart)."""
 
@@ -115,69 +125,64 @@ class Start(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepCommitted(Event):
-    """A step's update was applied; ``step`` counts it. ``digest`` when a check ran."""
+class StepAttempt(Event):
+    """A step attempt of the members ``members`` of ``epoch``, ``dt`` seconds long; ``step``
+    counts the committed steps after it (the fields in the order of the module docstring)."""
 
     KIND = EventKind.STEP
     step: int
-    committed: bool = field(default=True, init=False)
+    committed: bool
     epoch: int
     members: list[int]
     dt: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCommitted(StepAttempt):
+    """A step's update was applied; ``step`` counts it. ``digest`` when a check ran."""
+
+    committed: bool = field(default=True, init=False)
     digest: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepDiscarded(Event):
+class StepDiscarded(StepAttempt):
     """A step attempt failed and was discarded; ``step`` is still the committed count."""
 
-    KIND = EventKind.STEP
-    step: int
     committed: bool = field(default=False, init=False)
-    epoch: int
-    members: list[int]
-    dt: float
 
 
 @dataclass(frozen=True, kw_only=True)
-class FaultDetected(Event):
+class FaultDetected(EpochEvent):
     """A collective of ``epoch`` failed on this member (every survivor writes one)."""
 
     KIND = EventKind.FAULT_DETECTED
-    step: int
-    epoch: int
     members: list[int]
     error: str
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reconfigured(Event):
+class Reconfigured(EpochEvent):
     """This member joined ``epoch`` (its members listed) and reconciles with them."""
 
     KIND = EventKind.RECONFIGURED
-    step: int
-    epoch: int
     members: list[int]
 
 
 @dataclass(frozen=True, kw_only=True)
-class StateReceived(Event):
+class StateReceived(EpochEvent):
     """This member loaded the state worker ``source`` sent (a heal)."""
 
     KIND = EventKind.STATE_RECEIVED
-    step: int
-    epoch: int
     source: int | None
     why: str
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParityMismatch(Event):
+class ParityMismatch(EpochEvent):
     """Members' digests differed; ``decision`` names the rule that chose (parity.py)."""
 
     KIND = EventKind.PARITY_MISMATCH
-    step: int
-    epoch: int
     table: list[list[Any]]
     why: str
     decision: str
@@ -186,12 +191,10 @@ class ParityMismatch(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FirstCommitAfterChange(Event):
+class FirstCommitAfterChange(EpochEvent):
     """The first commit in a new epoch."""
 
     KIND = EventKind.FIRST_COMMIT_AFTER_CHANGE
-    step: int
-    epoch: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,7 +216,7 @@ class Resumed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SdcSuspect(Event):
+class SdcSuspect(EpochEvent):
     """Worker ``suspect``'s state differed from the agreeing members' at a parity check.
 
     Silent data corruption is suspected (its hardware computed or stored a wrong value):
@@ -222,20 +225,16 @@ class SdcSuspect(Event):
     """
 
     KIND = EventKind.SDC_SUSPECT
-    step: int
-    epoch: int
     suspect: int
     tensor: str | None
     decided_by: str
 
 
 @dataclass(frozen=True, kw_only=True)
-class Finish(Event):
+class Finish(EpochEvent):
     """The worker agreed on the final step and left; ``digest`` of its final state."""
 
     KIND = EventKind.FINISH
-    step: int
-    epoch: int
     digest: str
 
 

@@ -36,8 +36,9 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -51,6 +52,8 @@ from stalwart.errors import DistributedError
 __all__ = ["Epoch", "Membership"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _POLL_S = 0.005
 
@@ -173,24 +176,26 @@ class Membership:
         except RuntimeError as e:  # the coordinator is gone: nobody compares any more
             log.warning("could not publish step-time statistics: %s", e)
 
-    def record_progress(self, step: int) -> None:
-        """Record the job's newest committed step (one store write, by the lowest rank)."""
+    def _following(self, op: Callable[[], _T]) -> _T:
+        """``op()``, a store operation, again on a re-hosted coordinator whenever the store's
+        host is gone (:meth:`follow_coordinator` raises when none appears)."""
         while True:
             try:
-                self.store.set(keys.PROGRESS, str(step))
-                return
-            except RuntimeError as e:  # the store's host is gone: follow it, or stop clearly
+                return op()
+            except RuntimeError as e:  # DistNetworkError: the store's host is gone
                 self.follow_coordinator(e)
+
+    def _count(self, key: str) -> int:
+        """The number stored under ``key`` (0: none yet)."""
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def record_progress(self, step: int) -> None:
+        """Record the job's newest committed step (one store write, by the lowest rank)."""
+        self._following(lambda: self.store.set(keys.PROGRESS, str(step)))
 
     def progress(self) -> int:
         """The newest step the job is known to have committed (0: none recorded)."""
-        while True:
-            try:
-                if not self.store.check([keys.PROGRESS]):
-                    return 0
-                return int(self.store.get(keys.PROGRESS))
-            except RuntimeError as e:  # the store's host is gone: follow it, or stop clearly
-                self.follow_coordinator(e)
+        return self._following(lambda: self._count(keys.PROGRESS))
 
     def report_fatal(self, error: str) -> None:
         """Tell the launcher that the job cannot go on (it stops at once, exit code 3).
@@ -228,13 +233,7 @@ class Membership:
 
     def latest_epoch(self) -> int:
         """The newest published epoch number (0: none yet)."""
-        while True:
-            try:
-                if not self.store.check([keys.EPOCH]):
-                    return 0
-                return int(self.store.get(keys.EPOCH))
-            except RuntimeError as e:  # DistNetworkError: the store's host is gone
-                self.follow_coordinator(e)
+        return self._following(lambda: self._count(keys.EPOCH))
 
     def report_fault(self, epoch: int) -> None:
         """Tell the coordinator that a collective of ``epoch`` failed here."""
@@ -246,11 +245,7 @@ class Membership:
     def finish(self, step: int, epoch: int) -> None:
         """Record that this worker finished at ``step``, agreed with the members of ``epoch``."""
         record = encode({"step": step, "epoch": epoch})
-        try:
-            self.store.set(keys.done(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
-        except RuntimeError as e:
-            self.follow_coordinator(e)
-            self.store.set(keys.done(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        self._following(lambda: self.store.set(keys.done(self.wid), record))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
 
     def join(self, after: int, deadline_s: float) -> Epoch:
         """Join the first epoch newer than ``after`` that lists this worker and forms.

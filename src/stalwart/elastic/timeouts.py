@@ -39,7 +39,7 @@ from datetime import timedelta
 
 from stalwart.errors import ConfigError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Timeouts"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ORDER", "Timeouts"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ DEFAULT_TIMEOUT_S = 10.0
 BEATS_PER_HANG = 5  # heartbeats per hang timeout (heartbeat.BEATS_PER_TIMEOUT)
 _JOIN_FACTOR = 30.0
 _JOIN_FLOOR_S = 60.0
+ORDER = ("heartbeat_s", "hang_s", "collective_s", "join_s")
+"""The timeouts shortest first, as :meth:`Timeouts.check` keeps them (the module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,10 +131,6 @@ class Timeouts:
         return problems
 
     def table(self) -> dict[str, float]:
-        """Every timeout by name, seconds (for docs, logs and ``--json`` output)."""
-        return {
-            "heartbeat_s": self.heartbeat_s,
-            "hang_s": self.hang_s,
-            "collective_s": self.collective_s,
-            "join_s": self.join_s,
-        }
+        """Every timeout by name, shortest first (:data:`ORDER`), seconds (for docs, logs and
+        ``--json`` output)."""
+        return {name: getattr(self, name) for name in ORDER}

@@ -17,7 +17,7 @@ import torch
 from stalwart.checkpoint.capture import optimizer_storages
 from stalwart.checkpoint.collective import Group, dedicated_group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture, guard
-from stalwart.checkpoint.durable.commit import check_save_args, refuse_replacing
+from stalwart.checkpoint.durable.commit import SaveRequest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
 from stalwart.checkpoint.durable.results import SaveResult
@@ -77,19 +77,10 @@ class AsyncSaves:
         refuse_replacing(step, listing, self.ctx.url, in_flight=in_flight)
         self.newest = step if self.newest is None else max(self.newest, step)
 
-    def save_async(
-        self,
-        step: int,
-        state: Any,
-        *,
-        lazy: bool = False,
-        metadata: dict[str, str] | None = None,
-        overwrite: bool = False,
-    ) -> PendingSave:
-        """Start saving ``state`` as ``step``; see :meth:`Checkpointer.save_async`."""
-        check_save_args(step, metadata)
+    def save_async(self, request: SaveRequest, state: Any, lazy: bool) -> PendingSave:
+        """Start saving ``state`` as asked; see :meth:`Checkpointer.save_async`."""
         self.queue.raise_unobserved()
-        self.check_new_step(step, overwrite=overwrite)
+        self.check_new_step(request.step, overwrite=request.overwrite)
         g = self.background_group()
         try:
             flat = flatten(state)
@@ -105,38 +96,30 @@ class AsyncSaves:
                     raise err
                 return capture()
 
-            return self.saver.write(step, checked, metadata, g, time.perf_counter(), overwrite)
+            return self.saver.write(request, checked, g, time.perf_counter())
 
         defer = self.deferrable() if lazy else frozenset()
         if lazy and not self.guarded:
             log.info("save_async(lazy=True) without guard(optimizer): every tensor copied now")
-        pending = self.queue.submit(step, items, skeleton, lazy, write, defer=defer)
+        pending = self.queue.submit(request.step, items, skeleton, lazy, write, defer=defer)
         if err is not None:
             pending.mark_observed()  # raised here; not again at the next call
             raise err
         return pending
 
-    def save_captured(
-        self,
-        step: int,
-        captured: StagedCapture,
-        *,
-        metadata: dict[str, str] | None = None,
-        overwrite: bool = False,
-    ) -> PendingSave:
+    def save_captured(self, request: SaveRequest, captured: StagedCapture) -> PendingSave:
         """Persist a capture made by another tier (one host copy feeds every tier).
 
         The caller keeps the capture's buffer unchanged until the returned save completes.
         The caller checks the step first (:meth:`check_new_step`); the background save checks
         it again before it commits.
         """
-        check_save_args(step, metadata)
         g = self.background_group()
 
         def write(capture: Capturer) -> SaveResult:
-            return self.saver.write(step, capture, metadata, g, time.perf_counter(), overwrite)
+            return self.saver.write(request, capture, g, time.perf_counter())
 
-        return self.queue.submit_captured(step, captured, write)
+        return self.queue.submit_captured(request.step, captured, write)
 
     def background_group(self) -> Group:
         """The group background saves use: never the training's (see dedicated_group).

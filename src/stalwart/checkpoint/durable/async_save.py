@@ -45,12 +45,7 @@ from stalwart.errors import CheckpointError
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = [
-    "AsyncSaver",
-    "PendingSave",
-    "StagedCapture",
-    "guard",
-]
+__all__ = ["AsyncSaver", "PendingSave", "StagedCapture", "guard"]
 
 log = logging.getLogger(__name__)
 

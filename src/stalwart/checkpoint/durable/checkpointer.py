@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from stalwart.checkpoint.durable.async_api import AsyncSaves
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture
-from stalwart.checkpoint.durable.commit import check_save_args
+from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.gc import GCReport, collect_garbage
 from stalwart.checkpoint.durable.loading import Loader
@@ -30,7 +31,7 @@ from stalwart.checkpoint.durable.manifest import Manifest, manifest_key
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
 from stalwart.checkpoint.durable.saver import Saver
-from stalwart.checkpoint.durable.verification import VerifyReport
+from stalwart.checkpoint.durable.verification import Progress, VerifyReport
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
@@ -132,7 +133,7 @@ class Checkpointer:
             StorageError: the store failed (full, read-only, ...); earlier checkpoints stay.
             DistributedError: another rank failed; nothing was committed.
         """
-        check_save_args(step, metadata)
+        request = SaveRequest(step, metadata, overwrite)
         self._async.flush()  # saves commit in call order; earlier async errors surface here
 
         def capture() -> tuple[list[LocalItem], dict[str, Any]]:
@@ -140,7 +141,7 @@ class Checkpointer:
             return local_items(flat), flat.skeleton
 
         g, t0 = self._ctx.group, time.perf_counter()
-        return self._saver.write(step, capture, metadata, g, t0, overwrite)
+        return self._saver.write(request, capture, g, t0)
 
     def save_async(
         self,
@@ -174,22 +175,12 @@ class Checkpointer:
             StepExistsError: ``step`` is committed or saving and ``overwrite`` is False.
             UnsupportedValueError: the tree holds something that cannot be stored.
         """
-        return self._async_saves.save_async(
-            step, state, lazy=lazy, metadata=metadata, overwrite=overwrite
-        )
+        request = SaveRequest(step, metadata, overwrite)
+        return self._async_saves.save_async(request, state, lazy)
 
-    def save_captured(
-        self,
-        step: int,
-        captured: StagedCapture,
-        *,
-        metadata: dict[str, str] | None = None,
-        overwrite: bool = False,
-    ) -> PendingSave:
+    def save_captured(self, request: SaveRequest, captured: StagedCapture) -> PendingSave:
         """Persist a capture made by another tier; see :meth:`AsyncSaves.save_captured`."""
-        return self._async_saves.save_captured(
-            step, captured, metadata=metadata, overwrite=overwrite
-        )
+        return self._async_saves.save_captured(request, captured)
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
         """Refuse, on every rank alike, to replace ``step`` unless ``overwrite`` is True.
@@ -254,20 +245,32 @@ class Checkpointer:
             CorruptCheckpointError: damaged data (and no fallback left).
             StateMismatchError: keys, shapes or dtypes differ and ``strict`` is True.
         """
-        return self._loader.load(state, step, strict=strict, fallback=fallback)
+        return self._loader.load(state, step, strict, fallback)
 
     def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
         """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified,
         and the number of bytes read (see :meth:`Loader.read_tensor`)."""
         return self._loader.read_tensor(step, name)
 
-    def verify(self, step: int | None = None) -> VerifyReport:
+    def verify(
+        self,
+        step: int | None = None,
+        *,
+        pool: ThreadPoolExecutor | None = None,
+        progress: Progress | None = None,
+    ) -> VerifyReport:
         """Read and hash every chunk of ``step`` (the newest when None); report all damage.
 
         Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
         every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
+
+        Args:
+            step: a committed step; the newest when None.
+            pool: threads that read and hash chunks; ``options.io_threads`` of them, made
+                for this call, by default.
+            progress: called as ``progress(done, total)`` after each distinct chunk.
         """
-        return self._loader.verify(step)
+        return self._loader.verify(step, pool, progress)
 
     # -- maintenance -------------------------------------------------------------------
 

@@ -2,14 +2,15 @@
 
 The manifest is written last, by one rank, after every rank reported its pack durable
 (see ``Saver.write``); a single atomic ``Storage.write`` makes the step visible. Before
-anything is written, :func:`check_save_args` and :func:`refuse_replacing` refuse what may
-not be committed.
+anything is written, a :class:`SaveRequest` (checked by :func:`check_save_args` when built)
+and :func:`refuse_replacing` refuse what may not be committed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from stalwart.checkpoint.durable.aliases import TensorAlias
@@ -28,7 +29,30 @@ from stalwart.errors import (
     UnsupportedValueError,
 )
 
-__all__ = ["build_manifest", "check_save_args", "refuse_replacing"]
+__all__ = ["SaveRequest", "build_manifest", "check_save_args", "refuse_replacing"]
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """One save as the caller asked for it, checked when built (:func:`check_save_args`).
+
+    ``save``, ``save_async`` and a tier's ``save_captured`` build one and hand it to the
+    :class:`~stalwart.checkpoint.durable.saver.Saver`, so every path checks the same things
+    once and the collaborators share one signature.
+
+    Raises:
+        ConfigError: ``step`` is not a non-negative int the format holds, or ``metadata`` does
+            not map str to str.
+    """
+
+    step: int
+    metadata: dict[str, str] | None = None
+    """Free-form strings stored in the manifest."""
+    overwrite: bool = False
+    """Replace ``step`` if it is committed (else :class:`StepExistsError`)."""
+
+    def __post_init__(self) -> None:
+        check_save_args(self.step, self.metadata)
 
 
 def build_manifest(

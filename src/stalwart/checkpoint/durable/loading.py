@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.checkpoint.durable.restore import load_step
 from stalwart.checkpoint.durable.results import LoadResult
 from stalwart.checkpoint.durable.shared_read import PeerDamageError, withdraw
-from stalwart.checkpoint.durable.verification import VerifyReport, verify_stored_step
+from stalwart.checkpoint.durable.verification import Progress, VerifyReport, verify_stored_step
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.errors import (
     CheckpointNotFoundError,
@@ -65,15 +66,9 @@ class Loader:
         )
         return dest, stats.bytes_read
 
-    def load(
-        self,
-        state: Any = None,
-        step: int | None = None,
-        *,
-        strict: bool = True,
-        fallback: bool = False,
-    ) -> Any:
-        """Load a checkpoint into ``state``; see :meth:`Checkpointer.load`."""
+    def load(self, state: Any, step: int | None, strict: bool, fallback: bool) -> Any:
+        """Load a checkpoint into ``state``; see :meth:`Checkpointer.load` (which holds the
+        defaults)."""
         self.queue.raise_unobserved()
         t0 = time.perf_counter()
         g = self.ctx.group
@@ -132,12 +127,10 @@ class Loader:
             group=g,
         )
 
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Read and hash every chunk of ``step`` (the newest when None); report all damage.
-
-        Unlike ``load``, this does not stop at the first problem: ``report.damaged`` lists
-        every damaged chunk with its tensor and shard. ``report.ok`` is True when intact.
-        """
+    def verify(
+        self, step: int | None, pool: ThreadPoolExecutor | None, progress: Progress | None
+    ) -> VerifyReport:
+        """Verify ``step`` (the newest when None); see :meth:`Checkpointer.verify`."""
         if step is None:
             step = self.ctx.latest_step()
             if step is None:
@@ -149,6 +142,8 @@ class Loader:
             io_threads=ctx.options.io_threads,
             lease_s=ctx.options.lease_s,
             committed=ctx.steps,
+            pool=pool,
+            progress=progress,
         )
 
 

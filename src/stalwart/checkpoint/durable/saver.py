@@ -1,6 +1,6 @@
 """The writing half of a checkpointer: plan, persist, commit, retain one step.
 
-    write(step, capture) ──► lease + list ──► plan ──► persist ──► commit ──► retain
+    write(request, capture) ──► lease + list ──► plan ──► persist ──► commit ──► retain
 
 A save is durable and committed when it returns: every rank's pack is written atomically
 and durably, then rank 0 writes the manifest (atomically) once all ranks reported success.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stalwart.checkpoint.collective import Group
-from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
+from stalwart.checkpoint.durable.commit import SaveRequest, build_manifest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.gc import GCReport, apply_retention
 from stalwart.checkpoint.durable.lease import Lease
@@ -51,19 +51,12 @@ class Saver:
         self.ctx = ctx
         self.fast_index: FastIndex = {}  # valid for the next save once a save committed
 
-    def write(
-        self,
-        step: int,
-        capture: Capturer,
-        metadata: dict[str, str] | None,
-        g: Group,
-        t0: float,
-        overwrite: bool,
-    ) -> SaveResult:
+    def write(self, request: SaveRequest, capture: Capturer, g: Group, t0: float) -> SaveResult:
         """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
-        on_event, meta, url = self.ctx.options.on_event, dict(metadata or {}), self.ctx.url
+        step, on_event, url = request.step, self.ctx.options.on_event, self.ctx.url
+        meta = dict(request.metadata or {})
         try:
-            r = self._write_step(step, capture, metadata, g, t0, overwrite)
+            r = self._write_step(request, capture, g, t0)
         except BaseException as e:
             seconds = time.perf_counter() - t0
             failed = CheckpointEvent("save_failed", step, url, g.rank, seconds, metadata=meta)
@@ -74,13 +67,7 @@ class Saver:
         return r
 
     def _write_step(
-        self,
-        step: int,
-        capture: Capturer,
-        metadata: dict[str, str] | None,
-        g: Group,
-        t0: float,
-        overwrite: bool,
+        self, request: SaveRequest, capture: Capturer, g: Group, t0: float
     ) -> SaveResult:
         """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
 
@@ -89,6 +76,7 @@ class Saver:
         against between that read and the commit (retention honours leased steps). Every
         rank refuses a committed ``step`` on that one listing, before anything is written.
         """
+        step, metadata, overwrite = request.step, request.metadata, request.overwrite
         ctx, local = self.ctx, dict[str, Any]()
         lease_s = ctx.options.lease_s
         with contextlib.ExitStack() as held:

@@ -10,7 +10,7 @@ that the format record renders without importing the tools (which import the eng
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from stalwart.checkpoint.html_fragments import (
@@ -87,13 +87,11 @@ class Inspection(ArrowFrames):
     totals: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (the shape ``stalwart ckpt inspect --json`` prints)."""
+        """A JSON-serialisable dict (the shape ``stalwart ckpt inspect --json`` prints): the
+        fields in order, the tensor rows last."""
+        scalars = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensors"}
         return {
-            "step": self.step,
-            "world_size": self.world_size,
-            "created_unix": self.created_unix,
-            "metadata": self.metadata,
-            "totals": self.totals,
+            **scalars,
             "tensors": [
                 {
                     "name": t.name,

@@ -30,6 +30,7 @@ from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
 from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
 from stalwart.checkpoint.durable.async_save import PendingSave, StagedCapture
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
@@ -179,7 +180,8 @@ class TieredCheckpointer:
         out: dict[str, Any] = {}
         for t in due:
             if not t.is_memory:
-                pending = self.durable[t.name].save_captured(step, captured, overwrite=overwrite)
+                request = SaveRequest(step, overwrite=overwrite)
+                pending = self.durable[t.name].save_captured(request, captured)
                 self.memory.hold(buffer, pending)
                 out[t.name] = pending
             self._last[t.name] = (step, time.monotonic())

@@ -13,12 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.verification import (
-    Progress,
-    VerifyReport,
-    reader_lease,
-    verify_stored_step,
-)
+from stalwart.checkpoint.durable.verification import Progress, VerifyReport, reader_lease
 from stalwart.errors import CheckpointNotFoundError
 
 __all__ = ["VerifyReport", "reader_lease", "verify_all", "verify_step"]
@@ -47,15 +42,7 @@ def verify_step(
     Raises:
         CheckpointNotFoundError: the root or the step does not exist.
     """
-    return verify_stored_step(
-        ckpt.storage,
-        step,
-        io_threads=ckpt.options.io_threads,
-        lease_s=ckpt.options.lease_s,
-        committed=ckpt.steps,
-        pool=pool,
-        progress=progress,
-    )
+    return ckpt.verify(step, pool=pool, progress=progress)
 
 
 def verify_all(
