@@ -64,3 +64,15 @@ def test_async_diloco_with_k_below_n_converges_with_outer_momentum_0_9(tmp_path:
         used += len(e["used"])
         momentum += e["momentum"]
         assert momentum == used // 3, "one momentum update per round of 3 contributions"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
+def test_a_checkpointer_per_save_keeps_no_group_open(tmp_path: Path) -> None:
+    counts = run_ranks(
+        async_ranks.per_save_checkpointers_release_their_group, 2, str(tmp_path / "ck"),
+        timeout_s=120,
+    )  # fmt: skip
+    for per_rank in counts:
+        # after the first saves warm up (pools, the storage), no growth per save: a leaked
+        # gloo group would add at least one socket each time
+        assert per_rank[-1] <= per_rank[3], per_rank

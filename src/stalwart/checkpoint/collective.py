@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from stalwart.errors import DistributedError
 
-__all__ = ["Group", "dedicated_group", "resolve_group"]
+__all__ = ["Group", "dedicated_group", "release", "resolve_group"]
 
 T = TypeVar("T")
 
@@ -97,3 +97,19 @@ def dedicated_group(g: Group) -> Group:
     ranks = dist.get_process_group_ranks(g.pg)
     pg = dist.new_group(ranks=ranks, backend="gloo")
     return Group(pg=pg, rank=dist.get_rank(pg), world=len(ranks))
+
+
+def release(g: Group) -> None:
+    """Destroy a group :func:`dedicated_group` made, once nothing runs on it any more.
+
+    Each gloo group holds a connection to every other rank: a process that builds a
+    ``Checkpointer`` per save would otherwise keep one more group (and its sockets) per save.
+    Local, not collective. A group already gone (the default group destroyed first) is left.
+    """
+    if g.pg is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.get_process_group_ranks(g.pg)  # raises once the group is no longer registered
+    except (RuntimeError, ValueError, KeyError):
+        return
+    dist.destroy_process_group(g.pg)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.capture import optimizer_storages
-from stalwart.checkpoint.collective import Group, dedicated_group
+from stalwart.checkpoint.collective import Group, dedicated_group, release
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture, guard
 from stalwart.checkpoint.durable.commit import SaveRequest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
@@ -130,6 +130,12 @@ class AsyncSaves:
         if g.world > 1 and self.background is None:
             self.background = dedicated_group(g)
         return self.background if g.world > 1 and self.background else g
+
+    def close(self) -> None:
+        """Release the background group (the saves are already waited for)."""
+        if self.background is not None:
+            release(self.background)
+            self.background = None
 
     def wait(self) -> None:
         """See :meth:`Checkpointer.wait`."""

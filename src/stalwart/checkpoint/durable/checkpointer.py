@@ -298,6 +298,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for saves in flight, then release threads and connections."""
         self._async.close()
+        self._async_saves.close()
         self._ctx.close()
 
     def __enter__(self) -> Checkpointer:
