@@ -14,6 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from stalwart import Checkpointer, CheckpointOptions
+from stalwart.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -293,3 +294,18 @@ def test_help_shows_boolean_flags_as_bare_switches(app: typer.Typer) -> None:
         assert "<bool>" not in r.output, (path, r.output)
     r = CliRunner().invoke(app, ["ckpt", "ls", "--help"], env=ENV)
     assert "--json " in r.output and "--help " in r.output
+
+
+def test_rm_refuses_a_step_a_load_holds_unless_forced(app: typer.Typer, root: Path) -> None:
+    from stalwart.checkpoint.durable.lease import Lease
+    from stalwart.storage import LocalStorage
+
+    with Lease(LocalStorage(root), steps=[10], packs=[], lease_s=600):  # a load in progress
+        code, _, err = run(app, "rm", root, 10)
+        assert code == 2 and "being read now" in err and "--force" in err
+        with pytest.raises(CheckpointError, match="force=True"):
+            Checkpointer(root).delete(10)
+        assert Checkpointer(root).steps() == [10, 20]  # nothing deleted
+        code, out, _ = run(app, "rm", root, 10, "--force")
+        assert code == 0 and "deleted step 10" in out
+    assert Checkpointer(root).steps() == [20]

@@ -26,6 +26,7 @@ from stalwart.checkpoint.tools.export import export_step, import_file
 from stalwart.checkpoint.tools.inspection import inspect_manifest
 from stalwart.checkpoint.tools.verify import verify_all, verify_step
 from stalwart.cli.ckpt_options import (
+    FORCE,
     FORMAT,
     HTML,
     JSON,
@@ -34,6 +35,8 @@ from stalwart.cli.ckpt_options import (
     ROOT,
     SRC,
     STEP,
+    SUBTREE,
+    TRUST_PICKLE,
     Format,
     ckpt_app,
     console,
@@ -244,11 +247,7 @@ def export(
     step: int | None = STEP,
     fmt: Format = FORMAT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
-    subtree: str | None = typer.Option(
-        None,
-        "--subtree",
-        help="Export only this model state dict (e.g. model), its prefix stripped.",
-    ),
+    subtree: str | None = SUBTREE,
     storage_option: list[str] = OPTS,
     as_json: bool = JSON,
 ) -> None:
@@ -307,11 +306,7 @@ def import_(
         help="Step to save it as (default: 0 in a new root, else one past the newest step).",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace STEP if it exists."),
-    trust_pickle: bool = typer.Option(
-        False,
-        "--trust-pickle",
-        help="Let a DCP folder's pickles run unrestricted (only for folders you trust).",
-    ),
+    trust_pickle: bool = TRUST_PICKLE,
     storage_option: list[str] = OPTS,
     as_json: bool = JSON,
 ) -> None:
@@ -397,12 +392,13 @@ def gc(
 def rm(
     root: str = ROOT,
     step: int = typer.Argument(..., help="The step to delete (its manifest; packs go at gc)."),
+    force: bool = FORCE,
     storage_option: list[str] = OPTS,
     as_json: bool = JSON,
 ) -> None:
     """Delete one committed step, even one whose manifest is damaged; then run gc."""
     with handled(), open_root(root, storage_option) as ck:
-        ck.delete(step)
+        ck.delete(step, force=force)
         finish(
             as_json,
             {"deleted_step": step, "root": ck.url},

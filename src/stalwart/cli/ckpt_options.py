@@ -27,6 +27,17 @@ ckpt_app = typer.Typer(
 ROOT = typer.Argument(..., help="Checkpoint root: a folder or an fsspec URL (s3://bucket/p).")
 STEP = typer.Option(None, "--step", "-s", help="Step to use; the newest when omitted.")
 JSON = typer.Option(False, "--json", help=JSON_HELP)
+FORCE = typer.Option(
+    False, "--force", help="Delete even while a load holds the step (that load then fails)."
+)
+SUBTREE = typer.Option(
+    None, "--subtree", help="Export only this model state dict (e.g. model), its prefix stripped."
+)
+TRUST_PICKLE = typer.Option(
+    False,
+    "--trust-pickle",
+    help="Let a DCP folder's pickles run unrestricted (only for folders you trust).",
+)
 
 
 class Format(str, enum.Enum):

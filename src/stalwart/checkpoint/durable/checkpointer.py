@@ -26,6 +26,7 @@ from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, Stag
 from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.gc import GCReport, collect_garbage
+from stalwart.checkpoint.durable.lease import read_leases
 from stalwart.checkpoint.durable.loading import Loader
 from stalwart.checkpoint.durable.manifest import Manifest, manifest_key
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
@@ -33,7 +34,7 @@ from stalwart.checkpoint.durable.results import LoadResult, SaveResult
 from stalwart.checkpoint.durable.saver import Saver
 from stalwart.checkpoint.durable.verification import Progress, VerifyReport
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import CheckpointNotFoundError, ConfigError
+from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.storage.base import Storage
 from stalwart.tree import flatten
 
@@ -274,16 +275,29 @@ class Checkpointer:
 
     # -- maintenance -------------------------------------------------------------------
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, *, force: bool = False) -> None:
         """Un-commit ``step`` (its manifest); its unshared packs go at the next gc().
 
-        Works on a step whose manifest is damaged, so that it can be cleared away.
+        Works on a step whose manifest is damaged, so that it can be cleared away. A step a
+        live reader holds a lease on (a load in progress, here or in another process) is
+        refused unless ``force``: forced, that reader fails with ``StepRetiredError`` instead
+        of finishing its load (its packs stay until its lease ends either way).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+            CheckpointError: a live lease holds ``step`` and ``force`` is False.
         """
         store = self._ctx.store(create=False)
         if step not in self.steps():
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{short_steps(self.steps())}"
+            )
+        if not force and step in read_leases(store).steps:
+            raise CheckpointError(
+                f"step {step} in {store.url} is being read now (a live lease under leases/); "
+                "delete it once that load finished, or pass force=True (CLI: --force) to "
+                "delete it anyway: the reader then fails instead of finishing its load"
             )
         store.delete(manifest_key(step))
         self._ctx.cache.forget(step)
