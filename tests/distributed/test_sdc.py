@@ -17,8 +17,10 @@ import pytest
 
 from stalwart.diagnose.fleet import read_fleet
 from stalwart.elastic import read_events
-from stalwart.elastic.events import EventKind
+from stalwart.elastic.events import EventKind, launcher_lines
 from stalwart.elastic.fleet_log import write_fleet_log
+from stalwart.elastic.sdc import EXIT_EXCLUDED
+from stalwart.elastic.supervisor import EXIT_FATAL
 from stalwart.testing import Kill, KillSchedule
 from stalwart.testing.chaos import BitFlip, GradFlip
 
@@ -27,14 +29,17 @@ from .test_elastic import RUN_TIMEOUT_S, STEPS, WORKER, _env
 pytestmark = pytest.mark.timeout(200)
 
 
-def _run(tmp: Path, nproc: int, schedule: KillSchedule | None) -> dict[str, Any]:
+def _run(tmp: Path, nproc: int, schedule: KillSchedule | None, *launcher: str,
+         code: int = 0) -> dict[str, Any]:  # fmt: skip
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), "--max-restarts", "2",
-           "--events", str(tmp / "events"), "--timeout", "20", "--hang-timeout", "5", "--json",
-           str(WORKER), "--steps", str(STEPS), "--verify-every", "5"]  # fmt: skip
+           "--events", str(tmp / "events"), "--timeout", "20", "--hang-timeout", "5", *launcher,
+           "--json", str(WORKER), "--steps", str(STEPS), "--verify-every", "5"]  # fmt: skip
     done = subprocess.run(
         cmd, env=_env(schedule), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
-    assert done.returncode == 0, f"stalwart run failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    assert done.returncode == code, (
+        f"stalwart run: rc {done.returncode}\n{done.stdout}\n" + (done.stderr[-4000:])
+    )
     doc: dict[str, Any] = json.loads(done.stdout)
     doc["events"] = read_events(tmp / "events")
     return doc
@@ -130,3 +135,36 @@ def test_a_flip_after_the_last_check_is_repaired_at_close_from_the_majority(
     for e in _kinds(doc, EventKind.PARITY_MISMATCH):
         assert (e["why"], e["decision"], e["rolled_back_from"]) == ("final", "majority", None)
     assert doc["summary"]["final_digests"] == clean[3]["summary"]["final_digests"]
+
+
+def _launcher(doc: dict[str, Any], kind: EventKind) -> list[dict[str, Any]]:
+    return [e for e in launcher_lines(Path(doc["events_dir"])) if e["kind"] == kind]
+
+
+def test_a_member_named_twice_is_excluded_and_not_replaced(tmp_path: Path) -> None:
+    # worker 1 flips after steps 7 and 17: named by the majority at the checks of steps 10
+    # and 20; with --exclude-suspect-after 2 it leaves at the second, and nobody replaces it
+    flips = tuple(BitFlip(1, s, "model.2.weight", index=4, bit=20) for s in (7, 17))
+    doc = _run(tmp_path, 3, KillSchedule(flips=flips), "--exclude-suspect-after", "2")
+    named = {(e["suspect"], e["step"]) for e in _kinds(doc, EventKind.SDC_SUSPECT)}
+    assert named == {(1, 10), (1, 20)}
+    exits = {e["wid"]: e for e in _launcher(doc, EventKind.EXITED)}
+    assert (exits[1]["rc"], exits[1].get("excluded")) == (EXIT_EXCLUDED, True)
+    assert [e["wid"] for e in _launcher(doc, EventKind.SPAWNED)] == [0, 1, 2], "no replacement"
+    assert doc["excluded"] == [1] and doc["restarts"] == 0
+    finals = doc["summary"]["final_digests"]
+    assert sorted(finals) == ["0", "2"] and finals["0"] == finals["2"], "the others agree"
+    rows = [f for f in write_fleet_log(tmp_path / "events").faults if f["worker"] == 1]
+    assert sorted((f["kind"], f["decided_by"], f["step"]) for f in rows) == [
+        ("sdc_suspect", "excluded", 20), ("sdc_suspect", "parity-majority", 10),
+        ("sdc_suspect", "parity-majority", 20),
+    ]  # fmt: skip
+    assert all(f["host"]["hostname"] for f in rows), "the excluded worker's host"
+
+
+def test_excluding_below_min_size_stops_with_a_clear_error(tmp_path: Path) -> None:
+    flip = BitFlip(2, 7, "model.0.bias", index=1, bit=22)
+    doc = _run(tmp_path, 3, KillSchedule(flips=(flip,)), "--exclude-suspect-after", "1",
+               "--min-size", "3", code=EXIT_FATAL)  # fmt: skip
+    assert doc["excluded"] == [2]
+    assert "excluded after 1 SDC verdict" in doc["fatal"] and "--min-size 3" in doc["fatal"]

@@ -68,6 +68,15 @@ _Rdzv = Annotated[
 _Nnodes = Annotated[
     str, typer.Option("--nnodes", help="MIN:MAX nodes with --rdzv; the first epoch waits for MIN.")
 ]
+_ExcludeAfter = Annotated[
+    int,
+    typer.Option(
+        "--exclude-suspect-after",
+        min=0,
+        help="A worker named by this many SDC verdicts (a parity majority, its own non-finite "
+        "gradients) leaves with exit code 12 and is not replaced; 0: never (default).",
+    ),
+]
 _Json = Annotated[
     bool,
     typer.Option(
@@ -89,6 +98,7 @@ def run(
     straggler_factor: _Straggler = 2.0,
     rdzv: _Rdzv = None,
     nnodes: _Nnodes = "1",
+    exclude_suspect_after: _ExcludeAfter = 0,
     as_json: _Json = False,
 ) -> None:
     """Start N workers around a coordinator; replace dead ones; survivors never restart."""
@@ -99,6 +109,7 @@ def run(
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
         hang_s=hang_timeout, straggler_factor=straggler_factor,
         stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes, group_size=group_size,
+        exclude_suspect_after=exclude_suspect_after,
     )  # fmt: skip
     if as_json:
         emit_json(summary_json(result))
@@ -121,8 +132,9 @@ def summary_json(result: Any) -> dict[str, Any]:
     ``events_dir``, ``summary`` (:class:`~stalwart.elastic.JobSummary` fields, ``goodput`` a
     share in [0, 1]), ``final_digests_equal`` (per shard with replica groups),
     ``recoveries`` (one object per dead worker),
-    ``hung`` (worker id to seconds of silence), ``stragglers`` and ``fatal`` (the error a
-    worker reported as fatal, exit code 3; else null).
+    ``hung`` (worker id to seconds of silence), ``stragglers``, ``excluded`` (worker ids the
+    exclusion policy removed) and ``fatal`` (the error a worker reported as fatal, or the
+    exclusions that left too few members: exit code 3; else null).
     """
     summary = dataclasses.asdict(result.summary)
     return {
@@ -137,6 +149,7 @@ def summary_json(result: Any) -> dict[str, Any]:
         "recoveries": [dataclasses.asdict(r) for r in result.recoveries],
         "hung": {str(w): s for w, s in sorted(result.hung.items())},
         "stragglers": result.stragglers,
+        "excluded": result.excluded,
         "fatal": result.fatal,
     }
 
@@ -158,6 +171,7 @@ def _summary_table(result: Any) -> Table:
         ("parity mismatches", s.parity_mismatches),
         ("hung (killed, silence)", _hung(result.hung)),
         ("stragglers (own time vs others)", _stragglers(result.stragglers)),
+        ("excluded (SDC verdicts)", ", ".join(map(str, result.excluded)) or "none"),
         ("final digests equal", _digests_row(s)),
         ("goodput", f"{s.goodput:.1%}"),
         ("wall time", f"{result.wall_s:.1f} s"),

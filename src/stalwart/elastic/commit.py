@@ -29,6 +29,7 @@ import torch
 from stalwart.elastic.events import SdcSuspect
 from stalwart.elastic.ledger import StepLedger
 from stalwart.elastic.reduce import reduce_
+from stalwart.elastic.sdc import leave_if_excluded
 from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["DEFAULT_GRAD_NORM_K", "AllReduceCommit", "grad_signals"]
@@ -100,6 +101,8 @@ class AllReduceCommit:
             err = DistributedError(f"{votes:g} of {size} votes")
         if err is None and signals and self._suspects(ledger, control[2:].tolist(), size):
             ledger.discard(DistributedError("non-finite gradients"), fault=False)
+            if control[2 + ledger.epoch.rank] > 0:  # this member's: the exclusion policy
+                leave_if_excluded(ledger.epoch.worker(ledger.epoch.rank))
             return None
         ledger.notify("group-agree")
         ok, change = ledger.agree(err is None, float(control[1]))

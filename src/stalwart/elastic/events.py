@@ -88,7 +88,9 @@ class EventKind(StrEnum):
     DILOCO_AGGREGATE = "diloco-aggregate"  # worker, version, used, dropped, momentum, ...
     # the launcher (launcher.jsonl)
     SPAWNED = "spawned"  # wid, replaces, group (replica groups only)
-    EXITED = "exited"  # wid, rc, stopped, taken_down_by (killed with its replica group)
+    # wid, rc, stopped, taken_down_by (killed with its replica group), excluded (true: the SDC
+    # exclusion policy removed it, sdc.py; not replaced)
+    EXITED = "exited"
     GROUP_DOWN = "group-down"  # wid (who died), killed (its group's others), group
     HUNG = "hung"  # wid, silent_s (0.0: it never joined an abandoned epoch)
     FATAL = "fatal"  # wid, error: nothing can resume the job; it stopped at once

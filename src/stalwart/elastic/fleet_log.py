@@ -18,7 +18,10 @@ FOLDER`` takes.
 * ``hang``: a ``hung`` line (``heartbeat-timeout``). ``straggler``: a ``straggler`` line
   (``step-time-outlier``, at the step of its window).
 * ``sdc_suspect``: one row per (step, suspect) however many members wrote it, ``decided_by``
-  ``parity-<rule>`` (``parity-majority``, ``parity-rollback``), the tensor it names.
+  ``parity-<rule>`` (``parity-majority``, ``parity-rollback``, and the in-reduction
+  ``parity-nonfinite-count``, ``parity-grad-norm``), the tensor it names. A worker the
+  exclusion policy removed (``exited`` with ``excluded``) is one more ``sdc_suspect`` row,
+  ``decided_by: "excluded"``, at the step of its last verdict, not a crash.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class _Run:
     def __init__(self, events: Path) -> None:
         self.workers = read_events(events)
         self.launcher = launcher_lines(events)
-        replaces = {int(e["wid"]): e.get("replaces") for e in self._of(EventKind.SPAWNED)}
+        replaces: dict[int, Any] = {
+            int(e["wid"]): e.get("replaces") for e in self._of(EventKind.SPAWNED)
+        }
         self.ids = sorted(set(self.workers) | set(replaces))
         self.identity: dict[int, tuple[int, int]] = {}
         for wid in self.ids:
@@ -86,11 +91,20 @@ class _Run:
     def last_step(self, wid: int) -> int:
         return max(self.steps(wid), default=0)
 
+    def last_verdict(self, wid: int) -> int:
+        """The step of the last ``sdc-suspect`` naming ``wid`` in its own log (else its last)."""
+        named = [int(e["step"]) for e in self.workers.get(wid, [])
+                 if e.get("kind") == EventKind.SDC_SUSPECT and e.get("suspect") == wid]  # fmt: skip
+        return max(named, default=self.last_step(wid))
+
     def faults(self, run: str) -> list[dict[str, Any]]:
         out = []
         hung = {int(e["wid"]) for e in self._of(EventKind.HUNG)}
         for e in self._of(EventKind.EXITED):
             wid, rc = int(e["wid"]), int(e.get("rc") or 0)
+            if e.get("excluded"):  # the exclusion policy removed it: not a crash
+                out.append(self.fault(run, wid, self.last_verdict(wid), "sdc_suspect", "excluded"))
+                continue
             if rc == 0 or e.get("stopped") or "taken_down_by" in e or wid in hung:
                 continue
             how = "exit-signal" if rc < 0 else "exit-code"

@@ -9,7 +9,8 @@ coordinator loss); with ``--rdzv`` the other nodes' launchers run as agents
 Exit code: 0 when every member of the final epoch exited cleanly; 3
 (:data:`~stalwart.elastic.supervisor.EXIT_FATAL`) when a worker reported a fatal error (the
 job had committed steps and nothing can resume them: no checkpoint attached, or none
-verifies), at once; 1 otherwise (all workers died, restarts ran out with fewer than
+verifies), at once, or when excluded workers (``exclude_suspect_after``) left fewer than
+``min_size`` replica groups; 1 otherwise (all workers died, restarts ran out with fewer than
 ``min_size`` replica groups left, or a member of the final epoch failed).
 """
 
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from stalwart.elastic.nodes import parse_nnodes, rendezvous, run_agent
 from stalwart.elastic.protocol import ENV_EVENTS, ENV_HANG, ENV_TIMEOUT
 from stalwart.elastic.recovery import Recovery, recoveries
 from stalwart.elastic.roster import Roster
+from stalwart.elastic.sdc import write_policy
 from stalwart.elastic.supervisor import Supervisor
 from stalwart.elastic.timeouts import Timeouts
 from stalwart.errors import ConfigError
@@ -58,6 +60,7 @@ class LaunchResult:
         rehosts: times the coordinator's store was re-hosted (see the module docstring).
         fatal: the error a worker reported as fatal (the job stopped at once, exit code
             :data:`~stalwart.elastic.supervisor.EXIT_FATAL`), else None.
+        excluded: the workers the exclusion policy removed (not replaced).
     """
 
     exit_code: int
@@ -70,6 +73,7 @@ class LaunchResult:
     stragglers: list[dict[str, Any]]
     rehosts: int = 0
     fatal: str | None = None
+    excluded: list[int] = field(default_factory=list)
 
 
 def _run_with_drill(sup: Supervisor) -> int:
@@ -108,8 +112,13 @@ def _prepare(events_dir: str | os.PathLike[str] | None, env: Mapping[str, str] |
 
 
 def _check_sizes(nproc: int, min_size: int, max_restarts: int, group_size: int,
-                 max_nodes: int, rdzv: str | None) -> None:  # fmt: skip
+                 max_nodes: int, rdzv: str | None, exclude_after: int = 0) -> None:  # fmt: skip
     """Refuse sizes :func:`launch` cannot run (ConfigError, saying what to change)."""
+    if exclude_after < 0 or (exclude_after and rdzv is not None):
+        raise ConfigError(
+            f"exclude_suspect_after={exclude_after}: use 0 (off) or N >= 1, on one node (the "
+            "agents of --rdzv nodes would replace an excluded worker: not supported yet)"
+        )
     Roster(max(nproc, 1), group_size)  # refuses a group size that does not divide nproc
     if nproc < 1 or not 1 <= min_size <= nproc // group_size * max_nodes or max_restarts < 0:
         raise ConfigError(
@@ -141,6 +150,7 @@ def launch(
     rdzv: str | None = None,
     nnodes: str = "1",
     group_size: int = 1,
+    exclude_suspect_after: int = 0,
 ) -> LaunchResult:
     """Run ``python script args...`` as an elastic job of ``nproc`` workers.
 
@@ -162,13 +172,16 @@ def launch(
         rdzv: ``HOST:PORT`` where several nodes' launchers meet (:mod:`.nodes`; per node nproc).
         nnodes: ``MIN:MAX`` nodes (``--rdzv`` only): the first epoch waits for MIN.
         group_size: workers per replica group (:mod:`.roster`); it must divide ``nproc``.
+        exclude_suspect_after: a worker named by this many SDC verdicts (a parity majority,
+            its own non-finite gradients) leaves and is not replaced (:mod:`.sdc`); 0: off.
 
     Raises:
         ConfigError: an argument is out of range, or the job already has MAX nodes.
     """
     min_nodes, max_nodes = parse_nnodes(nnodes)
-    _check_sizes(nproc, min_size, max_restarts, group_size, max_nodes, rdzv)
+    _check_sizes(nproc, min_size, max_restarts, group_size, max_nodes, rdzv, exclude_suspect_after)
     folder, worker_env = _prepare(events_dir, env, timeout_s, hang_s)
+    write_policy(folder, exclude_suspect_after)
     cmd = [sys.executable, str(script), *args]
     coord = None
     if rdzv is not None:
@@ -187,7 +200,7 @@ def _result(sup: Supervisor, code: int, folder: Path) -> LaunchResult:
     return LaunchResult(
         code, sup.restarts, wall, folder, summarize(folder), recoveries(folder),
         hung=sup.hung, stragglers=list(sup.stragglers.reported.values()), rehosts=sup.rehosts,
-        fatal=sup.fatal["error"] if sup.fatal else None,
+        fatal=sup.fatal["error"] if sup.fatal else None, excluded=list(sup.excluded),
     )  # fmt: skip
 
 

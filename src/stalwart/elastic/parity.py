@@ -59,7 +59,7 @@ import xxhash
 from stalwart.elastic.events import EventLog, ParityMismatch, SdcSuspect, StateReceived
 from stalwart.elastic.groups import all_or_none, device_of
 from stalwart.elastic.membership import Epoch
-from stalwart.elastic.sdc import Evidence, examine
+from stalwart.elastic.sdc import VERDICTS, Evidence, examine, leave_if_excluded
 from stalwart.elastic.state import AgreedState, digest, receive_state, send_state
 from stalwart.errors import DistributedError
 
@@ -374,17 +374,21 @@ class ParityCheck:
             ))  # fmt: skip
         if found.received:
             self.events.record(StateReceived(step=step, epoch=epoch.number, source=src, why=why))
-        self._suspect(found, epoch)
+        ev, named = found.evidence, self._suspect(found, epoch)
+        if why != "final" and ev and ev.decided_by in VERDICTS and epoch.rank in named:
+            leave_if_excluded(epoch.worker(epoch.rank))  # the exclusion policy (sdc.py)
         return step
 
-    def _suspect(self, found: ParityResult, epoch: Epoch) -> None:
-        """Write ``sdc-suspect`` for a majority's outsiders, or every member of a split."""
+    def _suspect(self, found: ParityResult, epoch: Epoch) -> dict[int, str | None]:
+        """Write ``sdc-suspect`` for a majority's outsiders, or every member of a split;
+        returns them (replica rank -> tensor)."""
         ev = found.evidence
         suspects = dict(ev.suspects) if ev is not None else {}
         if self.shard_group is not None:  # a rank whose own shard agreed names nobody
             suspects = {r: t for r, t in suspects.items() if t is not None}
         if ev is not None and suspects:
             self._write(max(s for s, _ in found.table), epoch, suspects, ev.decided_by)
+        return suspects
 
     def _write(self, step: int, epoch: Epoch, suspects: dict[int, str | None], how: str) -> None:
         for replica, tensor in sorted(suspects.items()):

@@ -17,32 +17,59 @@ the canonical state (plus one row for the non-tensor skeleton) and all-gather th
 
 With replica groups each rank compares its own shard (rank ``i`` of every group on the
 replicate dimension); a rank whose shard agreed names no tensor.
+
+**Exclusion** (``stalwart run --exclude-suspect-after N``; off by default): the launcher writes
+the policy to ``policy.json`` in the events folder (:data:`POLICY_FILE`). A worker that has
+been named by a verdict (:data:`VERDICTS`: a parity majority, or its own non-finite
+gradients; not a split with no majority, which names everyone, nor a gradient-norm outlier,
+a signal whose step is kept) in ``N`` distinct checks leaves at once with
+:data:`EXIT_EXCLUDED` (:func:`leave_if_excluded`), its count read back from its own event
+file; the launcher does not replace it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
+from stalwart.elastic.events import EventKind, read_lines
 from stalwart.elastic.groups import agree, device_of
 from stalwart.elastic.state import canonical_tree, local_part
+from stalwart.environment import read
 from stalwart.tree import dtype_name, flatten
 
 __all__ = [
+    "EXIT_EXCLUDED",
+    "POLICY_FILE",
     "SKELETON",
+    "VERDICTS",
     "Evidence",
     "examine",
+    "exclusion_threshold",
     "first_difference",
+    "leave_if_excluded",
     "majority_ranks",
     "tensor_digests",
+    "verdicts_against",
+    "write_policy",
 ]
 
+log = logging.getLogger(__name__)
+
 SKELETON = "(non-tensor state)"  # the row for everything in the state that is not a tensor
+EXIT_EXCLUDED = 12
+"""A worker's exit code when the exclusion policy removed it (the launcher does not replace it)."""
+POLICY_FILE = "policy.json"  # in the events folder: {"exclude_suspect_after": N}
+VERDICTS = ("majority", "nonfinite-count")  # the rules that single out one member
 
 
 def tensor_digests(state: Any) -> tuple[list[str], np.ndarray]:
@@ -159,3 +186,52 @@ def _gather(mine: torch.Tensor, group: Any) -> list[torch.Tensor]:
     out = [torch.empty_like(mine, device=device) for _ in range(group.size())]
     group.allgather([out], [mine.to(device)]).wait()
     return [t.cpu() for t in out]
+
+
+def write_policy(events: Path, exclude_suspect_after: int) -> None:
+    """The launcher's side: write the exclusion policy beside the event files (0: none)."""
+    path = events / POLICY_FILE
+    if exclude_suspect_after > 0:
+        path.write_text(json.dumps({"exclude_suspect_after": exclude_suspect_after}) + "\n")
+    else:
+        path.unlink(missing_ok=True)
+
+
+def exclusion_threshold(events: Path) -> int:
+    """Verdicts after which a worker leaves (0: never), from the launcher's policy file."""
+    try:
+        return int(json.loads((events / POLICY_FILE).read_text())["exclude_suspect_after"])
+    except FileNotFoundError:
+        return 0
+
+
+def verdicts_against(events: Path, wid: int) -> int:
+    """Distinct checks (epoch, step, rule) whose verdict named worker ``wid``, from its own
+    event file (every member writes every suspect, the suspect too)."""
+    lines = read_lines(events / f"worker{wid}.jsonl")
+    return len({
+        (e.get("epoch"), e.get("step"), e["decided_by"]) for e in lines
+        if e.get("kind") == EventKind.SDC_SUSPECT and e.get("suspect") == wid
+        and e.get("decided_by") in VERDICTS
+    })  # fmt: skip
+
+
+def leave_if_excluded(wid: int) -> None:
+    """After a verdict named worker ``wid`` (this process): exit with :data:`EXIT_EXCLUDED`
+    when the launcher's policy says it has been named often enough.
+
+    The process leaves *now* (``os._exit``): not through the job's ``close()`` at exit, which
+    would wait for the others to agree on a final step. Its peers see its sockets close, as
+    for a crash, and go on without it; every event line is already on disk (line-buffered).
+    """
+    folder = read("STALWART_ELASTIC_EVENTS")
+    if folder is None:
+        return
+    after = exclusion_threshold(Path(folder))
+    named = verdicts_against(Path(folder), wid) if after else 0
+    if after and named >= after:
+        log.error("worker %d excluded: named by %d SDC verdicts (--exclude-suspect-after %d)",
+                  wid, named, after)  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_EXCLUDED)

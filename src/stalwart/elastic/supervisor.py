@@ -10,7 +10,10 @@ same way; a member persistently slower than the others is reported as a straggle
 (:mod:`stalwart.elastic.stats`), not removed. A worker that reports a fatal error through
 the store (:meth:`~stalwart.elastic.membership.Membership.report_fatal`: the job had committed
 steps and nothing can resume them) stops the job at once with :data:`EXIT_FATAL`, instead of
-respawning doomed workers until ``--max-restarts``. The job ends when the members of one epoch have
+respawning doomed workers until ``--max-restarts``. A worker that leaves with
+:data:`~stalwart.elastic.sdc.EXIT_EXCLUDED` (``--exclude-suspect-after``: named by that many
+SDC verdicts) is not replaced: the job goes on with fewer members, or, below ``min_size``,
+stops with :data:`EXIT_FATAL` and says why. The job ends when the members of one epoch have
 agreed on their final step (:meth:`stalwart.elastic.Job.close`); workers still joining then
 are stopped.
 
@@ -45,6 +48,7 @@ from stalwart.elastic.protocol import (
 )
 from stalwart.elastic.recovery import LAUNCHER_LOG
 from stalwart.elastic.roster import Roster
+from stalwart.elastic.sdc import EXIT_EXCLUDED, exclusion_threshold
 from stalwart.elastic.stats import StragglerWatch
 
 __all__ = ["EXIT_FATAL", "STORE_FILE", "Supervisor"]
@@ -94,6 +98,7 @@ class Supervisor:
         write_address(self.store_file, self.coord.address)
         self.rehost_requested = False
         self.fatal: dict[str, Any] | None = None  # a worker's fatal report (check_fatal)
+        self.excluded: list[int] = []  # workers the exclusion policy removed, not replaced
         self.rehosts = 0
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.codes: dict[int, int] = {}
@@ -137,16 +142,26 @@ class Supervisor:
             self.codes[wid] = p.returncode
             stopped = self.final_members is not None and wid not in self.final_members
             by = self.roster.taken_down.get(wid)
-            extra = {} if by is None else {"taken_down_by": by}
+            extra: dict[str, Any] = {} if by is None else {"taken_down_by": by}
+            excluded = p.returncode == EXIT_EXCLUDED and self.final_members is None
+            if excluded:
+                extra["excluded"] = True  # the exclusion policy: not replaced
+                self.excluded.append(wid)
             self.log.write(EventKind.EXITED, wid=wid, rc=p.returncode, stopped=stopped, **extra)
             if p.returncode != 0 and self.final_members is None:
-                log.warning("worker %d exited with %d", wid, p.returncode)
-                self.replace_group(wid)
+                log.warning(
+                    "worker %d exited with %d%s",
+                    wid,
+                    p.returncode,
+                    " (excluded: SDC verdicts), not replaced" if excluded else "",
+                )
+                self.replace_group(wid, respawn=not excluded)
         self.remote, exits = worker_views(self.coord.store, set(self.procs), set(self.codes))
         self.codes.update(exits)  # other nodes' launchers reap and replace their own
 
-    def replace_group(self, wid: int) -> None:
-        """Worker ``wid`` died: kill the rest of its group, then start a new group for it."""
+    def replace_group(self, wid: int, *, respawn: bool = True) -> None:
+        """Worker ``wid`` died: kill the rest of its group, then start a new group for it
+        (not when ``respawn`` is False: an excluded worker's group is not replaced)."""
         partners = self.roster.take_down(wid)
         if partners is None:
             return  # killed with its group: the group is replaced once
@@ -157,7 +172,7 @@ class Supervisor:
         for w in partners:
             if w in self.live():
                 self.kill(w)
-        if self.restarts < self.max_restarts:
+        if respawn and self.restarts < self.max_restarts:
             self.restarts += 1
             self.spawn(replaces=self.roster.group_members(wid))
 
@@ -271,6 +286,24 @@ class Supervisor:
                 self.log.write(EventKind.FATAL, wid=self.fatal["wid"], error=self.fatal["error"])
         return self.fatal is not None
 
+    def check_excluded(self) -> bool:
+        """True when exclusions left fewer than ``min_size`` replicas (fatal: logged, printed)."""
+        live = self.live()
+        replicas = self.roster.live_groups(live) if self.roster.group_size > 1 else len(live)
+        if not self.excluded or self.final_members is not None or replicas >= self.min_size:
+            return False
+        after = exclusion_threshold(Path(self.env[ENV_EVENTS]))
+        error = (
+            f"worker(s) {self.excluded} excluded after {after} SDC verdict(s) each "
+            f"(--exclude-suspect-after {after}) and not replaced: {replicas} replica(s) left, "
+            f"fewer than --min-size {self.min_size}; check those hosts (their start lines and "
+            "the fleet log name them), or lower --min-size to train on"
+        )
+        self.fatal = {"wid": self.excluded[-1], "error": error}
+        log.error("%s", error)
+        self.log.write(EventKind.FATAL, wid=self.excluded[-1], error=error)
+        return True
+
     def failed(self) -> bool:
         """True when the job cannot go on: nobody alive, or too few and no restarts left."""
         live = self.live()
@@ -292,7 +325,7 @@ class Supervisor:
                     self.exclude_hung()
                     self.reap()
                     self.check_finish()
-                    if self.check_fatal():
+                    if self.check_fatal() or self.check_excluded():
                         return EXIT_FATAL
                     if self.failed():
                         return 1

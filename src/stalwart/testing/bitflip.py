@@ -18,9 +18,10 @@ do. It rides in ``STALWART_CHAOS`` with the other faults (:class:`stalwart.testi
 ``flips``) and fires from the ``commit`` point of :func:`stalwart.testing.chaos.install`.
 
 A :class:`GradFlip` (``grad_flips``) instead writes a value (NaN, or a large finite one) into
-one element of one parameter's local gradient after backward, before the commit's all-reduce
-(chaos point ``collective-enter``): the in-reduction signals of
-:mod:`stalwart.elastic.commit` see it; a parity digest cannot, the reduction spreads it.
+one element of one parameter's local gradient, or flips one bit of it drawn from a bit class,
+after backward, before the commit's all-reduce (chaos point ``collective-enter``): the
+in-reduction signals of :mod:`stalwart.elastic.commit` may see it; a parity digest cannot, the
+reduction spreads it to every replica alike.
 """
 
 from __future__ import annotations
@@ -165,15 +166,22 @@ def flip_in_state(state: Any, flip: BitFlip) -> tuple[str, int, int, float, floa
 
 @dataclass(frozen=True)
 class GradFlip:
-    """Write ``value`` into worker ``worker``'s local gradient while it attempts step ``step``.
+    """Corrupt one element of worker ``worker``'s local gradient while it attempts step ``step``.
+
+    Either writes ``value`` into the element, or (``bit_class`` given) flips one bit of it,
+    drawn from that class with ``seed`` (as :class:`BitFlip` draws).
 
     Attributes:
         worker: the original worker id.
         step: the step being attempted (committed steps so far); once per process, so the
             retried step computes clean.
-        param: the parameter's name in ``state.model.named_parameters()`` (empty: the first).
-        index: the flat element index.
-        value: what the element becomes (NaN, inf, or a large finite value).
+        param: the parameter's name in ``state.model.named_parameters()`` (empty: the first;
+            with ``bit_class``, drawn from ``seed``).
+        index: the flat element index (with ``bit_class``, -1: drawn from ``seed``).
+        value: what the element becomes (NaN, inf, or a large finite value); unused with
+            ``bit_class``.
+        bit_class: empty: write ``value``; else one of :data:`BIT_CLASSES`, a bit flipped.
+        seed: the seed of every draw.
     """
 
     worker: int
@@ -181,11 +189,26 @@ class GradFlip:
     param: str = ""
     index: int = 0
     value: float = float("nan")
+    bit_class: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bit_class and self.bit_class not in BIT_CLASSES:
+            raise ConfigError(f"{self}: bit_class empty (write value) or in {BIT_CLASSES}")
 
 
 def flip_grad(state: Any, flip: GradFlip) -> str:
     """Apply ``flip`` to the gradient of ``state.model``'s parameter; returns its name."""
     params = dict(getattr(state, "model", state).named_parameters())
+    if flip.bit_class:
+        grads = {n: _local(p.grad) for n, p in params.items() if p.grad is not None}
+        as_bit = BitFlip(flip.worker, max(flip.step, 1), flip.param, flip.index,
+                         bit_class=flip.bit_class, prefix="", seed=flip.seed)  # fmt: skip
+        name, index, bit = as_bit.resolve(grads)
+        before, after = flip_bit(grads[name], index, bit)
+        log.warning("chaos: worker %s flipped bit %d of %s.grad[%d]: %r -> %r", flip.worker,
+                    bit, name, index, before, after)  # fmt: skip
+        return name
     name = flip.param or next(iter(params), "")
     if name not in params or params[name].grad is None:
         raise ConfigError(f"{flip}: no parameter {name!r} with a gradient ({sorted(params)})")
