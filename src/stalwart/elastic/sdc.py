@@ -83,7 +83,7 @@ def tensor_digests(state: Any) -> tuple[list[str], np.ndarray]:
         t = local_part(flat.leaves[fqn].tensor).detach().to("cpu").contiguous()
         h = xxhash.xxh3_128()
         h.update(f"{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
         out[i] = _words(h.digest())
     return names, out
 

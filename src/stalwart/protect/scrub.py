@@ -19,7 +19,7 @@ __all__ = ["ParameterScrubber"]
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy())
 
 
 class ParameterScrubber(Protection):
