@@ -195,12 +195,15 @@ class Tiers:
 
 @dataclass(frozen=True, kw_only=True)
 class Costs:
-    """What stalwart (and the torchrun baseline) costs: per GB saved, per failure."""
+    """What stalwart (and the torchrun baseline) costs: per GB saved, per failure.
+
+    A snapshot of tier ``<t>`` (``memory``, ``disk``, ``remote``; ``torchrun`` for the
+    baseline's save) stops training ``<t>_stall_s_per_gb`` seconds per GB, and its background
+    work (copy, encode, digest, write) costs training another ``<t>_background_s_per_gb``.
+    """
 
     memory_stall_s_per_gb: float = _D["costs.memory_stall_s_per_gb"]
-    """Training stops this long per GB while a memory snapshot is taken."""
     memory_background_s_per_gb: float = _D["costs.memory_background_s_per_gb"]
-    """Training time lost per GB to the snapshot's background work (copy, encode, digest)."""
     disk_stall_s_per_gb: float = _D["costs.disk_stall_s_per_gb"]
     disk_background_s_per_gb: float = _D["costs.disk_background_s_per_gb"]
     remote_stall_s_per_gb: float = _D["costs.remote_stall_s_per_gb"]

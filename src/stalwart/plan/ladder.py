@@ -53,14 +53,15 @@ TIERS = ("memory", "disk", "remote")
 """The rungs that hold snapshots (and have intervals)."""
 
 
-class Kind(str, enum.Enum):
-    """A failure kind; its rate comes from :class:`~stalwart.plan.inputs.Fleet`."""
+class Kind(enum.StrEnum):
+    """A failure kind (its value: the name in lower case); its rate comes from
+    :class:`~stalwart.plan.inputs.Fleet`."""
 
-    CRASH = "crash"
-    HANG = "hang"
-    NODE = "node"
-    RACK = "rack"
-    SDC = "sdc"
+    CRASH = enum.auto()
+    HANG = enum.auto()
+    NODE = enum.auto()
+    RACK = enum.auto()
+    SDC = enum.auto()
 
 
 def rungs(strategy: Strategy, inputs: PlanInputs | None = None) -> tuple[str, ...]:
@@ -213,7 +214,8 @@ class RungCosts:
     ``lag_s[t]``: from the stall's end to the snapshot's commit (the background write);
     ``restore_s[t]``: from detection to training again after a rollback to ``t``;
     ``detect_s[kind]``; ``peer_stall_s``: detection to the survivors' next commit;
-    ``heal_s``: a lost group's heal (start + bytes over the network), during which it is out.
+    ``heal_s``: a lost group's heal (start + bytes over the network), during which it is out;
+    ``start_s``: the launch part of a restore (a replacement's start, or torchrun's restart).
     """
 
     save_s: dict[str, float]
@@ -224,6 +226,7 @@ class RungCosts:
     heal_s: float
     spare_s: float
     verify_every_steps: int | None
+    start_s: float = 0.0
 
     @classmethod
     def of(cls, inputs: PlanInputs, strategy: Strategy) -> RungCosts:
@@ -259,6 +262,7 @@ class RungCosts:
             resume_s=c.resume_s,
             heal_s=c.heal_s + gb / fleet.network_gbps,
             spare_s=c.spare_s,
+            start_s=start,
             verify_every_steps=None if baseline else c.verify_every_steps or None,
         )
 

@@ -15,7 +15,9 @@ corruption. Between events, progress, snapshot pauses and commits follow in clos
   discarded step; the healing groups are out for the heal's time, charged as the equivalent
   full-job pause (heal time x g / R) when the heal starts;
 - failures during recovery: a failure while the job rolls back restarts the rollback (from the
-  same or an older copy), as in Daly's model;
+  same or an older copy), as in Daly's model; a failure that takes the last holder of a shard
+  while a replacement is starting for a heal rolls back with that replacement's head start (it
+  resumes the job from the tier once started; the groups lost now heal from it afterwards);
 - silent data corruption, found at the next digest check (every ``verify_every_steps``) and
   rolled back to the newest copy taken before it (checkpoint-restart finds it at once).
 
@@ -134,6 +136,8 @@ class _Run:
         if (self.peer and loss.kind is not Kind.SDC and not self.rolling_back
                 and not self.lay.all_holders_lost([*healing, loss])):  # fmt: skip
             self._heal(t, p, loss)
+        elif self.heals and loss.kind is not Kind.SDC:  # a replacement is starting already
+            self._roll_back(t, p, loss.kind, p, head=(min(e for e, _ in self.heals) - t, loss))
         else:
             self._roll_back(t, p, loss.kind, p)
 
@@ -153,7 +157,10 @@ class _Run:
         self.taken["peer"] += 1
         self._start(t, w0, float(math.floor(p)))
 
-    def _roll_back(self, t: float, p: float, kind: Kind, limit: float) -> None:
+    def _roll_back(self, t: float, p: float, kind: Kind, limit: float,
+                   head: tuple[float, Loss] | None = None) -> None:  # fmt: skip
+        """Roll every rank back to the best usable copy. ``head``: (seconds a replacement
+        started for a heal still needs, the loss that took the last holder)."""
         best: tuple[float, str, Snapshot] | None = None
         for tier in self.tiers:
             for snap in reversed(self.records[tier]):
@@ -164,6 +171,12 @@ class _Run:
                     break
         tier, x = (best[1], best[2].progress) if best else ("remote", 0.0)
         stall = self.costs.stall_s(kind, tier)
+        if head is not None:
+            c, (left_s, loss) = self.costs, head
+            started = c.detect_s[kind] + left_s + c.restore_s[tier] - c.start_s
+            if started < stall:  # resumed by the replacement; the groups lost now heal after
+                debt = c.heal_time_s(kind) * self.lay.groups_out(loss) / self.lay.replicas
+                stall = started + debt
         self.lost_steps += p - x
         self.taken[tier] += 1
         self.rolling_back = True

@@ -31,7 +31,9 @@ Two faults of the job's plumbing:
   out after the epoch's gloo timeout, they discard the step, the member that never arrives at
   the next epoch is taken for hung and replaced.
 
-:meth:`KillSchedule.mixed` draws a seeded mix of kill, stop, raise and delay.
+:meth:`KillSchedule.mixed` draws a seeded mix of kill, stop, raise and delay;
+:meth:`KillSchedule.poisson` draws kills, hangs and losses of every member at Poisson times of
+the job's clock (:mod:`stalwart.testing.poisson`).
 
 Silent data corruption: :class:`BitFlip` (:mod:`stalwart.testing.bitflip`) flips one bit
 of one element of the worker's state right after it commits a step, once per process.
@@ -58,6 +60,7 @@ from typing import Any, Protocol
 
 from stalwart.errors import ConfigError, StalwartError
 from stalwart.testing.bitflip import BitFlip, GradFlip, flip_grad, flip_in_state
+from stalwart.testing.poisson import Timed, draw, for_job
 
 __all__ = [
     "ENV_CHAOS",
@@ -70,6 +73,7 @@ __all__ = [
     "KillSchedule",
     "LoseCoordinator",
     "Raise",
+    "Timed",
     "install",
 ]
 
@@ -202,6 +206,20 @@ class KillSchedule:
     drops: tuple[Drop, ...] = ()
     flips: tuple[BitFlip, ...] = ()
     grad_flips: tuple[GradFlip, ...] = ()
+    timed: tuple[Timed, ...] = ()
+    clock: str | None = None
+    """The folder of the job's clock and records, for ``timed`` faults (shared by the workers)."""
+    members: int = 1
+    """Ranks of the whole job, for ``timed`` faults (a fault's slot picks one)."""
+
+    @classmethod
+    def poisson(cls, rate_per_s: float, *, seed: int, horizon_s: float, clock: str,
+                members: int, kinds: tuple[str, ...] = ("kill",),
+                weights: tuple[float, ...] | None = None) -> KillSchedule:  # fmt: skip
+        """Faults at Poisson times of the job's clock (:func:`stalwart.testing.poisson.draw`):
+        ``kill`` and ``stop`` strike one of ``members`` ranks, ``all`` every member at once."""
+        faults = draw(rate_per_s, seed=seed, horizon_s=horizon_s, kinds=kinds, weights=weights)
+        return cls(timed=faults, clock=clock, members=members)
 
     @classmethod
     def seeded(cls, seed: int, *, workers: int, steps: range, count: int = 1,
@@ -261,8 +279,10 @@ class KillSchedule:
             "drops": self.drops,
             "flips": self.flips,
             "grad_flips": self.grad_flips,
+            "timed": self.timed,
         }
-        return {ENV_CHAOS: json.dumps({k: [asdict(f) for f in v] for k, v in faults.items()})}
+        data: dict[str, Any] = {k: [asdict(f) for f in v] for k, v in faults.items()}
+        return {ENV_CHAOS: json.dumps({**data, "clock": self.clock, "members": self.members})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KillSchedule:
@@ -282,6 +302,9 @@ class KillSchedule:
             tuple(Drop(**d) for d in data.get("drops", ())),
             tuple(BitFlip(**f) for f in data.get("flips", ())),
             tuple(GradFlip(**f) for f in data.get("grad_flips", ())),
+            tuple(Timed(**f) for f in data.get("timed", ())),
+            data.get("clock"),
+            int(data.get("members", 1)),
         )
 
 
@@ -319,7 +342,8 @@ def install(
     drops = {d.step for d in schedule.drops if d.worker == worker}
     flips = [f for f in schedule.flips if f.worker == worker]
     grads = [g for g in schedule.grad_flips if g.worker == worker]
-    if not (kills or raises or delays or losses or drops or flips or grads):
+    timed = for_job(job, schedule.timed, schedule.clock, schedule.members)
+    if not (kills or raises or delays or losses or drops or flips or grads or timed):
         return
     target = state if state is not None else getattr(job, "state", None)
     if (flips or grads) and target is None:
@@ -335,6 +359,8 @@ def install(
                 grads.remove(g)  # once: the retried step computes clean
                 flip_grad(target, g)
         where = _EVENTS.get(event)
+        if where == "boundary" and timed is not None and (sig := timed.at_boundary()):
+            _die(sig)
         if where == "collective":
             for d in delays:
                 if d.covers(step):
