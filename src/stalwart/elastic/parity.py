@@ -58,9 +58,10 @@ import xxhash
 
 from stalwart.elastic.events import EventLog, ParityMismatch, SdcSuspect, StateReceived
 from stalwart.elastic.groups import all_or_none, device_of
+from stalwart.elastic.heal import heal
 from stalwart.elastic.membership import Epoch
 from stalwart.elastic.sdc import VERDICTS, Evidence, examine, leave_if_excluded
-from stalwart.elastic.state import AgreedState, digest, receive_state, send_state
+from stalwart.elastic.state import AgreedState, digest
 from stalwart.errors import DistributedError
 
 __all__ = [
@@ -244,7 +245,7 @@ def reconcile(
         step, src, received = _roll_back_all(state, step, rank, table, agreed, group, shard_group)
     else:
         received = table[rank] != table[src]
-        step = _broadcast(state, step, rank, src, group, load=received, shard_group=shard_group)
+        step = _heal(state, step, rank, table, src, group, shard_group)
     log.info("parity (%s): steps %s, rank %s sent its state", decision, [s for s, _ in table], src)
     _check_repaired(state, step, src, group, shard_group)
     _record(agreed, state, step, group)
@@ -268,7 +269,7 @@ def _roll_back_all(state: Any, step: int, rank: int, table: list[tuple[int, str]
             f"{rolled_from} ({table2}); restart from the durable checkpoint"
         )
     received = table2[rank] != table2[src]
-    step = _broadcast(state, step, rank, src, group, load=received, shard_group=shard_group)
+    step = _heal(state, step, rank, table2, src, group, shard_group)
     return step, src, received
 
 
@@ -283,24 +284,17 @@ def _check_repaired(state: Any, step: int, src: int | None, group: Any, shard_gr
         )
 
 
-def _broadcast(
-    state: Any, step: int, rank: int, src: int, group: dist.ProcessGroup, *, load: bool,
-    shard_group: Any = None,
-) -> int:  # fmt: skip
-    """``src`` sends its state; the others take part and load it if ``load``; returns the step.
+def _heal(state: Any, step: int, rank: int, table: list[tuple[int, str]], src: int,
+          group: Any, shard_group: Any = None) -> int:  # fmt: skip
+    """Every member holding ``table[src]`` sends a slice of its state to each other member.
 
-    With replica groups every shard is sent at once, each on its replicate group; a failure on
-    one shard fails the heal on every rank of the group (:func:`~.groups.all_or_none`).
+    Peer to peer over sockets, all holders at once (:mod:`stalwart.elastic.heal`); returns
+    the step this member holds. With replica groups every shard is sent at once, each on its
+    replicate group; a failure on one shard fails the heal on every rank of the group
+    (:func:`~.groups.all_or_none`).
     """
-
-    def run() -> int:
-        if rank == src:
-            send_state(state, step, src, group)
-            return step
-        new_step = receive_state(state, src, group, load=load)
-        return new_step if load else step
-
-    return all_or_none(shard_group, run)
+    holders = [r for r, row in enumerate(table) if row == table[src]]
+    return all_or_none(shard_group, lambda: heal(state, step, rank, holders, group))
 
 
 def _roll_back(

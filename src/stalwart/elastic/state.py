@@ -46,8 +46,11 @@ __all__ = [
     "BoundarySnapshot",
     "canonical_tree",
     "digest",
+    "leaf_nbytes",
+    "load_leaves",
     "receive_state",
     "send_state",
+    "state_header",
 ]
 
 _REPLICA = "replica"
@@ -156,8 +159,13 @@ def _broadcast_bytes(
     return buf.cpu()
 
 
-def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``state`` and ``step`` from this member (rank ``src``) to the group."""
+def state_header(state: Any, step: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The header a receiver rebuilds ``state`` from, and the leaves it describes, in order.
+
+    The header holds the skeleton, the committed ``step`` and one ``[name, dtype, local shape,
+    DTensor spec or None]`` per leaf; the leaves' local bytes, concatenated in this order, are
+    the state's byte stream (:func:`send_state`, :mod:`stalwart.elastic.heal`).
+    """
     flat = flatten(canonical_tree(state))
     names = list(flat.leaves)
     tensors = [flat.leaves[n].tensor for n in names]
@@ -169,6 +177,37 @@ def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> Non
             for n, t in zip(names, tensors, strict=True)
         ],
     }
+    return header, tensors
+
+
+def load_leaves(state: Any, header: dict[str, Any], leaves: Sequence[torch.Tensor]) -> int:
+    """Load received local ``leaves`` (CPU, in the header's order) into ``state``.
+
+    A DTensor leaf is rebuilt on this member's mesh. Returns the sender's committed step.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    own: dict[str, torch.Tensor] | None = None  # this member's leaves: templates for DTensors
+    for (name, _, _, *rest), t in zip(header["leaves"], leaves, strict=True):
+        tensors[name] = t
+        if rest and rest[0] is not None:
+            if own is None:
+                own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
+            mesh = next((t.device_mesh for t in own.values() if isinstance(t, DTensor)), None)
+            tensors[name] = _rebuild(t, rest[0], own.get(name), mesh)
+    tree = unflatten(header["skeleton"], tensors.__getitem__)
+    state.load_state_dict(_localize(tree))
+    return int(header["step"])
+
+
+def leaf_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a header leaf's local part (``dtype`` by :func:`stalwart.tree.dtype_name`)."""
+    size = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+    return int(np.prod(shape, dtype=np.int64)) * size
+
+
+def send_state(state: Any, step: int, src: int, group: dist.ProcessGroup) -> None:
+    """Broadcast ``state`` and ``step`` from this member (rank ``src``) to the group."""
+    header, tensors = state_header(state, step)
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
     _broadcast_bytes(raw, src, group)
     parts = [_bytes_of(t) for t in tensors]
@@ -185,23 +224,14 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
     data = _broadcast_bytes(None, src, group)
     if not load:
         return int(header["step"])
-    tensors: dict[str, torch.Tensor] = {}
-    offset = 0
-    own: dict[str, torch.Tensor] | None = None  # this member's leaves: templates for DTensors
-    for name, dtype, shape, *rest in header["leaves"]:
-        dt = dtype_from_name(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
-        chunk = data[offset : offset + nbytes].clone()
-        tensors[name] = chunk.view(dt).reshape(shape)
+    leaves, offset = [], 0
+    for _, dtype, shape, *_ in header["leaves"]:
+        nbytes = leaf_nbytes(dtype, shape)
+        leaves.append(
+            data[offset : offset + nbytes].clone().view(dtype_from_name(dtype)).reshape(shape)
+        )
         offset += nbytes
-        if rest and rest[0] is not None:
-            if own is None:
-                own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
-            mesh = next((t.device_mesh for t in own.values() if isinstance(t, DTensor)), None)
-            tensors[name] = _rebuild(tensors[name], rest[0], own.get(name), mesh)
-    tree = unflatten(header["skeleton"], tensors.__getitem__)
-    state.load_state_dict(_localize(tree))
-    return int(header["step"])
+    return load_leaves(state, header, leaves)
 
 
 def copy_into(saved: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
