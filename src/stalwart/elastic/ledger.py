@@ -306,7 +306,7 @@ class StepLedger:
             self.events.record(Reconfigured(step=self._step, epoch=self.epoch.number,
                                             members=list(self.epoch.members)))  # fmt: skip
             try:
-                self.check_parity("heal")
+                self._step = self._parity.run(self._step, self.epoch, "heal")  # no digest after
                 if self._parity.last_decision is not Decision.ROLLBACK:  # rolled back on purpose
                     self.resume_if_lost()
             except RuntimeError as e:

@@ -25,9 +25,10 @@ takes the same decision without further messages):
    persistent one (non-deterministic kernels, a faulty device) and raises
    :class:`~stalwart.errors.DistributedError`. At step 0 everyone is fresh: members whose
    fresh states differ (seeds) are synced from the lowest rank, which is not a divergence.
-4. The lowest rank of the winning group broadcasts its state; every member outside that group
-   loads it. Members then compare digests again, and a second disagreement is an error (the
-   state is not deterministic, e.g. a tensor the optimizer does not own changes between
+4. Every member of the winning group sends a slice of its state, peer to peer
+   (:mod:`stalwart.elastic.heal`); every member outside that group loads it. Members then
+   compare digests again, and a second disagreement is an error (the state is not
+   deterministic, e.g. a tensor the optimizer does not own changes between
    ``state_dict()`` calls).
 
 The decision is returned (:class:`Decision`, in :class:`ParityResult`); :class:`ParityCheck`,
@@ -229,8 +230,10 @@ def reconcile(
         DistributedError: members still disagree after a repair; or they split with no
             majority and there is no agreed state, or it happened again since the last one.
     """
+    if group is None:  # a world of one compares with nobody: no digest (seconds at GiBs)
+        return step, ParityResult(True, None, False, False, [])
     table = gather_table(step, digest(state, step), group, shard_group)
-    if len(set(table)) == 1 or group is None:
+    if len(set(table)) == 1:
         _record(agreed, state, step, group)
         return step, ParityResult(True, None, False, False, table)
     src, decision = choose_source(table)

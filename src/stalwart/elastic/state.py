@@ -13,11 +13,13 @@ back under its own rank.
   tensor parallel inside a replica group) contributes its global shape and the bytes of its
   *local* shard: the digest of rank ``i`` of a replica group covers shard ``i``, and equals
   the digest of rank ``i`` of every other group holding the same state.
-* :func:`send_state` / :func:`receive_state` move the state from one member to all others
-  of a process group: a header (skeleton, leaf names, dtypes, shapes, step, and a DTensor's
-  global shape, stride and placements) and then one flat byte buffer with every tensor
-  (local shards), each in one ``broadcast`` on the group's device (CPU for gloo, CUDA for
-  NCCL). A receiver rebuilds each DTensor on its own mesh. Nothing touches disk or the
+* :func:`state_header` describes the state to a receiver (skeleton, leaf names, dtypes,
+  shapes, step, and a DTensor's global shape, stride and placements) and
+  :func:`load_leaves` loads received leaves, rebuilding each DTensor on the receiver's mesh.
+  A heal sends them peer to peer (:mod:`stalwart.elastic.heal`); :func:`send_state` /
+  :func:`receive_state` move them from one member to all others of a process group, the
+  header and then one flat byte buffer each in one ``broadcast`` on the group's device (CPU
+  for gloo, CUDA for NCCL; the recovery ladder's path). Nothing touches disk or the
   coordinator.
 * :class:`BoundarySnapshot` is what a discarded step puts back (RNGs, the model's buffers);
   :class:`AgreedState` the copy of the state at the last parity point every member agreed
@@ -135,7 +137,7 @@ def digest(state: Any, step: int) -> str:
     for fqn in sorted(flat.leaves):
         t = flat.leaves[fqn].tensor
         h.update(f"|{fqn}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(_bytes_of(t).numpy().tobytes())
+        h.update(_bytes_of(t).numpy())  # the buffer itself: no copy of the bytes
     h.update(f"|step={step}".encode())
     return h.hexdigest()
 

@@ -1,0 +1,232 @@
+"""A gigabyte heal: throughput against a raw loopback socket probe, and what the survivors feel.
+
+Each run, on this box, with nothing else of the bench running at the same time:
+
+1. **probe**: two processes move ``--probe-gib`` GiB over one loopback TCP connection, the
+   way the heal does (``sendall`` from a tensor's memory, ``recv_into`` a preallocated one, in
+   64 MiB chunks): the bandwidth the heal is compared with;
+2. **job**: ``stalwart run --nproc 2`` trains an MLP with AdamW whose state (parameters and
+   both moments) is ``--gib`` GiB per member; worker 1 is SIGKILLed at step ``--kill-at``; the
+   survivor goes on alone, the launcher's replacement joins and heals from it
+   (:mod:`stalwart.elastic.heal`), both train to ``--steps``; the final digests must agree.
+
+Reported per run, from the workers' event logs and the heal's own log line:
+
+* heal: bytes, seconds (listen to loaded, on the newcomer), MB/s, and that over the probe;
+* the survivor's healthy step (median time between its commits with 2 members, before the
+  kill), the survivor's step that contained the heal's epoch change (time between the commits
+  around it), and their ratio;
+* detection -> next commit: the survivor's ``fault-detected`` to its next commit.
+
+Medians and ranges over ``--runs`` runs (probe and job interleaved).
+
+    .venv/bin/python bench/heal_bench.py --runs 3 --gib 4.0
+
+Memory: each member holds the state, its gradients and the parity checks' agreed copy
+(about 2.4x the state), so ``--gib 4`` needs about 20 GiB of RAM for the two members.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH = 8192
+CHUNK = 64 << 20
+
+
+def _model(gib: float) -> nn.Module:
+    """An MLP of WIDTH-wide layers whose AdamW state (3 x 4 bytes a parameter) is >= ``gib``."""
+    params = math.ceil(gib * (1 << 30) / 12)
+    per = WIDTH * WIDTH + WIDTH
+    full, rest = divmod(params, per)
+    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH) for _ in range(full)]
+    if rest:
+        layers.append(nn.Linear(WIDTH, max(1, math.ceil((rest - 1) / (WIDTH + 1)))))
+    return nn.Sequential(*layers)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One elastic member (under ``stalwart run``)."""
+    import stalwart
+    from stalwart.elastic import Job
+    from stalwart.testing import chaos
+
+    wid = os.environ.get("STALWART_ELASTIC_WORKER", "0")
+    heal_log = logging.getLogger("stalwart.elastic.heal")
+    heal_log.setLevel(logging.INFO)
+    handler = logging.FileHandler(a.out / f"heal-{wid}.log")
+    handler.setFormatter(logging.Formatter("%(created).3f %(message)s"))
+    heal_log.addHandler(handler)
+    torch.manual_seed(0)  # the RNGs are state: seeded alike, the first members agree at once
+    random.seed(0)
+    np.random.seed(0)
+    model = _model(a.gib)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0)
+    chaos.install(job)
+    model = job.data_parallel(model)
+    optimizer = job.optimizer(opt)
+    while job.step < a.steps:
+        while job.step == a.steps - 4 and job.replicas < 2:
+            job.refresh()  # a backstop: the replacement joins 4 steps before the end at latest
+        optimizer.zero_grad()
+        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(job.step))
+        F.mse_loss(model(x)[:, :1], torch.zeros(2, 1)).backward()
+        optimizer.step()
+    job.close()
+    (a.out / f"final-{wid}.json").write_text(json.dumps({"digest": job.digest()}))
+
+
+def _probe_send(port: int, nbytes: int) -> None:
+    buf = np.ones(nbytes, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for c in range(0, nbytes, CHUNK):
+            sock.sendall(buf[c : c + CHUNK])
+        sock.recv(1)
+
+
+def probe(nbytes: int) -> float:
+    """MB/s of one loopback TCP stream between two processes, ``sendall`` to ``recv_into`` a
+    fresh buffer in 64 MiB chunks, as the heal receives."""
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = mp.get_context("spawn").Process(
+        target=_probe_send, args=(server.getsockname()[1], nbytes)
+    )
+    buf = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())  # as the heal allocates
+    sender.start()
+    conn, _ = server.accept()
+    t0 = time.perf_counter()
+    view = buf
+    while len(view):
+        got = conn.recv_into(view, min(len(view), CHUNK))
+        view = view[got:]
+    dt = time.perf_counter() - t0
+    conn.sendall(b"k")
+    sender.join()
+    conn.close()
+    server.close()
+    return nbytes / dt / 1e6
+
+
+def _gaps(steps: list[dict[str, Any]]) -> dict[int, float]:
+    """Seconds between a commit and the one before it, by step."""
+    return {b["step"]: b["t"] - a["t"] for a, b in itertools.pairwise(steps)}
+
+
+def job_run(a: argparse.Namespace) -> dict[str, Any]:
+    """One kill/replace/heal run; the measures of the module docstring."""
+    from stalwart.elastic import read_events
+    from stalwart.testing import Kill, KillSchedule
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ev, out = Path(tmp) / "events", Path(tmp) / "out"
+        out.mkdir()
+        me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
+              "--steps", str(a.steps), "--out", str(out)]  # fmt: skip
+        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--max-restarts", "2",
+               "--events", str(ev), "--timeout", str(a.timeout), *me]  # fmt: skip
+        sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+        if done.returncode != 0:
+            raise SystemExit(f"the job failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+        events = read_events(ev)
+        finals = {json.loads(p.read_text())["digest"] for p in out.glob("final-*.json")}
+        heal_lines = [ln for w in events if w >= 2  # the replacement (ids 0, 1: the first two)
+                      for ln in (out / f"heal-{w}.log").read_text().splitlines()]  # fmt: skip
+    survivor = events[0]
+    steps = [e for e in survivor if e["kind"] == "step"]
+    gaps = _gaps(steps)
+    healthy = [gaps[s["step"]] for s in steps if s["step"] in gaps and s["step"] <= a.kill_at
+               and len(s["members"]) == 2]  # fmt: skip
+    fault = next(e for e in survivor if e["kind"] == "fault-detected")
+    after_fault = next(s for s in steps if s["t"] > fault["t"])
+    rejoin = [e for e in survivor if e["kind"] == "reconfigured" and len(e["members"]) == 2
+              and e["t"] > fault["t"]]  # fmt: skip
+    heal_step = next(s for s in steps if rejoin and s["t"] > rejoin[0]["t"])
+    words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
+    heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
+    newcomer = next(lines for w, lines in events.items() if w >= 2)
+    received = next(e for e in newcomer if e["kind"] == "state-received")
+    return {
+        "digests_equal": len(finals) == 1 and len(list(events)) == 3,
+        "heal_bytes": nbytes,
+        "heal_s": heal_s,
+        "heal_mb_s": nbytes / heal_s / 1e6,
+        "healthy_step_s": statistics.median(healthy),
+        "heal_step_s": gaps[heal_step["step"]],
+        "detect_to_commit_s": after_fault["t"] - fault["t"],
+        "join_s": rejoin[0]["t"] - steps[steps.index(heal_step) - 1]["t"],  # boundary to formed
+        "until_heal_end_s": heal_end - rejoin[0]["t"],  # digests, addresses, the heal
+        "verify_and_record_s": received["t"] - heal_end,  # digests again, the agreed copy
+        "first_step_s": heal_step["t"] - received["t"],  # the first step with the newcomer
+    }
+
+
+def _cell(xs: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}} to {max(xs):{fmt}})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--gib", type=float, default=4.0, help="AdamW state per member, GiB")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kill-at", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--probe-gib", type=float, default=1.0)
+    p.add_argument("--timeout", type=float, default=60.0, help="stalwart run --timeout")
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    rows = []
+    for i in range(a.runs):
+        mb_s = statistics.median(probe(int(a.probe_gib * (1 << 30))) for _ in range(3))
+        row = {"run": i, "probe_mb_s": mb_s, **job_run(a)}
+        row["heal_over_probe"] = row["heal_mb_s"] / mb_s
+        row["heal_step_over_healthy"] = row["heal_step_s"] / row["healthy_step_s"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    col = {k: [r[k] for r in rows] for k in rows[0] if k not in ("run", "digests_equal")}
+    print(f"\n{a.runs} runs, state {a.gib} GiB per member (AdamW), 2 members; "
+          f"digests equal in {sum(r['digests_equal'] for r in rows)} of {a.runs}")  # fmt: skip
+    print("\n| measure | median (range) |\n|---|---|")
+    print(f"| loopback probe, one stream (MB/s) | {_cell(col['probe_mb_s'], '.0f')} |")
+    print(f"| heal, bytes | {rows[0]['heal_bytes'] / (1 << 30):.2f} GiB |")
+    print(f"| heal (s) | {_cell(col['heal_s'])} |")
+    print(f"| heal (MB/s) | {_cell(col['heal_mb_s'], '.0f')} |")
+    print(f"| heal / probe | {_cell(col['heal_over_probe'])} |")
+    print(f"| survivor's healthy step (s) | {_cell(col['healthy_step_s'])} |")
+    print(f"| survivor's step holding the heal (s) | {_cell(col['heal_step_s'])} |")
+    print(f"| ... over a healthy step | {_cell(col['heal_step_over_healthy'])} |")
+    print(f"| ... of it: epoch change until the group formed (s) | {_cell(col['join_s'])} |")
+    print(f"| ... of it: digests, heal (s) | {_cell(col['until_heal_end_s'])} |")
+    print(f"| ... of it: digests again, agreed copy (s) | {_cell(col['verify_and_record_s'])} |")
+    print(f"| ... of it: the first step with the newcomer (s) | {_cell(col['first_step_s'])} |")
+    print(f"| detection -> survivor's next commit (s) | {_cell(col['detect_to_commit_s'])} |")
+
+
+if __name__ == "__main__":
+    main()
