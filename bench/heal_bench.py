@@ -128,6 +128,75 @@ def probe(nbytes: int) -> float:
     return nbytes / dt / 1e6
 
 
+class _Tensors:
+    """A state of plain tensors (``state_dict`` / ``load_state_dict``): the transports' load."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.tensors = dict(sd)
+
+
+def transport_ranks(rank: int, world_size: int, gib: float, which: str) -> float | None:
+    """Rank 0 holds ``gib`` GiB of float32 tensors (256 MiB each), rank 1 fetches them with
+    ``which`` transport; returns the receiver's seconds (None on the holder)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    n, per = int(gib * (1 << 30)), 64 << 20  # bytes; elements per tensor
+    shapes = [min(per, (n - i) // 4) for i in range(0, n, per * 4)]
+    held = {f"t{i}": torch.full((k,), float(i)) if rank == 0 else torch.empty(0)
+            for i, k in enumerate(shapes)}  # fmt: skip
+    if which == "stalwart":
+        from stalwart.elastic.heal import heal
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        heal(_Tensors(held), 1, rank, [0], dist.group.WORLD)
+        dt = time.perf_counter() - t0
+        dist.barrier()
+        return dt if rank == 1 else None
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    timeout = timedelta(seconds=300)
+    transport = HTTPTransport(timeout, num_chunks=int(which.rsplit("-", 1)[1]))
+    box = [transport.metadata()]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        transport.send_checkpoint(dst_ranks=[1], step=1, state_dict=held, timeout=timeout)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 1:
+        got = transport.recv_checkpoint(src_rank=0, metadata=box[0], step=1, timeout=timeout)
+        assert float(got[f"t{len(shapes) - 1}"][0]) == len(shapes) - 1
+    dt = time.perf_counter() - t0
+    dist.barrier()
+    transport.shutdown(wait=False)
+    return dt if rank == 1 else None
+
+
+def transports(a: argparse.Namespace) -> None:
+    """The same bytes between two processes: stalwart's heal vs torchft's HTTPTransport
+    (``num_chunks=0``, what torchft's Manager builds by default, and ``num_chunks=8``)."""
+    from stalwart.testing import run_ranks
+
+    kinds = ["stalwart", "torchft-http-0", "torchft-http-8"]
+    got: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(a.runs):
+        for k in kinds[i % 3 :] + kinds[: i % 3]:  # rotating order
+            dt = run_ranks(transport_ranks, 2, a.gib, k, timeout_s=900)[1]
+            got[k].append(a.gib * (1 << 30) / dt / 1e6)
+            print(json.dumps({"run": i, "transport": k, "mb_s": got[k][-1]}), flush=True)
+    print(f"\n| transport, {a.gib} GiB, 2 processes | MB/s, median (range) |\n|---|---|")
+    for k in kinds:
+        print(f"| {k} | {_cell(got[k], '.0f')} |")
+
+
 def _gaps(steps: list[dict[str, Any]]) -> dict[int, float]:
     """Seconds between a commit and the one before it, by step."""
     return {b["step"]: b["t"] - a["t"] for a, b in itertools.pairwise(steps)}
@@ -190,6 +259,7 @@ def _cell(xs: list[float], fmt: str = ".2f") -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--transports", action="store_true", help="heal vs torchft's HTTPTransport")
     p.add_argument("--gib", type=float, default=4.0, help="AdamW state per member, GiB")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=3)
@@ -200,6 +270,9 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         worker(a)
+        return
+    if a.transports:
+        transports(a)
         return
     rows = []
     for i in range(a.runs):
