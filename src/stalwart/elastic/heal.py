@@ -7,11 +7,12 @@ digest) sends a *slice* of it, and each receiver takes all slices at once:
 * the state's byte stream is its leaves' local bytes in the order of
   :func:`~stalwart.elastic.state.state_header`, the same on every holder (same digest);
   holder ``j`` of ``S`` sends bytes ``[j*T//S, (j+1)*T//S)`` of the ``T`` to every receiver,
-  in chunks of at most :data:`CHUNK_BYTES`, straight from the tensors' memory: a CPU tensor
-  is sent without a copy, a CUDA tensor is staged to the host one chunk at a time;
+  cut again into :data:`STREAMS` parts, each on its own connection, in chunks of at most
+  :data:`CHUNK_BYTES`, straight from the tensors' memory: a CPU tensor is sent without a
+  copy, a CUDA tensor is staged to the host one chunk at a time;
 * the first holder (the source the policy chose) first sends the header; the receiver
   allocates every leaf and each holder's bytes land in place (``recv_into``), one thread per
-  holder (``sendall``/``recv_into`` release the GIL), then loads the leaves
+  connection (``sendall``/``recv_into`` release the GIL), then loads the leaves
   (:func:`~stalwart.elastic.state.load_leaves`) and acknowledges each holder;
 * the receivers' listening addresses travel in one small all-gather on the epoch's group.
 
@@ -47,13 +48,14 @@ from stalwart.elastic.groups import device_of
 from stalwart.elastic.state import leaf_nbytes, load_leaves, local_part, state_header
 from stalwart.tree import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "IDLE_TIMEOUT_S", "heal", "slice_bounds"]
+__all__ = ["CHUNK_BYTES", "IDLE_TIMEOUT_S", "STREAMS", "heal", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 CHUNK_BYTES = 64 << 20  # one sendall / recv_into at most: bounds a CUDA leaf's host staging
+STREAMS = 4  # connections per holder and receiver: one stream leaves loopback copies idle
 IDLE_TIMEOUT_S = 60.0  # a socket operation without progress for this long fails the heal
 _INT = struct.Struct("<q")
 
@@ -74,7 +76,7 @@ def _advertised_host() -> str:
 
 def heal(
     state: Any, step: int, rank: int, holders: Sequence[int], group: Any, *,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES, streams: int = STREAMS,
 ) -> int:  # fmt: skip
     """Send ``state`` from ``holders`` to every other rank of ``group``; collective.
 
@@ -85,6 +87,7 @@ def heal(
         holders: the ranks holding the state to send, ascending (the first sends the header).
         group: the epoch's (replicate) process group: one all-gather of addresses.
         chunk_bytes: the most bytes one ``sendall`` / ``recv_into`` moves.
+        streams: connections per (holder, receiver) pair, each a part of the holder's slice.
 
     Returns:
         The committed step this member holds afterwards.
@@ -101,12 +104,13 @@ def heal(
         addresses = _gather_addresses(listener, group)
         if listener is None:
             header, tensors = state_header(state, step)
-            index, count = list(holders).index(rank), len(holders)
-            sends = [functools.partial(_send, header, tensors, (index, count), addresses[r],
-                                       chunk_bytes) for r in receivers]  # fmt: skip
+            first, count = list(holders).index(rank) * streams, len(holders) * streams
+            sends = [functools.partial(_send, header, tensors, (first + j, count), addresses[r],
+                                       chunk_bytes)
+                     for r in receivers for j in range(streams)]  # fmt: skip
             _all(sends)
             return step
-        got, nbytes = _receive(state, listener, len(holders), chunk_bytes)
+        got, nbytes = _receive(state, listener, len(holders) * streams, chunk_bytes)
     except OSError as e:
         raise RuntimeError(f"the heal from ranks {list(holders)} failed: {e}") from e
     finally:
