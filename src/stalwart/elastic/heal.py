@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 
 from stalwart.elastic.groups import device_of
+from stalwart.elastic.protocol import from_env
 from stalwart.elastic.state import leaf_nbytes, load_leaves, local_part, state_header
 from stalwart.tree import dtype_from_name
 
@@ -67,7 +68,16 @@ def slice_bounds(total: int, index: int, count: int) -> tuple[int, int]:
 
 @functools.cache
 def _advertised_host() -> str:
-    """The address peers reach this process at (its host name's; loopback when unresolved)."""
+    """The address peers reach this process at: the interface that routes to the coordinator
+    (under ``stalwart run`` on several nodes), else the host name's, else loopback."""
+    env = from_env()
+    if env is not None and env.host not in ("127.0.0.1", "localhost", "::1"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((env.host, 9))  # sends nothing: only picks the route's interface
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -176,7 +186,7 @@ def _send(header: dict[str, Any], tensors: Sequence[torch.Tensor], place: tuple[
         for leaf, a, b in _pieces([f.numel() for f in flats], lo, hi):
             for c in range(a, b, chunk_bytes):
                 chunk = flats[leaf][c : min(b, c + chunk_bytes)]
-                sock.sendall(chunk.cpu().numpy())  # CPU: the tensor's own memory, no copy
+                sock.sendall(chunk.cpu().numpy().data)  # CPU: the tensor's own memory, no copy
         if _recv_exact(sock, 1) != b"k":  # the receiver loaded the state
             raise ConnectionError(f"receiver {address} did not acknowledge the heal")
 
@@ -208,8 +218,7 @@ def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int) 
         leaves = [torch.empty(shape, dtype=dtype_from_name(dtype))
                   for _, dtype, shape, *_ in header["leaves"]]  # fmt: skip
         sizes = [leaf_nbytes(dtype, shape) for _, dtype, shape, *_ in header["leaves"]]
-        views = [memoryview(_flat(t).numpy()) if n else memoryview(b"") for t, n in
-                 zip(leaves, sizes, strict=True)]  # fmt: skip
+        views = [_flat(t).numpy().data for t in leaves]  # the leaves' own memory
 
         def take(index: int) -> None:
             lo, hi = slice_bounds(sum(sizes), index, count)

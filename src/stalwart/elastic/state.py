@@ -137,7 +137,7 @@ def digest(state: Any, step: int) -> str:
     for fqn in sorted(flat.leaves):
         t = flat.leaves[fqn].tensor
         h.update(f"|{fqn}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(_bytes_of(t).numpy())  # the buffer itself: no copy of the bytes
+        h.update(_bytes_of(t).numpy().data)  # the buffer itself: no copy of the bytes
     h.update(f"|step={step}".encode())
     return h.hexdigest()
 
