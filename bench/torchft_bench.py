@@ -67,8 +67,19 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _manager(model, opt, replica: int, min_replicas: int):  # type: ignore[no-untyped-def]
-    """torchft's documented DDP setup (train_ddp.py), one process per replica group."""
+def _manager(
+    model,
+    opt,
+    replica: int,
+    min_replicas: int,
+    *,
+    pg_s: float = 5,
+    transport_s: float = 10,
+    manager_s: float = 30,
+    name: str = "bench",
+):  # type: ignore[no-untyped-def]
+    """torchft's documented DDP setup (train_ddp.py), one process per replica group
+    (timeouts in seconds: the example's by default)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -76,7 +87,7 @@ def _manager(model, opt, replica: int, min_replicas: int):  # type: ignore[no-un
     from torchft.checkpointing.pg_transport import PGTransport
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=pg_s))
 
     def load_state_dict(sd: dict) -> None:  # type: ignore[type-arg]
         model.load_state_dict(sd["model"])
@@ -85,8 +96,8 @@ def _manager(model, opt, replica: int, min_replicas: int):  # type: ignore[no-un
     manager = Manager(
         pg=pg, min_replica_size=min_replicas, load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
-        replica_id=f"bench_{replica}", timeout=timedelta(seconds=30),
-        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10),
+        replica_id=f"{name}_{replica}", timeout=timedelta(seconds=manager_s),
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=transport_s),
                                          device=torch.device("cpu")),
         store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
     )  # fmt: skip
