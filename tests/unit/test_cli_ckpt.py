@@ -297,10 +297,13 @@ def test_help_shows_boolean_flags_as_bare_switches(app: typer.Typer) -> None:
 
 
 def test_rm_refuses_a_step_a_load_holds_unless_forced(app: typer.Typer, root: Path) -> None:
-    from stalwart.checkpoint.durable.lease import Lease
+    from stalwart.checkpoint.durable.lease import Lease, read_leases
     from stalwart.storage import LocalStorage
 
-    with Lease(LocalStorage(root), steps=[10], packs=[], lease_s=600):  # a load in progress
+    store = LocalStorage(root)
+    with Lease(store, steps=[10, 20], packs=[], lease_s=600):  # a save deduplicating: no hold
+        assert read_leases(store).read_steps == set()
+    with Lease(store, steps=[10], packs=[], lease_s=600, reading=True):  # a load in progress
         code, _, err = run(app, "rm", root, 10)
         assert code == 2 and "being read now" in err and "--force" in err
         with pytest.raises(CheckpointError, match="force=True"):

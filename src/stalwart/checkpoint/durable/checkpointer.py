@@ -293,7 +293,7 @@ class Checkpointer:
                 f"step {step} is not a committed checkpoint in {store.url}; committed steps: "
                 f"{short_steps(self.steps())}"
             )
-        if not force and step in read_leases(store).steps:
+        if not force and step in read_leases(store).read_steps:
             raise CheckpointError(
                 f"step {step} in {store.url} is being read now (a live lease under leases/); "
                 "delete it once that load finished, or pass force=True (CLI: --force) to "

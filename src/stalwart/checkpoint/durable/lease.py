@@ -85,6 +85,7 @@ class Lease:
         packs: Iterable[str],
         lease_s: float,
         clock: Clock = time.time,
+        reading: bool = False,
     ) -> None:
         self.storage = storage
         self.key = f"{LEASE_PREFIX}{uuid.uuid4().hex}.json"
@@ -93,6 +94,7 @@ class Lease:
             "packs": sorted(set(packs)),
             "expires_unix": clock() + lease_s,
             "owner": _owner(),
+            "reading": reading,  # a load or verify of ``steps`` (a save only dedups against them)
         }
         self.held = False
 
@@ -166,6 +168,7 @@ class LiveLeases:
 
     steps: set[int] = field(default_factory=set)
     packs: set[str] = field(default_factory=set)
+    read_steps: set[int] = field(default_factory=set)  # steps a load or verify is reading
     oldest_unix: float | None = None  # when the oldest live lease was written (its mtime)
 
     def may_own(self, pack: ObjectInfo) -> bool:
@@ -197,6 +200,8 @@ def read_leases(
             continue
         live.steps |= steps
         live.packs |= packs
+        if doc.get("reading") is True:
+            live.read_steps |= steps
         if live.oldest_unix is None or info.mtime < live.oldest_unix:
             live.oldest_unix = info.mtime
     return live

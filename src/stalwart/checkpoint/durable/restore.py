@@ -83,7 +83,9 @@ def load_step(
     """
     try:
         flat, targets, problems, tensors = _prepare(m, store, state, strict, where)
-        lease = Lease(store, steps=[m.step], packs=m.packs(), lease_s=lease_s).__enter__()
+        lease = Lease(
+            store, steps=[m.step], packs=m.packs(), lease_s=lease_s, reading=True
+        ).__enter__()
     except BaseException:
         if group is not None:
             withdraw(group)  # the others are about to plan a shared read with this rank

@@ -79,7 +79,7 @@ def reader_lease(
     A read-only store (a mounted snapshot, a bucket without write access) cannot hold a
     lease; reading then proceeds unprotected, with a log message.
     """
-    lease = Lease(store, steps=steps, packs=packs, lease_s=lease_s)
+    lease = Lease(store, steps=steps, packs=packs, lease_s=lease_s, reading=True)
     try:
         lease.__enter__()
     except UnsafePathError:
