@@ -298,3 +298,42 @@ def test_one_reader_and_writer_serve_several_roots_by_checkpoint_id(tmp_path: Pa
         assert torch.equal(target["w"], torch.full((3,), value))
     writer.close()
     reader.close()
+
+
+class _RacedWriter(StalwartWriter):
+    """A writer whose commit another process's ``rm`` and ``gc --grace-s 0`` run just before."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        assert self._root is not None
+        with Checkpointer(self._root.store.url) as other:
+            other.delete(1)  # the step this save deduplicates against: only a save, not a read
+            report = other.gc(grace_s=0)
+        self.raced = report
+        super().finish(metadata, results)
+
+
+def test_rm_and_gc_during_a_dcp_save_leave_its_step_whole(tmp_path: Path) -> None:
+    frozen = torch.arange(8192, dtype=torch.float32)  # shared by both steps: deduplicated
+    state = {"frozen": frozen, "w": torch.randn(8192)}
+    dcp.save(state, checkpoint_id=1, storage_writer=StalwartWriter(tmp_path))
+    state = {"frozen": frozen.clone(), "w": torch.randn(8192)}
+    writer = _RacedWriter(tmp_path)
+    dcp.save(state, checkpoint_id=2, storage_writer=writer)
+    assert writer.raced.deleted_packs == []  # step 2's new pack and step 1's, both leased
+    ck = Checkpointer(tmp_path)
+    assert ck.steps() == [2] and ck.verify(2).ok
+    assert ck.storage.list("leases/") == []  # the lease ended with the commit
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(target, checkpoint_id=2, storage_reader=StalwartReader(tmp_path))
+    _assert_same(state, target)
+    assert ck.gc(grace_s=0).deleted_packs == [] and ck.verify(2).ok  # step 2 uses both packs
+
+
+def test_a_dcp_save_still_applies_retention_after_its_lease(tmp_path: Path) -> None:
+    from stalwart import CheckpointOptions
+    from stalwart.checkpoint.policy import KeepLast
+
+    writer = StalwartWriter(tmp_path, options=CheckpointOptions(keep=KeepLast(2)))
+    for step in range(1, 5):
+        dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=step, storage_writer=writer)
+    assert Checkpointer(tmp_path).steps() == [3, 4]

@@ -120,6 +120,8 @@ class StalwartWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._t0 = time.perf_counter()
+        if self._root is not None:
+            self._root.release()  # a save that failed before its commit
         if checkpoint_id is None:
             return
         parent, self.step = parse_checkpoint_id(checkpoint_id)
@@ -163,7 +165,9 @@ class StalwartWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._open().check_new_step(self.step, overwrite=self.overwrite)  # before any write
+        root = self._open()
+        root.hold()  # the coordinator's lease, before any rank lists steps or writes
+        root.check_new_step(self.step, overwrite=self.overwrite)  # before any write
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -229,7 +233,12 @@ class StalwartWriter(StorageWriter):
                         pickled.append(fqn)
             per_rank.append((shards, stats))
         source = "torch.distributed.checkpoint"
-        root.commit(step, metadata, leaves, per_rank, source=source, pickled=pickled, t0=self._t0)
+        try:
+            root.commit(
+                step, metadata, leaves, per_rank, source=source, pickled=pickled, t0=self._t0
+            )
+        finally:
+            root.release()
 
     def close(self) -> None:
         """Release the writer's threads (it may be used again afterwards)."""

@@ -10,6 +10,7 @@ commits manifests with the durable engine's own functions (one format, one set o
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
 from stalwart.checkpoint.durable.gc import apply_retention
+from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
 from stalwart.checkpoint.durable.persist import PersistStats, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem
@@ -88,6 +90,31 @@ class Root:
         self.ckpt = Checkpointer(self.store, options)
         self.pool = ThreadPoolExecutor(options.io_threads, thread_name_prefix="stalwart-dcp")
         self.fast_index: dict[Any, Any] = {}
+        self._held: contextlib.ExitStack | None = None
+
+    def hold(self) -> None:
+        """Lease the committed steps and their packs until :meth:`release` (a save in flight).
+
+        Taken by the one process that plans the save (DCP's coordinator), before any rank lists
+        the steps it deduplicates against: retention keeps the leased steps, gc keeps the leased
+        packs and every pack written after the lease was taken (the ranks' new packs), until
+        the manifest is written. A save that dies leaves a lease that ends with its process (on
+        this host) or after ``lease_s``.
+        """
+        if self._held is not None:
+            return
+        lease_s, held = self.options.lease_s, contextlib.ExitStack()
+        steps = self.ckpt.steps()
+        held.enter_context(Lease(self.store, steps=steps, packs=(), lease_s=lease_s))
+        packs = {c.pack for c in self.known().values()}  # read under the first lease
+        held.enter_context(Lease(self.store, steps=steps, packs=packs, lease_s=lease_s))
+        self._held = held
+
+    def release(self) -> None:
+        """End the lease :meth:`hold` took (once the step is committed, or the save failed)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def known(self) -> dict[str, ChunkRef]:
         """Every chunk of every committed step, by hash (what a save may reference)."""
@@ -135,7 +162,7 @@ class Root:
         pickled: list[str],
         t0: float,
     ) -> Manifest:
-        """Write the manifest of ``step`` (the commit), then apply retention.
+        """Write the manifest of ``step`` (the commit), end the lease, then apply retention.
 
         ``leaves`` (DCP's name -> value, a placeholder for each tensor ``md`` names) nest along
         the paths in ``md.planner_data``, or stay flat under DCP's names when those paths do
@@ -153,10 +180,12 @@ class Root:
         skeleton = flatten(tree).skeleton
         m = build_manifest(step, tensors, skeleton, results, len(results), meta, t0)
         self.store.write(manifest_key(step), [m.to_bytes()])
+        self.release()  # committed; retention must not see this save's lease on the old steps
         apply_retention(self.store, self.options.keep, self.ckpt.steps(), self.ckpt.manifest)
         return m
 
     def close(self) -> None:
+        self.release()
         self.pool.shutdown(wait=True)
         self.ckpt.close()
 

@@ -273,6 +273,7 @@ def import_dcp(
     reader = _reader(source, md, storage_options)
     dest = Root(root, options or CheckpointOptions(), storage_options)
     try:
+        dest.hold()  # released by close(), after the commit
         dest.check_new_step(step, overwrite=overwrite)  # before anything is read or written
         known = dest.known()
         tensors = dcp_tensors(md)
