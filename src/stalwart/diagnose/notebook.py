@@ -1,65 +1,29 @@
 """The compact HTML fragment Jupyter shows for a diagnosis (``Diagnosis._repr_html_``), and the
-HTML building blocks the full report (``report.py``) shares with it.
+finding rows the full report (``report.py``) shares with it.
 
-A leaf: it renders plain values and the findings' Arrow table (``Diagnosis.to_arrow()``) and
-knows no result class, so the result can render through it without importing the report.
-Every value is escaped; no script, no external resources.
+It renders plain values and the findings' Arrow table (``Diagnosis.to_arrow()``) and knows no
+result class, so the result can render through it without importing the report. The escaping,
+clipping and table pieces are :mod:`stalwart.notebook`'s, shared with every other package.
 """
 
 from __future__ import annotations
 
-import html
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from stalwart.notebook import CELL_CHARS, NOTEBOOK_ROWS, clip, escape, html_table, more_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = [
-    "FINDING_NUMBERS",
-    "NOTEBOOK_ROWS",
-    "clip",
-    "escape",
-    "finding_cells",
-    "html_table",
-    "mass",
-    "render_notebook",
-]
+__all__ = ["FINDING_NUMBERS", "finding_cells", "mass", "render_notebook"]
 
-NOTEBOOK_ROWS = 20
-"""Findings a notebook shows; the rest are counted in an "N more" line."""
-CELL_CHARS = 160
-"""Characters of one value a notebook shows, so one hostile value cannot blow up a cell."""
 FINDING_NUMBERS = {0, 2, 3, 4, 5, 6}
 """Right-aligned columns of :func:`finding_cells`' rows."""
-
-
-def escape(x: object) -> str:
-    """``x`` as text, HTML-escaped."""
-    return html.escape(str(x))
 
 
 def mass(x: float) -> str:
     """A count or weighted mass: ``1,234`` when whole, ``1,234.50`` otherwise."""
     return f"{int(x):,}" if x == int(x) else f"{x:,.2f}"
-
-
-def clip(text: str, limit: int = CELL_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (before escaping)."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def html_table(head: list[str], rows: Iterable[list[str]], numeric: set[int] | None = None) -> str:
-    """A ``<table>``: ``head`` is escaped here, ``rows`` hold cells already escaped."""
-    numeric = numeric or set()
-    out = ["<table><tr>", *(f"<th>{escape(h)}</th>" for h in head), "</tr>"]
-    for r in rows:
-        cells = (
-            f"<td class=n>{c}</td>" if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r)
-        )
-        out += ["<tr>", *cells, "</tr>"]
-    out.append("</table>")
-    return "".join(out)
 
 
 def finding_cells(row: dict[str, Any], *, label_chars: int | None = None) -> list[str]:
@@ -108,8 +72,6 @@ def render_notebook(
         head_row = ["#", "finding", what, ref, "support", "lift [interval]", "explains"]
         cells = (finding_cells(r, label_chars=CELL_CHARS) for r in rows)
         parts.append(html_table(head_row, cells, FINDING_NUMBERS))
-        if findings.num_rows > max_rows:
-            hidden = findings.num_rows - max_rows
-            parts.append(f"<p>… {hidden} more finding(s): d.to_pandas() has them all</p>")
+        parts.append(more_line(findings.num_rows, max_rows, "finding(s)"))
     parts.append("</div>")
     return "".join(parts)

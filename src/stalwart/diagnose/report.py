@@ -9,9 +9,10 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stalwart.diagnose.notebook import FINDING_NUMBERS, escape, finding_cells, html_table, mass
+from stalwart.diagnose.notebook import FINDING_NUMBERS, finding_cells, mass
 from stalwart.diagnose.result import FleetDiagnosis
 from stalwart.errors import require
+from stalwart.notebook import escape, html_table
 
 if TYPE_CHECKING:
     from stalwart.diagnose.result import Diagnosis, Finding

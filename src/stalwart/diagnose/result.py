@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from stalwart.diagnose.notebook import escape, render_notebook
+from stalwart.diagnose.notebook import render_notebook
 from stalwart.frames import ArrowFrames
+from stalwart.notebook import escape
 
 if TYPE_CHECKING:
     import pyarrow as pa

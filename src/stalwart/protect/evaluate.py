@@ -30,10 +30,10 @@ from stalwart.inject import Fault, apply_faults
 from stalwart.inject.bits import layout_of
 from stalwart.inject.error_models import draw_ber
 from stalwart.inject.targets import Pattern, select_tensors
+from stalwart.notebook import render_table
 from stalwart.protect.base import Protection, row_fingerprints
 from stalwart.vulnerability import FaultList, criterion, run_campaign
 from stalwart.vulnerability.campaign import check_eval
-from stalwart.vulnerability.notebook import render_notebook
 from stalwart.vulnerability.stats import mcnemar
 
 __all__ = [
@@ -175,9 +175,7 @@ class ProtectionResults(list[ProtectionResult], ArrowFrames):
         table = self.to_arrow()
         keep = ["name", "basis", "failures", "fixed", "broken", "recovered", "overhead"]
         keep += ["false_alarm_rate", "method"]
-        return render_notebook(
-            "Protection results", summary, table.select(keep), more="protection(s)"
-        )
+        return render_table("Protection results", summary, table.select(keep), more="protection(s)")
 
 
 def forward_time(

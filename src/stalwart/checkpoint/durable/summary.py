@@ -13,15 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from stalwart.checkpoint.html_fragments import (
+from stalwart.errors import require
+from stalwart.frames import ArrowFrames
+from stalwart.notebook import (
     NOTEBOOK_ROWS,
     escape_cell,
     format_size,
     html_table,
     more_line,
 )
-from stalwart.errors import require
-from stalwart.frames import ArrowFrames
 
 __all__ = ["Inspection", "ManifestView", "TensorRow", "inspect_manifest", "render_inspection"]
 

@@ -12,19 +12,27 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.checkpoint.html_fragments import (
+from stalwart.errors import ConfigError, require
+from stalwart.frames import to_pandas, to_polars
+from stalwart.notebook import (
     NOTEBOOK_ROWS,
-    STATUS_COLOR,
     escape_cell,
     format_number,
     format_size,
     html_table,
     more_line,
 )
-from stalwart.errors import ConfigError, require
-from stalwart.frames import to_pandas, to_polars
 
 __all__ = ["DiffReport", "TensorDiff", "ValueDiff", "render_diff"]
+
+STATUS_COLOR = {
+    "changed": "#b54708",
+    "added": "#067647",
+    "removed": "#b42318",
+    "reshaped": "#6941c6",
+    "unchanged": "#667085",
+}
+"""A tensor's status as the notebook fragment colours it."""
 
 
 @dataclass
