@@ -12,7 +12,13 @@ forward, backward and all-reduce leave), so a job missing a member trains at (n 
 speed while it heals, as a data-parallel job on accelerators would, and the loaded 2-core box's
 drift shows only where a step takes longer than its pace.
 
+``--save-stall-s X`` makes every interval save (not the one at step 1) stall training for X
+seconds (a sleep after the save's step): a stand-in for a tier whose save costs a noticeable
+share of the interval, which this box cannot produce with a state that fits it (a larger state
+slows every step, not the save alone).
+
 Usage: plan_chaos_worker.py --steps N --members M --batch-s S --ckpt DIR --ckpt-every K
+       [--save-stall-s X]
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--ckpt-every", type=int, required=True)
     parser.add_argument("--verify-every", type=int, default=50)
+    parser.add_argument("--save-stall-s", type=float, default=0.0, help="each interval save")
     a = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
@@ -70,6 +77,8 @@ def main() -> None:
         pace = max(pace + a.batch_s * a.members / job.size, time.monotonic())
         time.sleep(max(pace - time.monotonic(), 0.0))
         optimizer.step()
+        if a.save_stall_s and job.step % every == 0:  # this step's boundary saved the tier
+            time.sleep(a.save_stall_s)
     job.close()
 
 

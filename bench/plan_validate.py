@@ -14,24 +14,43 @@ model is given the same ``step_s``, and its ETTR is the same ratio (docs/plan.md
 
 **Calibration, never on the validation runs**: two fault-free probes per member count with a
 save every 5 steps give the cost of one durable save (the window less the fault-free steps, per
-save; the median of all probes); one run with faults at fixed times (kill, hang, all, kill,
-hang, all; 20 s apart; 2 members) gives the detection, resume, heal and restart times (means:
-the model wants expected costs, and a process's start on the shared box takes 2 to 9 s); the
-save's commit lag and a load are timed in this process. The 3-member configurations get the
-2-member fault costs (an extrapolation). ``--calibration FILE`` reuses a calibration (the probe
-and fault runs beside it are read again), ``--refit-faults`` runs the fault run again,
-``--rescore`` evaluates the model again for the runs in ``--out/runs.json``; a cut-short
-validation goes on from its ``runs.json``.
+save; the median of all probes), and one probe with the interval configurations' stalled save
+(every 10 steps) gives that save's cost. One run with faults at fixed times per member count
+gives the detection, resume, heal and restart times (means: the model wants expected costs)
+and every process's start time (their spread, over their mean, is the model's
+``start_factors``): 2 members: kill, hang, all, kill, hang, all, all, all (14 s apart, each
+rank struck), then twice a kill and 1 s later a hang of the survivor (the last live holder
+lost while a replacement starts, measured apart and set beside the model's cost for it);
+3 members: a kill and a hang of each rank, then an all-holder loss. The save's commit lag and
+a load are timed in this process. ``--calibration FILE`` reuses a calibration (the probe and
+fault runs beside it are read again), ``--refit-faults`` runs the fault runs again,
+``--rescore`` evaluates the model again for the runs in ``--out/runs.json`` (and writes
+``runs-rescored.json``); a cut-short validation goes on from its ``runs.json``;
+``--report a.json,b.json`` prints the tables of several sweeps together.
+
+**Faults on a starting process**: the chaos schedule acts at step boundaries, so it cannot
+strike a process before its first one: a fault due while the job restarts strikes nobody, and
+one drawn for the member whose replacement is still starting strikes nobody
+(``stalwart.testing.poisson``). The model is run the same way (``simulate(...,
+strike_starting=False)``); ``stalwart plan`` keeps the default (a host fails whatever it runs).
 
 **Mapping to the model**: N accelerators, one per node, one rack of N nodes, group size 1 (N
 live replicas); a kill is a ``crash``, a hang a ``hang``, an all-holder loss a ``rack`` loss
 (every host of the job at once); the durable tier is the model's ``remote`` tier (the tier that
 survives the loss of every host; the ``disk`` tier is switched off with a capacity of ~0);
-strategy ``stalwart-no-memory``. The prediction is the simulated ETTR, at the schedule's rate
-(``nominal``) and at each run's realised rate of each kind (faults taken in its window / the
-window: the Poisson count's sampling noise in a 30 s run is larger than the goal).
+strategy ``stalwart-no-memory``; the fault costs of the run's member count. The prediction
+scored is the simulated ETTR at each run's realised rate of each kind (the schedule's arrivals
+in its window, those that struck a starting process included, over the window: the Poisson
+count's sampling noise in a 40 s run is larger than the goal); beside it the ETTR at the
+schedule's rate (``nominal``), and where the run falls among 400 modelled runs of its window
+at that rate (``percentile``: how likely a run that far from the mean is).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/plan_validate.py --seeds 2 --out /tmp/plan-validate
+The interval configurations (``stall*``) make the interval matter: each save stalls training
+0.4 s (``plan_chaos_worker.py --save-stall-s``) and every member is lost every 8 s on average;
+they run at 0.5x, 1x and 2x the planner's recommended interval with the same failure times per
+seed (common random numbers), so a seed's three runs compare paired.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/plan_validate.py --out /tmp/plan-validate
 
 Writes ``calibration.json`` and ``runs.json`` under ``--out`` and prints the tables.
 """
@@ -40,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -57,8 +77,10 @@ TIMEOUT_S = 6.0  # stalwart run --timeout: the hang timeout is 3 s
 PROBE_STEPS = 150
 PROBE_REPEATS = 2
 SAVE_EVERY = 5  # steps between saves in the probe of the save's cost
+STALL_EVERY = 10  # steps between saves in the probe of a stalled save's cost
 STEPS = 200
-HORIZON_S = 400.0
+HORIZON_S = 600.0
+SAVE_STALL_S = 0.4  # the interval configurations' save: a noticeable share of the interval
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,9 @@ class Config:
     rate_per_s: float
     kinds: tuple[str, ...]
     interval: str | int  # whole steps, or "rec" / "0.5x" / "2x" of the recommended interval
+    steps: int = STEPS
+    save_stall_s: float = 0.0  # plan_chaos_worker.py --save-stall-s
+    seeds: int = 2  # --seeds (the main configurations) or --interval-seeds (save-stall > 0)
 
 
 CONFIGS = (
@@ -79,9 +104,12 @@ CONFIGS = (
     Config("mix-2", 2, 1 / 8, ("kill", "stop", "all"), "rec"),
     Config("mix-3", 3, 1 / 8, ("kill", "stop", "all"), "rec"),
     Config("all-10s", 2, 1 / 10, ("all",), "rec"),
-    Config("all-20s", 2, 1 / 20, ("all",), "rec"),
-    Config("all-20s-half", 2, 1 / 20, ("all",), "0.5x"),
-    Config("all-20s-double", 2, 1 / 20, ("all",), "2x"),
+    # where the interval matters: a save stalls 0.4 s (over 3 steps) and every member is lost
+    # every 8 s on average, so saves and lost work both cost several percent of goodput (the
+    # model: 1x ahead of 0.5x and 2x by ~3 pp, in ~60 % of single runs of this length)
+    Config("stall", 2, 1 / 8, ("all",), "rec", 300, SAVE_STALL_S, 3),
+    Config("stall-half", 2, 1 / 8, ("all",), "0.5x", 300, SAVE_STALL_S, 3),
+    Config("stall-double", 2, 1 / 8, ("all",), "2x", 300, SAVE_STALL_S, 3),
 )
 
 
@@ -94,12 +122,13 @@ def _env(schedule: Any) -> dict[str, str]:
     return env
 
 
-def fault_free_step_s(commits: list[dict[str, Any]], members: int, every: int) -> float:
+def fault_free_step_s(commits: list[dict[str, Any]], members: int, every: int,
+                      stalled: bool = False) -> float:  # fmt: skip
     """The run's own fault-free, save-free step time: the mean time from one commit to the
     next of the same worker within one epoch of every member, leaving out the step that saves
     and the two after it (its pause and its background write) when saves are 10 or more steps
-    apart. The shared box's speed drifts
-    by +-15 % between runs, more than the goal; measured goodput and the model both take it."""
+    apart, or 4 or more with a stalled save (``stalled``). The shared box's speed drifts by
+    +-15 % between runs, more than the goal; measured goodput and the model both take it."""
     last: dict[Any, dict[str, Any]] = {}
     gaps = []
     for e in sorted(commits, key=lambda e: e["t"]):
@@ -108,7 +137,7 @@ def fault_free_step_s(commits: list[dict[str, Any]], members: int, every: int) -
         if (
             before is None
             or before["step"] + 1 != e["step"]
-            or (every >= 10 and e["step"] % every < 3)
+            or ((every >= 10 or (stalled and every >= 4)) and e["step"] % every < 3)
         ):
             continue
         if before["epoch"] == e["epoch"] and len(e["members"]) == members:
@@ -116,8 +145,8 @@ def fault_free_step_s(commits: list[dict[str, Any]], members: int, every: int) -
     return statistics.fmean(gaps)
 
 
-def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ...] = ()
-           ) -> dict[str, Any]:  # fmt: skip
+def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ...] = (),
+           stall_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """One ``stalwart run``; returns what its event files and the chaos records say."""
     from stalwart.testing import KillSchedule
 
@@ -128,16 +157,18 @@ def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ..
            "200", "--events", str(tmp / "events"), "--timeout", str(TIMEOUT_S), str(WORKER),
            "--steps", str(steps), "--batch-s", str(BATCH_S), "--members", str(members),
            "--ckpt", str(tmp / "ckpt"),
-           "--ckpt-every", str(every)]  # fmt: skip
+           "--ckpt-every", str(every), "--save-stall-s", str(stall_s)]  # fmt: skip
     started = time.time()
     done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"stalwart run failed ({done.returncode}): {done.stderr[-3000:]}")
     shutil.rmtree(tmp / "ckpt", ignore_errors=True)  # the events stay, for a later look
-    return {"wall_s": time.time() - started, **read_run(tmp, members, steps, every)}
+    return {"wall_s": time.time() - started,
+            **read_run(tmp, members, steps, every, stall_s > 0)}  # fmt: skip
 
 
-def read_run(tmp: Path, members: int, steps: int, every: int) -> dict[str, Any]:
+def read_run(tmp: Path, members: int, steps: int, every: int, stalled: bool = False
+             ) -> dict[str, Any]:  # fmt: skip
     from stalwart.elastic import read_events
     from stalwart.elastic.events import launcher_lines
     from stalwart.testing.poisson import read_claims, read_origin
@@ -150,9 +181,23 @@ def read_run(tmp: Path, members: int, steps: int, every: int) -> dict[str, Any]:
     commits = [e for e in lines if e["kind"] == "step" and e["committed"]]
     claims = [{**c, "t": float(c["t"]) - origin} for c in read_claims(tmp / "clock")]
     return {"origin": origin, "end_s": max(e["t"] for e in commits), "steps": steps,
-            "step_s": fault_free_step_s(commits, members, every if every > 0 else 10**9),
+            "step_s": fault_free_step_s(commits, members, every if every > 0 else 10**9,
+                                        stalled),
             "final_step": max(e["step"] for e in commits), "claims": claims,
             "events": sorted(lines, key=lambda e: e["t"])}  # fmt: skip
+
+
+def process_starts(run: dict[str, Any]) -> list[float]:
+    """How long each process of the run took to start: launched (``spawned``) to its first
+    event (``start``: Python and torch imported, the job being made). On this shared box it
+    swings from 2 to 16 s with the load, and it is most of a heal and of a restart."""
+    spawned = {e["wid"]: e["t"] for e in run["events"] if e["kind"] == "spawned"}
+    return [e["t"] - spawned[e["wid"]] for e in run["events"]
+            if e["kind"] == "start" and e["wid"] in spawned]  # fmt: skip
+
+
+def process_start_s(run: dict[str, Any]) -> float:
+    return statistics.fmean(process_starts(run))
 
 
 # -- calibration ----------------------------------------------------------------------------
@@ -162,35 +207,62 @@ def _first(events: list[dict[str, Any]], after: float, pred: Any) -> dict[str, A
     return next((e for e in events if e["t"] > after and pred(e)), None)
 
 
-def fault_costs(run: dict[str, Any], step_s: float) -> dict[str, list[float]]:
+def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, list[float]]:
     """Detection, resume, heal and restart times around each fault of a calibration run."""
-    ev, out = run["events"], {"crash_detect_s": [], "hang_detect_s": [], "resume_s": [],
-                              "heal_s": [], "restart_s": [], "rejoin_s": []}  # fmt: skip
+    ev = run["events"]
+    out: dict[str, list[float]] = {
+        k: [] for k in ("crash_detect_s", "hang_detect_s", "resume_s", "heal_s", "restart_s",
+                        "rejoin_s", "overlap_s", "overlap_left_s")
+    }  # fmt: skip
     for claim in run["claims"]:
         t = claim["t"]
         # the first step begun after the fault and committed (one in flight may commit still)
         began = _first(ev, t, lambda e, t=t: e["kind"] == "step" and e["committed"]
                        and e["t"] - e["dt"] > t)  # fmt: skip
-        assert began is not None
+        if began is None:
+            print(f"calibration: no 'began' event after the fault at {t:.2f} s; left out")
+            continue
         if claim["kind"] == "all":
             if began["t"] - began["dt"] - t > 1.0:  # else a member that joined after it lived
                 out["restart_s"].append(began["t"] - began["dt"] - t)
             continue
         if claim["rank"] >= claim["size"]:
             continue  # it struck the member still starting: nobody died
+        if claim["size"] == 1 < members:
+            # it struck the last live holder while a replacement was starting: the job stands
+            # still until training begins again (from the tier); the replacement's start left
+            spawns = [e for e in ev if e["kind"] == "spawned" and e["t"] < t]
+            up = _first(ev, spawns[-1]["t"], lambda e, w=spawns[-1]["wid"]: e["wid"] == w
+                        and e["kind"] == "start")  # fmt: skip
+            out["overlap_s"].append(began["t"] - began["dt"] - t)
+            out["overlap_left_s"].append(max(up["t"] - t, 0.0) if up else math.nan)
+            continue
         found = _first(ev, t, lambda e: e["kind"] == "fault-detected")
-        assert found is not None
+        if found is None:
+            print(f"calibration: no 'found' event after the fault at {t:.2f} s; left out")
+            continue
         key = "crash_detect_s" if claim["kind"] == "kill" else "hang_detect_s"
         out[key].append(found["t"] - t)
         resumed = _first(ev, found["t"], lambda e: e["kind"] == "step" and e["committed"])
-        assert resumed is not None
-        out["resume_s"].append(max(resumed["t"] - resumed["dt"] - found["t"], 0.0))
+        if resumed is None:
+            print(f"calibration: no 'resumed' event after the fault at {t:.2f} s; left out")
+            continue
+        # detection to the survivors' first commit, less that step (paced for the members
+        # left): a survivor that waits out the collective timeout holds the others back
+        paced = step_s * members / (members - 1)
+        out["resume_s"].append(max(resumed["t"] - found["t"] - paced, 0.0))
+        if any(0 < c["t"] - t < 10.0 for c in run["claims"]):
+            continue  # the next fault strikes during the heal (an overlap, measured apart)
         spawn = _first(ev, found["t"] - 1, lambda e: e["kind"] == "spawned")
-        assert spawn is not None
+        if spawn is None:
+            print(f"calibration: no 'spawn' event after the fault at {t:.2f} s; left out")
+            continue
         wid = spawn["wid"]
         healed = _first(ev, spawn["t"], lambda e, w=wid: e["wid"] == w and e["kind"] == "step"
                         and e["committed"])  # fmt: skip
-        assert healed is not None
+        if healed is None:
+            print(f"calibration: no 'healed' event after the fault at {t:.2f} s; left out")
+            continue
         out["heal_s"].append(healed["t"] - spawn["t"])
         # the survivors' stall when the replacement joins: reconfigure to commit, less a step
         conf = _first(ev, spawn["t"], lambda e, w=wid: e["wid"] != w
@@ -234,8 +306,6 @@ def io_costs() -> dict[str, float]:
 
 
 def calibrate(out: Path, probes: dict[str, Any] | None = None) -> dict[str, Any]:
-    from stalwart.testing.poisson import Timed
-
     cal: dict[str, Any] = {"io": io_costs(), "step_s": {}, "save_s": {}, **(probes or {})}
     for n in () if probes else (2, 3):
         # a save's cost, within each probe: its window less its fault-free, save-free steps
@@ -247,35 +317,67 @@ def calibrate(out: Path, probes: dict[str, Any] | None = None) -> dict[str, Any]
         cal["step_s"][n], cal["save_s"][n] = statistics.median(steps_s), statistics.median(saves_s)
         cal["probe_samples"] = {**cal.get("probe_samples", {}), n: [steps_s, saves_s]}
         print(f"probe {n} members: step {steps_s} s, save {saves_s} s", flush=True)
-    kinds = ("kill", "stop", "all", "kill", "stop", "all")
-    timed = tuple(Timed(3.0 + 20.0 * i, k, slot=0.75) for i, k in enumerate(kinds))
-    faults = launch(out / "faults", 2, 1000, 20, timed)
-    costs = fault_costs(faults, cal["step_s"][2])
-    cal["faults"] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
-    cal["fault_samples"] = costs
-    print("fault costs (means):", json.dumps(cal["faults"]), flush=True)
+    if not probes or "stall_s" not in cal:
+        run = launch(out / "probe-stall", 2, PROBE_STEPS, STALL_EVERY, stall_s=SAVE_STALL_S)
+        cal["stall_s"] = (run["end_s"] / run["final_step"] - run["step_s"]) * STALL_EVERY
+        print(f"probe stall {SAVE_STALL_S} s: save {cal['stall_s']:.3f} s", flush=True)
+    (out / "calibration.json").write_text(json.dumps(cal, indent=1))  # the probes, kept
+    cal["faults"], cal["fault_samples"] = {}, {}
+    for n, (timed, steps) in FAULT_RUNS.items():
+        run = launch(out / f"faults-{n}", n, steps, 20, timed)
+        costs = fault_costs(run, cal["step_s"][n], n)
+        cal["faults"][n] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
+        cal["faults"][n]["process_start_s"] = process_start_s(run)
+        costs["process_start_s"] = process_starts(run)
+        cal["fault_samples"][n] = costs
+        print(f"fault costs, {n} members (means):", json.dumps(cal["faults"][n]), flush=True)
     return cal
+
+
+def _fault_runs() -> dict[int, tuple[tuple[Any, ...], int]]:
+    """The calibration's fault runs, per member count: each kind striking every rank, a loss
+    of every member, and (2 members) a hang of the survivor 1 s after its partner's kill."""
+    from stalwart.testing.poisson import Timed
+
+    two = [("kill", 0.0), ("stop", 0.75), ("all", 0.0), ("kill", 0.75), ("stop", 0.0),
+           ("all", 0.0), ("all", 0.0), ("all", 0.0)]  # fmt: skip
+    timed2 = [Timed(3.0 + 14.0 * i, k, slot=s) for i, (k, s) in enumerate(two)]
+    for t0, slot in ((118.0, 0.0), (136.0, 0.75)):  # kill, then the survivor (rank 0 of 1) hangs
+        timed2 += [Timed(t0, "kill", slot=slot), Timed(t0 + 1.0, "stop", slot=0.0)]
+    three = [("kill", 0.0), ("kill", 0.4), ("kill", 0.8), ("stop", 0.0), ("stop", 0.4),
+             ("stop", 0.8), ("all", 0.0)]  # fmt: skip
+    timed3 = [Timed(3.0 + 14.0 * i, k, slot=s) for i, (k, s) in enumerate(three)]
+    return {2: (tuple(timed2), 1050), 3: (tuple(timed3), 720)}
+
+
+FAULT_RUNS = _fault_runs()
 
 
 # -- the model ------------------------------------------------------------------------------
 
 
-def save_cost_s(cal: dict[str, Any]) -> float:
+def save_cost_s(cal: dict[str, Any], stall_s: float = 0.0) -> float:
     """One durable save's cost: the median over every probe (one rank writes, whatever the
-    member count; a single probe's estimate swings by tens of ms on the loaded box)."""
+    member count; a single probe's estimate swings by tens of ms on the loaded box); with a
+    stall, the stalled probe's."""
+    if stall_s:
+        return float(cal["stall_s"])
     samples = [x for _, saves in cal["probe_samples"].values() for x in saves]
     return max(statistics.median(samples), 0.0)
 
 
 def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every: int,
-               step_s: float) -> Any:  # fmt: skip
-    """PlanInputs for ``members`` at the given rates per second of each kind (module docstring)."""
+               step_s: float, stall_s: float = 0.0, start_shift_s: float = 0.0
+               ) -> Any:  # fmt: skip
+    """PlanInputs for ``members`` at the given rates per second of each kind (module docstring),
+    with the fault costs calibrated for that member count; ``start_shift_s`` moves the heal
+    and the restart by a process start's difference from the calibration's."""
     from stalwart.plan import PlanInputs
 
-    io, f = cal["io"], cal["faults"]
+    io, f = cal["io"], cal["faults"][members]
     gb = io["state_gb"]
-    heal, rack_detect = f["heal_s"], f["crash_detect_s"]
-    spare = max(f["restart_s"] - rack_detect - heal - io["load_s"], 0.0)
+    heal, rack_detect = max(f["heal_s"] + start_shift_s, 0.0), f["crash_detect_s"]
+    spare = max(f["restart_s"] + start_shift_s - rack_detect - heal - io["load_s"], 0.0)
     return PlanInputs().replace(**{
         "job.accelerators": members, "job.group_size": 1, "job.state_gb": gb,
         "job.step_s": step_s, "job.accelerators_per_node": 1,
@@ -288,22 +390,43 @@ def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every
         "tiers.remote.write_gbps": gb / io["lag_s"], "tiers.remote.read_gbps": gb / io["load_s"],
         "tiers.remote.interval_s": every * step_s,
         "costs.remote_stall_s_per_gb": 0.0,
-        "costs.remote_background_s_per_gb": save_cost_s(cal) / gb,
+        "costs.remote_background_s_per_gb": save_cost_s(cal, stall_s) / gb,
         "costs.crash_detect_s": f["crash_detect_s"], "costs.hang_detect_s": f["hang_detect_s"],
         "costs.node_detect_s": rack_detect, "costs.resume_s": f["resume_s"] + f["rejoin_s"],
         "costs.heal_s": heal, "costs.spare_s": spare, "costs.verify_every_steps": 50,
     })  # fmt: skip
 
 
+def start_factors(cal: dict[str, Any], members: int) -> list[float]:
+    """The calibration's process starts over their mean: the spread of a heal's and a
+    restart's start (``simulate(start_factors=...)``)."""
+    starts = cal["fault_samples"][members]["process_start_s"]
+    mean = statistics.fmean(starts)
+    return [x / mean for x in starts]
+
+
 def predict(cal: dict[str, Any], members: int, rates: dict[str, float], every: int,
-            step_s: float) -> float:  # fmt: skip
+            step_s: float, stall_s: float = 0.0, start_shift_s: float = 0.0,
+            window_s: float | None = None, spread: bool = True) -> Any:  # fmt: skip
+    """The simulated ETTR; failures strike running processes only (``strike_starting``
+    False), as the chaos schedule does, and a process's start is drawn from the calibration's
+    (``spread``; docs/plan.md says why). With ``window_s``: the ETTR of 400 runs that long
+    (their spread), not their mean."""
     from stalwart.plan import simulate
 
-    inputs = inputs_for(cal, members, rates, every, step_s)
+    inputs = inputs_for(cal, members, rates, every, step_s, stall_s, start_shift_s)
     if sum(rates.values()) <= 0:
-        return 1.0 / (1.0 + save_cost_s(cal) / (every * step_s))
+        return 1.0 / (1.0 + save_cost_s(cal, stall_s) / (every * step_s))
     interval = {"remote": inputs.tiers.remote.interval_s}
-    return simulate(inputs, "stalwart-no-memory", interval, failures=2000, seed=1).ettr
+    factors = start_factors(cal, members) if spread else ()
+    if window_s is not None:
+        n = 400
+        failures = max(int(sum(rates.values()) * window_s * n), n)
+        return simulate(inputs, "stalwart-no-memory", interval, failures=failures,
+                        replications=n, seed=2, strike_starting=False,
+                        start_factors=factors).replications  # fmt: skip
+    return simulate(inputs, "stalwart-no-memory", interval, failures=2000, seed=1,
+                    strike_starting=False, start_factors=factors).ettr  # fmt: skip
 
 
 def recommended_steps(cal: dict[str, Any], c: Config) -> int:
@@ -311,7 +434,7 @@ def recommended_steps(cal: dict[str, Any], c: Config) -> int:
 
     rates = {k: c.rate_per_s / len(c.kinds) for k in c.kinds}
     step_s = cal["step_s"][c.members]
-    inputs = inputs_for(cal, c.members, rates, 1, step_s).replace(
+    inputs = inputs_for(cal, c.members, rates, 1, step_s, c.save_stall_s).replace(
         **{"tiers.remote.interval_s": None}
     )
     return max(1, round(recommend_intervals(inputs, "stalwart-no-memory")["remote"] / step_s))
@@ -327,62 +450,147 @@ def steps_for(cal: dict[str, Any], c: Config) -> int:
 # -- validation -----------------------------------------------------------------------------
 
 
-def validate(cal: dict[str, Any], out: Path, seeds: int, only: set[str]) -> list[dict[str, Any]]:
+def score(cal: dict[str, Any], r: dict[str, Any], run: dict[str, Any]) -> None:
+    """The model's figures for run row ``r``, in place: at the schedule's rate (``nominal``),
+    at the run's realised rates (the figure scored), the same with every start at the mean
+    (``mean_start``) or shifted to the run's own mean start (``own_start``), and where the
+    measured goodput falls among 400 modelled runs of the same window (``percentile``)."""
+    n, every, stall, step_s = r["members"], r["every"], r.get("save_stall_s", 0.0), r["step_s"]
+    nominal = {k: r["rate_per_s"] / len(r["kinds"]) for k in r["kinds"]}
+    r["process_start_s"] = process_start_s(run)
+    shift = r["process_start_s"] - cal["faults"][n]["process_start_s"]
+    r["model_nominal"] = predict(cal, n, nominal, every, step_s, stall)
+    r["model_realised"] = predict(cal, n, r["realised"], every, step_s, stall)
+    r["model_mean_start"] = predict(cal, n, r["realised"], every, step_s, stall, spread=False)
+    r["model_own_start"] = predict(cal, n, r["realised"], every, step_s, stall, shift)
+    runs = predict(cal, n, nominal, every, step_s, stall, window_s=r["window_s"])
+    r["percentile"] = sum(x < r["measured"] for x in runs) / len(runs)
+    q = statistics.quantiles(runs, n=20)
+    r["model_run_p05"], r["model_run_p95"] = q[0], q[-1]
+
+
+def validate(cal: dict[str, Any], out: Path, seeds: int, interval_seeds: int, only: set[str],
+             first_seed: int = 0, steps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Run every configuration for its seeds (from ``first_seed``); ``steps``: the main
+    configurations' length instead of theirs."""
+    from dataclasses import replace
+
     from stalwart.testing import KillSchedule
 
     done = out / "runs.json"
     rows = json.loads(done.read_text()) if done.exists() else []  # a run cut short goes on
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + max(seeds, interval_seeds)):
         for c in CONFIGS:
-            if (only and c.name not in only) or any(
-                r["config"] == c.name and r["seed"] == seed for r in rows
+            if (
+                (only and c.name not in only)
+                or seed - first_seed >= (interval_seeds if c.save_stall_s else seeds)
+                or any(r["config"] == c.name and r["seed"] == seed for r in rows)
             ):
                 continue
+            if steps and not c.save_stall_s:
+                c = replace(c, steps=steps)
             every = steps_for(cal, c)
             sched = KillSchedule.poisson(c.rate_per_s, seed=seed, horizon_s=HORIZON_S,
                                          clock="-", members=c.members, kinds=c.kinds)  # fmt: skip
-            run = launch(out / f"{c.name}-s{seed}", c.members, STEPS, every, sched.timed)
+            run = launch(out / f"{c.name}-s{seed}", c.members, c.steps, every, sched.timed,
+                         c.save_stall_s)  # fmt: skip
             window, step_s = run["end_s"], run["step_s"]
             goodput = run["final_step"] * step_s / window
-            taken = [x for x in run["claims"] if x["t"] <= window]
-            realised = {k: sum(x["kind"] == k for x in taken) / window for k in c.kinds}
-            nominal = {k: c.rate_per_s / len(c.kinds) for k in c.kinds}
+            # the realised rate: the schedule's arrivals in the window, those that struck a
+            # process still starting (nobody) included, as the model draws them
+            due = [f for f in sched.timed if f.at_s <= window]
+            realised = {k: sum(f.kind == k for f in due) / window for k in c.kinds}
+            struck = [x for x in run["claims"] if x["t"] <= window
+                      and (x["kind"] == "all" or x["rank"] < x["size"])]  # fmt: skip
+            stall = c.save_stall_s
             row = {"config": c.name, "seed": seed, "members": c.members, "every": every,
                    "rate_per_s": c.rate_per_s, "kinds": list(c.kinds), "window_s": window,
-                   "faults": len(taken), "expected_faults": c.rate_per_s * window,
-                   "realised": realised,
+                   "faults": len(due), "struck": len(struck),
+                   "expected_faults": c.rate_per_s * window, "realised": realised,
+                   "save_stall_s": stall,
                    "measured": goodput, "step_s": step_s, "final_step": run["final_step"],
-                   "model_nominal": predict(cal, c.members, nominal, every, step_s),
-                   "model_realised": predict(cal, c.members, realised, every, step_s),
-                   "wall_s": run["wall_s"]}  # fmt: skip
+                   "steps": c.steps, "wall_s": run["wall_s"],
+                   "load": os.getloadavg()[0]}  # fmt: skip
+            score(cal, row, run)
             rows.append(row)
             print(f"{c.name:15} seed {seed} every {every:3d} step {step_s * 1e3:.1f} ms: "
-                  f"{len(taken)} faults "
-                  f"(expected {row['expected_faults']:.1f}) measured {goodput:.1%}, model "
+                  f"{len(due)} faults ({len(struck)} struck a running process; expected "
+                  f"{row['expected_faults']:.1f}) measured {goodput:.1%}, model "
                   f"{row['model_realised']:.1%} (realised) {row['model_nominal']:.1%} (nominal)"
-                  f"  [{run['wall_s']:.0f} s]", flush=True)  # fmt: skip
+                  f"  [{run['wall_s']:.0f} s, load {row['load']:.2f}]", flush=True)  # fmt: skip
             (out / "runs.json").write_text(json.dumps(rows, indent=1))
     return rows
 
 
 def report(rows: list[dict[str, Any]]) -> None:
+    """The table: the model from the calibration alone (``model_realised``), where each run
+    falls among the model's runs of its length, and the model with each run's own process
+    start time in place of the calibration's (``model_own_start``)."""
     print(
-        "\n| config | members | rate | interval (steps) | faults / run | measured goodput "
-        "(median, range) | model, realised rate | model, nominal rate | max abs diff |"
+        "\n| config | members | rate | interval (steps) | faults / run (struck) | process start "
+        "(s) | measured goodput (median, range) | model, realised rate | mean diff | max abs "
+        "diff | percentile among modelled runs (their 5-95 %) | model, the run's start time | "
+        "mean diff |"
     )
-    print("|---|---:|---|---:|---:|---|---|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---|---|---:|---:|---|---|---:|")
     for name in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == name]
         m = [r["measured"] for r in rs]
-        real = [r["model_realised"] for r in rs]
-        diff = max(abs(r["measured"] - r["model_realised"]) for r in rs)
+        cells = []
+        for key in ("model_realised", "model_own_start"):
+            got = [r.get(key, math.nan) for r in rs]
+            diffs = [r["measured"] - g for r, g in zip(rs, got, strict=True)]
+            cells.append(f"{statistics.median(got):.1%} ({min(got):.1%}-{max(got):.1%}) | "
+                         f"{statistics.fmean(diffs) * 100:+.1f} pp")  # fmt: skip
+            if key == "model_realised":
+                cells[-1] += f" | {max(abs(d) for d in diffs) * 100:.1f} pp"
+                cells[-1] += " | " + "/".join(f"{r.get('percentile', math.nan):.0%}" for r in rs)
+                cells[-1] += " (" + "/".join(
+                    f"{r.get('model_run_p05', math.nan):.0%}-{r.get('model_run_p95', math.nan):.0%}"
+                    for r in rs) + ")"  # fmt: skip
         r0 = rs[0]
+        stall = f", save {r0['save_stall_s']:g} s" if r0.get("save_stall_s") else ""
+        counts = "/".join(f"{r['faults']} ({r.get('struck', '?')})" for r in rs)
+        starts = "/".join(f"{r.get('process_start_s', math.nan):.1f}" for r in rs)
         print(f"| {name} | {r0['members']} | 1/{1 / r0['rate_per_s']:.0f} s "
-              f"({'+'.join(r0['kinds'])}) | {r0['every']} | "
-              f"{'/'.join(str(r['faults']) for r in rs)} | {statistics.median(m):.1%} "
-              f"({min(m):.1%}-{max(m):.1%}) | {statistics.median(real):.1%} "
-              f"({min(real):.1%}-{max(real):.1%}) | {r0['model_nominal']:.1%} | "
-              f"{diff * 100:.1f} pp |")  # fmt: skip
+              f"({'+'.join(r0['kinds'])}{stall}) | {r0['every']} | {counts} | {starts} | "
+              f"{statistics.median(m):.1%} ({min(m):.1%}-{max(m):.1%}) | {cells[0]} | "
+              f"{cells[1]} |")  # fmt: skip
+    for key in ("model_realised", "model_mean_start", "model_own_start"):
+        if not all(key in r for r in rows):
+            continue
+        diffs = [r["measured"] - r[key] for r in rows]
+        means: dict[str, list[float]] = {}
+        for r in rows:
+            means.setdefault(r["config"], []).append(r["measured"] - r[key])
+        inside = sum(abs(statistics.fmean(d)) <= 0.05 for d in means.values())
+        print(f"\n{key}: runs within +-5 pp: {sum(abs(d) <= 0.05 for d in diffs)} of "
+              f"{len(diffs)}; median |diff| {statistics.median(abs(d) for d in diffs) * 100:.1f}"
+              f" pp, mean diff {statistics.fmean(diffs) * 100:+.1f} pp; configuration means "
+              f"within +-5 pp: {inside} of {len(means)} ("
+              + ", ".join(f"{n} {statistics.fmean(d) * 100:+.1f}" for n, d in means.items())
+              + ")")  # fmt: skip
+    if all("percentile" in r for r in rows):
+        pct = sorted(r["percentile"] for r in rows)
+        print(f"\nmeasured runs inside the model's 5-95 % range of runs of their length: "
+              f"{sum(0.05 <= p <= 0.95 for p in pct)} of {len(pct)}; below it "
+              f"{sum(p < 0.05 for p in pct)}, above {sum(p > 0.95 for p in pct)}; median "
+              f"percentile {statistics.median(pct):.0%}")  # fmt: skip
+
+
+def report_overlaps(cal: dict[str, Any]) -> None:
+    """The hang of the last live member while its partner's replacement starts, measured in
+    the calibration, beside the model's cost for it (max(hang detection, the replacement's
+    start left) + a load: the replacement resumes once both are done)."""
+    f = cal["faults"].get(2) or {}
+    samples = cal["fault_samples"].get(2) or {}
+    for got, left in zip(samples.get("overlap_s", ()), samples.get("overlap_left_s", ()),
+                         strict=True):  # fmt: skip
+        model = max(f["hang_detect_s"], left) + cal["io"]["load_s"]
+        print(
+            f"hang of the last live member during a heal: measured {got:.2f} s to training "
+            f"again (replacement up {left:.2f} s after it); model {model:.2f} s"
+        )
 
 
 def report_intervals(rows: list[dict[str, Any]]) -> None:
@@ -398,19 +606,66 @@ def report_intervals(rows: list[dict[str, Any]]) -> None:
               "steps (0.5x / 1x / 2x the recommendation)")  # fmt: skip
         for s in seeds:
             cells = [f"{got[n, s]['measured']:.1%}" for n in trio]
-            model = [f"{got[n, s]['model_nominal']:.1%}" for n in trio]
-            print(f"  seed {s}: measured {' / '.join(cells)}; model {' / '.join(model)}")
+            model = [f"{got[n, s]['model_realised']:.1%}" for n in trio]
+            print(f"  seed {s}: measured {' / '.join(cells)}; model (realised) "
+                  f"{' / '.join(model)}")  # fmt: skip
+        med = [statistics.median(got[n, s]["measured"] for s in seeds) for n in trio]
+        lo = [min(got[n, s]["measured"] for s in seeds) for n in trio]
+        hi = [max(got[n, s]["measured"] for s in seeds) for n in trio]
+        wins = sum(got[c.name, s]["measured"] > max(got[trio[0], s]["measured"],
+                                                   got[trio[2], s]["measured"])
+                   for s in seeds)  # fmt: skip
+        print("  median (range): " + " / ".join(
+            f"{m:.1%} ({a:.1%}-{b:.1%})" for m, a, b in zip(med, lo, hi, strict=True))
+            + f"; 1x best in {wins} of {len(seeds)} seeds")  # fmt: skip
+        for other, label in ((trio[0], "0.5x"), (trio[2], "2x")):
+            d = [got[c.name, s]["measured"] - got[other, s]["measured"] for s in seeds]
+            se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+            m = [got[c.name, s]["model_realised"] - got[other, s]["model_realised"]
+                 for s in seeds]  # fmt: skip
+            print(
+                f"  1x - {label}, paired by seed: {statistics.fmean(d) * 100:+.1f} pp (standard "
+                f"error {se * 100:.1f} pp); the model: {statistics.fmean(m) * 100:+.1f} pp"
+            )
+
+
+def _load_calibration(path: Path, refit: bool) -> dict[str, Any]:
+    cal = json.loads(path.read_text())
+    cal["step_s"] = {int(k): v for k, v in cal["step_s"].items()}
+    cal["save_s"] = {int(k): v for k, v in cal["save_s"].items()}
+    cal["faults"] = {int(k): v for k, v in cal.get("faults", {}).items()}
+    cal["fault_samples"] = {int(k): v for k, v in cal.get("fault_samples", {}).items()}
+    for n in (2, 3):  # the probes read again, as this version reads them
+        runs = [read_run(path.parent / f"probe-{n}-{i}", n, PROBE_STEPS, SAVE_EVERY)
+                for i in range(PROBE_REPEATS)]  # fmt: skip
+        cal["probe_samples"][str(n)] = [
+            [r["step_s"] for r in runs],
+            [(r["end_s"] / r["final_step"] - r["step_s"]) * SAVE_EVERY for r in runs],
+        ]
+    for n, (_, steps) in FAULT_RUNS.items():
+        faults = path.parent / f"faults-{n}"
+        if faults.exists() and not refit:  # read again, as this version reads them
+            run = read_run(faults, n, steps, 20)
+            costs = fault_costs(run, cal["step_s"][n], n)
+            cal["faults"][n] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
+            cal["faults"][n]["process_start_s"] = process_start_s(run)
+            costs["process_start_s"] = process_starts(run)
+            cal["fault_samples"][n] = costs
+            print(f"fault costs, {n} members (means):", json.dumps(cal["faults"][n]), flush=True)
+    return cal
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=2, help="seeds of the main configurations")
+    p.add_argument("--interval-seeds", type=int, default=3,
+                   help="seeds of the interval configurations (0.5x, 1x, 2x)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("/tmp/plan-validate"))
     p.add_argument("--calibration", type=Path, help="reuse a calibration.json")
     p.add_argument(
         "--refit-faults",
         action="store_true",
-        help="with --calibration: the probes from it, the fault run again",
+        help="with --calibration: the probes from it, the fault runs again",
     )
     p.add_argument(
         "--rescore",
@@ -419,41 +674,42 @@ def main() -> None:
         "else --out/calibration.json)",
     )
     p.add_argument("--only", default="", help="comma-separated config names")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds from this one on")
+    p.add_argument("--steps", type=int, help="the main configurations' steps (default theirs)")
+    p.add_argument("--report", default="", help="only print the tables of these runs files "
+                   "(comma-separated; e.g. two sweeps' runs-rescored.json)")  # fmt: skip
     a = p.parse_args()
+    if a.report:
+        rows = [r for f in a.report.split(",") for r in json.loads(Path(f).read_text())]
+        report(rows)
+        report_intervals(rows)
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     if a.rescore and not a.calibration:
         a.calibration = a.out / "calibration.json"
     if a.calibration:
-        cal = json.loads(a.calibration.read_text())
-        cal["step_s"] = {int(k): v for k, v in cal["step_s"].items()}
-        cal["save_s"] = {int(k): v for k, v in cal["save_s"].items()}
-        for n in (2, 3):  # the probes read again, as this version reads them
-            runs = [read_run(a.calibration.parent / f"probe-{n}-{i}", n, PROBE_STEPS, SAVE_EVERY)
-                    for i in range(PROBE_REPEATS)]  # fmt: skip
-            cal["probe_samples"][str(n)] = [
-                [r["step_s"] for r in runs],
-                [(r["end_s"] / r["final_step"] - r["step_s"]) * SAVE_EVERY for r in runs],
-            ]
-        faults = a.calibration.parent / "faults"
-        if faults.exists() and not a.refit_faults:  # read again, as this version reads them
-            costs = fault_costs(read_run(faults, 2, 1000, 20), cal["step_s"][2])
-            cal["faults"] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
-            cal["fault_samples"] = costs
-            print("fault costs (means):", json.dumps(cal["faults"]), flush=True)
+        cal = _load_calibration(a.calibration, a.refit_faults)
     if (not a.calibration or a.refit_faults) and not a.rescore:
-        keep = ("step_s", "save_s", "probe_samples")
-        probes = {k: cal[k] for k in keep} if a.calibration else None
+        keep = ("step_s", "save_s", "probe_samples", "stall_s")
+        probes = {k: cal[k] for k in keep if k in cal} if a.calibration else None
         cal = calibrate(a.out, probes)
         (a.out / "calibration.json").write_text(json.dumps(cal, indent=1))
+    report_overlaps(cal)
     if a.rescore:
         rows = json.loads((a.out / "runs.json").read_text())
         for r in rows:
-            every, n = r["every"], r["members"]
-            nominal = {k: r["rate_per_s"] / len(r["kinds"]) for k in r["kinds"]}
-            r["model_nominal"] = predict(cal, n, nominal, every, r["step_s"])
-            r["model_realised"] = predict(cal, n, r["realised"], every, r["step_s"])
+            stall = r.get("save_stall_s", 0.0)
+            run = read_run(a.out / f"{r['config']}-s{r['seed']}", r["members"], 0, r["every"],
+                           stall > 0)  # fmt: skip
+            # the run read again, as this version reads it (a save's stall left out of the
+            # step time at every interval)
+            r["step_s"] = run["step_s"]
+            r["measured"] = run["final_step"] * run["step_s"] / run["end_s"]
+            score(cal, r, run)
+        (a.out / "runs-rescored.json").write_text(json.dumps(rows, indent=1))
     else:
-        rows = validate(cal, a.out, a.seeds, {s for s in a.only.split(",") if s})
+        only = {s for s in a.only.split(",") if s}
+        rows = validate(cal, a.out, a.seeds, a.interval_seeds, only, a.first_seed, a.steps)
     report(rows)
     report_intervals(rows)
 

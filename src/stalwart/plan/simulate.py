@@ -21,6 +21,19 @@ corruption. Between events, progress, snapshot pauses and commits follow in clos
 - silent data corruption, found at the next digest check (every ``verify_every_steps``) and
   rolled back to the newest copy taken before it (checkpoint-restart finds it at once).
 
+``strike_starting`` says whether a failure can strike a process that is still starting (a
+replacement not yet joined, or every process of a job rolling back). True (the default, and
+Daly's model): hosts fail whatever they run, so a failure during a rollback restarts it and one
+on a healing group's rank costs another detection and heal. False: failures strike running
+processes only; one that lands on a starting process does nothing (``bench/plan_validate.py``'s
+chaos schedule, which acts at step boundaries, cannot strike a process before its first one).
+
+``start_factors`` makes the start of a process random: each heal's time and each rollback's
+start (``RungCosts.start_s``) is the mean times a factor drawn from these (measured starts over
+their mean, say; ``bench/plan_validate.py`` gives its calibration's). A long start makes an
+overlapping failure likelier, so the spread moves the mean too. Empty (the default): every
+start takes the mean.
+
 Every replication is seeded from ``seed`` (numpy's SeedSequence), so a result is reproducible;
 the spread of the replications gives the confidence interval of the ETTR.
 """
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist, fmean, stdev
 
@@ -76,8 +90,12 @@ def t_quantile(p: float, dof: int) -> float:
 class _Run:
     """One replication: state between events and the two ways an event is taken."""
 
-    def __init__(self, inputs: PlanInputs, strategy: Strategy, every: dict[str, int]) -> None:
+    def __init__(self, inputs: PlanInputs, strategy: Strategy, every: dict[str, int],
+                 strike_starting: bool = True, start_factors: Sequence[float] = (),
+                 rng: np.random.Generator | None = None) -> None:  # fmt: skip
         self.lay, self.costs = Layout.of(inputs), RungCosts.of(inputs, strategy)
+        self.strike_starting = strike_starting
+        self.start_factors, self.rng = tuple(start_factors), rng
         self.peer = "peer" in rungs(strategy, inputs)
         self.step_s = inputs.job.step_s
         self.tiers = [t for t in TIERS if t in rungs(strategy, inputs)]
@@ -121,7 +139,25 @@ class _Run:
             return not self.lay.ec_overflow(after)
         return True
 
-    def failure(self, t: float, loss: Loss) -> None:
+    def _factor(self) -> float:
+        """This start's factor on the mean (module docstring)."""
+        if not self.start_factors or self.rng is None:
+            return 1.0
+        return self.start_factors[int(self.rng.integers(len(self.start_factors)))]
+
+    def _starting(self, t: float, loss: Loss) -> bool:
+        """Whether ``loss`` strikes only processes still starting (module docstring): every
+        process while the job rolls back, or ranks whose replacement has not joined yet."""
+        if self.rolling_back and t < self.seg.w0:
+            return True
+        ranks = set(self.lay.ranks(loss))
+        healing = {r for end, h in self.heals if end > t for r in self.lay.ranks(h)}
+        return bool(ranks) and ranks <= healing
+
+    def failure(self, t: float, loss: Loss) -> bool:
+        """Take a failure at ``t``; False when it struck nothing (``strike_starting``)."""
+        if not self.strike_starting and self._starting(t, loss):
+            return False
         p = self.seg.progress(t)
         oldest = min((s.start for n in self.tiers if n != "remote" for s in self.records[n]),
                      default=math.inf)  # fmt: skip
@@ -130,7 +166,7 @@ class _Run:
         self.heals = [(end, h) for end, h in self.heals if end > t]
         if loss.kind is Kind.SDC and self.costs.verify_every_steps:
             self.pending.append(p)
-            return
+            return True
         self._remember(t)
         healing = [h for _, h in self.heals]
         if (self.peer and loss.kind is not Kind.SDC and not self.rolling_back
@@ -140,6 +176,7 @@ class _Run:
             self._roll_back(t, p, loss.kind, p, head=(min(e for e, _ in self.heals) - t, loss))
         else:
             self._roll_back(t, p, loss.kind, p)
+        return True
 
     def detect(self, t: float, corrupted_at: float) -> None:
         self._remember(t)  # while the corruption is pending: keeps the copy taken before it
@@ -149,7 +186,7 @@ class _Run:
     def _heal(self, t: float, p: float, loss: Loss) -> None:
         c = self.costs
         stall = c.stall_s(loss.kind, "peer")
-        heal = c.heal_time_s(loss.kind)
+        heal = c.heal_time_s(loss.kind) * self._factor()
         debt = heal * self.lay.groups_out(loss) / self.lay.replicas
         self.heals.append((t + stall + heal, loss))
         w0 = max(t + stall, self.seg.w0) + debt  # a heal in progress keeps its own debt
@@ -170,18 +207,23 @@ class _Run:
                         best = (cost, tier, snap)
                     break
         tier, x = (best[1], best[2].progress) if best else ("remote", 0.0)
-        stall = self.costs.stall_s(kind, tier)
+        c, factor = self.costs, self._factor()
+        stall = c.stall_s(kind, tier) + c.start_s * (factor - 1.0)
+        heal = c.heal_time_s(kind) * factor  # the replacement for the member lost now
         if head is not None:
-            c, (left_s, loss) = self.costs, head
-            started = c.detect_s[kind] + left_s + c.restore_s[tier] - c.start_s
+            left_s, loss = head
+            # the replacement resumes once it is up and the lost member is found (side by
+            # side: a hang is found while the replacement starts), then loads the tier
+            started = max(c.detect_s[kind], left_s) + c.restore_s[tier] - c.start_s
             if started < stall:  # resumed by the replacement; the groups lost now heal after
-                debt = c.heal_time_s(kind) * self.lay.groups_out(loss) / self.lay.replicas
-                stall = started + debt
+                stall = started + heal * self.lay.groups_out(loss) / self.lay.replicas
         self.lost_steps += p - x
         self.taken[tier] += 1
         self.rolling_back = True
         self.heals.clear()
-        self.pending = [c for c in self.pending if c < x]  # later corruption is rolled away
+        if head is not None:  # the member lost now is replaced from its detection on
+            self.heals.append((t + c.detect_s[kind] + heal, head[1]))
+        self.pending = [p for p in self.pending if p < x]  # later corruption is rolled away
         for name in self.tiers:
             self.records[name] = [s for s in self.records[name] if s.progress <= x] or [
                 Snapshot(0.0, -math.inf, -math.inf)
@@ -206,8 +248,12 @@ class _Run:
 
 
 def _replicate(inputs: PlanInputs, strategy: Strategy, every: dict[str, int], horizon_s: float,
-               rng: np.random.Generator) -> tuple[float, int, _Run]:  # fmt: skip
-    run, lay = _Run(inputs, strategy, every), Layout.of(inputs)
+               seed: np.random.SeedSequence, strike_starting: bool = True,
+               start_factors: Sequence[float] = ()) -> tuple[float, int, _Run]:  # fmt: skip
+    rng = np.random.default_rng(seed)  # the failures: the same with or without start factors
+    starts = np.random.default_rng(seed.spawn(1)[0]) if start_factors else None
+    run = _Run(inputs, strategy, every, strike_starting, start_factors, starts)
+    lay = Layout.of(inputs)
     rates = rates_per_s(inputs)
     total = sum(rates.values())
     probs = np.array([rates[k] / total for k in _KINDS]) if total > 0 else None
@@ -221,8 +267,7 @@ def _replicate(inputs: PlanInputs, strategy: Strategy, every: dict[str, int], ho
         run.settle(t)
         if t_fail <= t_found:
             kind = _KINDS[int(rng.choice(len(_KINDS), p=probs))]
-            run.failure(t, lay.loss(kind, int(rng.integers(lay.units(kind)))))
-            failures += 1
+            failures += run.failure(t, lay.loss(kind, int(rng.integers(lay.units(kind)))))
             t_fail = t + rng.exponential(1.0 / total)
         else:
             run.detect(t, corrupted)
@@ -245,6 +290,8 @@ def simulate(
     failures: int = 2_000,
     replications: int = 16,
     seed: int = 0,
+    strike_starting: bool = True,
+    start_factors: Sequence[float] = (),
 ) -> SimResult:
     """Simulate ``strategy`` with the given snapshot intervals.
 
@@ -257,6 +304,10 @@ def simulate(
             failures narrow the confidence interval as 1 / sqrt(failures)).
         replications: independent runs the time is split into (>= 2, for the interval).
         seed: the root of every replication's random stream.
+        strike_starting: whether a failure can strike a process still starting (module
+            docstring; False: such a failure does nothing and is not counted).
+        start_factors: factors on the mean start of a process, one drawn per heal and
+            rollback (module docstring); empty: every start takes the mean.
 
     Raises:
         ConfigError: an interval is missing or not positive, or too few failures/replications.
@@ -275,7 +326,7 @@ def simulate(
     results, n, lost, down, taken = [], 0, 0.0, 0.0, Counter[str]()
     for child in np.random.SeedSequence(seed).spawn(replications):
         ettr, count, run = _replicate(
-            inputs, strategy, every, per_run, np.random.default_rng(child)
+            inputs, strategy, every, per_run, child, strike_starting, start_factors
         )
         results.append(ettr)
         n, lost, down = n + count, lost + run.lost_steps * run.step_s, down + run.down_s

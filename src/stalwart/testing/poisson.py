@@ -23,11 +23,16 @@ The first process to take a fault records it, atomically, in ``<clock>/fault-<i>
 (``{"t": wall time, "kind", "rank", "size", "epoch"}``): the fault strikes the members of that
 epoch (the struck rank as it was in that epoch), wherever they are when they reach it (a member
 whose step failed has reconfigured since); a process that never was in that epoch (a
-replacement that joined later) passes it, so a fault never strikes twice. A fault due
-while no member is at a boundary (the job restarting) is taken at the next boundary, by the
-epoch the restart forms. A process also ignores faults timed before it started (its start
-read from ``/proc`` on Linux). The records are what the bench reads of the run. The folder
-must be shared by the workers (one host, or a shared filesystem).
+replacement that joined later) passes it, so a fault never strikes twice.
+
+Faults strike running processes only, never one still starting: a process ignores the faults
+timed before its first step boundary that no member has taken yet (a member of its own epoch
+may have taken one a moment before; that record stands). So a fault due while no member is at
+a boundary (every process of the job restarting) strikes nobody and is never recorded, as a
+fault on the member still starting during a heal strikes nobody. A process also ignores faults
+timed before it started (its start read from ``/proc`` on Linux). The records are what the
+bench reads of the run. The folder must be shared by the workers (one host, or a shared
+filesystem).
 """
 
 from __future__ import annotations
@@ -183,7 +188,8 @@ class TimedFaults:
     def _start_clock(self) -> float:
         if self.origin is None:
             tmp = self.clock / f".origin-{os.getpid()}"
-            tmp.write_text(repr(time.time()))
+            first = time.time()  # this process's first step boundary: it runs from here on
+            tmp.write_text(repr(first))
             try:
                 os.link(tmp, self.clock / "origin")  # atomic: the first member's time wins
             except FileExistsError:
@@ -192,7 +198,12 @@ class TimedFaults:
                 tmp.unlink()
             self.origin = read_origin(self.clock)
             assert self.origin is not None  # linked above, by this process or another
-            self.pending = [(i, f) for i, f in self.pending if self.origin + f.at_s >= self.born]
+            self.pending = [
+                (i, f)
+                for i, f in self.pending
+                if self.origin + f.at_s >= max(self.born, first)
+                or (self.origin + f.at_s >= self.born and (self.clock / f"fault-{i}").exists())
+            ]
         return self.origin
 
     def at_boundary(self) -> str | None:
