@@ -16,8 +16,11 @@ Reported per run, from the workers' event logs and the heal's own log line:
 * the survivor's healthy step (median time between its commits with 2 members, before the
   kill), the survivor's step that contained the heal's epoch change (time between the commits
   around it), and their ratio;
-* detection -> next commit: the survivor's ``fault-detected`` to its next commit.
-
+* detection -> next commit: the survivor's ``fault-detected`` to its next commit;
+* on the survivor's own clock (the workers time their loop): its step boundary that held the
+  epoch change (join, digests, the heal, the check, the agreed copy) and its first commit
+  with the newcomer (the all-reduce waits for the newcomer's first backward), against its
+  healthy commit; the newcomer's first forward and backward.
 Medians and ranges over ``--runs`` runs (probe and job interleaved).
 
     .venv/bin/python bench/heal_bench.py --runs 3 --gib 4.0
@@ -82,19 +85,27 @@ def worker(a: argparse.Namespace) -> None:
     np.random.seed(0)
     model = _model(a.gib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    timed: dict[str, Any] = {"steps": []}
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
     while job.step < a.steps:
+        t0 = time.time()
         while job.step == a.steps - 4 and job.replicas < 2:
             job.refresh()  # a backstop: the replacement joins 4 steps before the end at latest
-        optimizer.zero_grad()
+        optimizer.zero_grad()  # the boundary: an epoch change and its heal happen here
+        t1, replicas = time.time(), job.replicas
         x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(job.step))
         F.mse_loss(model(x)[:, :1], torch.zeros(2, 1)).backward()
-        optimizer.step()
+        t2 = time.time()
+        optimizer.step()  # the all-reduce (waiting for the slowest member), the update
+        timed["steps"].append({"replicas": replicas, "boundary_s": t1 - t0,
+                               "compute_s": t2 - t1, "commit_s": time.time() - t2})  # fmt: skip
     job.close()
     (a.out / f"final-{wid}.json").write_text(json.dumps({"digest": job.digest()}))
+    (a.out / f"timed-{wid}.json").write_text(json.dumps(timed))
 
 
 def _probe_send(port: int, nbytes: int) -> None:
@@ -221,10 +232,12 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"the job failed:\n{done.stdout}\n{done.stderr[-3000:]}")
         events = read_events(ev)
         finals = {json.loads(p.read_text())["digest"] for p in out.glob("final-*.json")}
+        timed = {int(p.stem.split("-")[1]): json.loads(p.read_text())
+                 for p in out.glob("timed-*.json")}  # fmt: skip
         heal_lines = [ln for w in events if w >= 2  # the replacement (ids 0, 1: the first two)
                       for ln in (out / f"heal-{w}.log").read_text().splitlines()]  # fmt: skip
     survivor = events[0]
-    steps = [e for e in survivor if e["kind"] == "step"]
+    steps = [e for e in survivor if e["kind"] == "step" and e["committed"]]  # not the discarded
     gaps = _gaps(steps)
     healthy = [gaps[s["step"]] for s in steps if s["step"] in gaps and s["step"] <= a.kill_at
                and len(s["members"]) == 2]  # fmt: skip
@@ -237,6 +250,11 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
     newcomer = next(lines for w, lines in events.items() if w >= 2)
     received = next(e for e in newcomer if e["kind"] == "state-received")
+    mine = timed[0]["steps"]  # the survivor's steps: the first with 2 members after the kill
+    alone = next(i for i, s in enumerate(mine) if s["replicas"] == 1)
+    heal_at = mine[next(i for i in range(alone, len(mine)) if mine[i]["replicas"] == 2)]
+    healthy_at = mine[1 : alone - 1]  # 2 members: not the first (cold) nor the failed one
+    theirs = timed[max(timed)]  # the replacement's
     return {
         "digests_equal": len(finals) == 1 and len(list(events)) == 3,
         "heal_bytes": nbytes,
@@ -249,6 +267,16 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         "until_heal_end_s": heal_end - rejoin[0]["t"],  # digests, addresses, the heal
         "verify_and_record_s": received["t"] - heal_end,  # digests again, the agreed copy
         "first_step_s": heal_step["t"] - received["t"],  # the first step with the newcomer
+        # the survivor's own clock: its boundary holding the epoch change (join, digests,
+        # heal, check, agreed copy) and its commit (waiting for the newcomer's first part)
+        "survivor_boundary_s": heal_at["boundary_s"],
+        "survivor_commit_s": heal_at["commit_s"],
+        "healthy_commit_s": statistics.median(s["commit_s"] for s in healthy_at),
+        "survivor_heal_step_s": sum(v for k, v in heal_at.items() if k.endswith("_s")),
+        "survivor_healthy_step_s": statistics.median(
+            sum(v for k, v in s.items() if k.endswith("_s")) for s in healthy_at
+        ),
+        "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
     }
 
 
@@ -299,6 +327,12 @@ def main() -> None:
     print(f"| ... of it: digests again, agreed copy (s) | {_cell(col['verify_and_record_s'])} |")
     print(f"| ... of it: the first step with the newcomer (s) | {_cell(col['first_step_s'])} |")
     print(f"| detection -> survivor's next commit (s) | {_cell(col['detect_to_commit_s'])} |")
+    print(f"| survivor's boundary holding the heal (s) | {_cell(col['survivor_boundary_s'])} |")
+    print(f"| survivor's first commit with the newcomer (s) | {_cell(col['survivor_commit_s'])} |")
+    print(f"| survivor's healthy commit, 2 members (s) | {_cell(col['healthy_commit_s'])} |")
+    print(f"| survivor's step holding the heal, timed (s) | {_cell(col['survivor_heal_step_s'])} |")
+    print(f"| survivor's healthy step, timed (s) | {_cell(col['survivor_healthy_step_s'])} |")
+    print(f"| newcomer's first forward+backward (s) | {_cell(col['newcomer_first_compute_s'])} |")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,29 @@ def sliced_heal(rank: int, world_size: int, holders: int, chunk_bytes: int) -> d
     after = digest(state, got)
     _train(state, 1)  # the healed optimizer steps on like the others (its moments are real)
     return {"step": got, "before": before, "after": after, "next": digest(state, got + 1)}
+
+
+def reconciled_heal(rank: int, world_size: int, holders: int) -> dict[str, Any]:
+    """A parity check that heals: holders trained alike (an agreed copy recorded after their
+    first step), newcomers fresh with none. Returns what each member's agreed copy holds
+    after the heal, and what restoring it gives once the live state moved on."""
+    from stalwart.elastic.parity import reconcile
+    from stalwart.elastic.state import AgreedState, digest
+
+    state, agreed, step = _state(0 if rank < holders else 100 + rank), AgreedState(), 0
+    kept = None
+    if rank < holders:
+        _train(state, 1)
+        agreed.record(state, 1)
+        kept = digest(state, 1)
+        _train(state, 2)
+        step = 3
+    step, found = reconcile(state, step, rank, dist.group.WORLD, agreed)
+    healed = digest(state, step)
+    assert state.optimizer is not None
+    moments = [t.data_ptr() for s in state.optimizer.state.values() for t in s.values()]
+    _train(state, 1)  # the live state moves on: an adopted copy must not move with it
+    copy_step = agreed.restore(state)
+    return {"step": step, "received": found.received, "healed": healed, "kept": kept,
+            "copy_step": copy_step, "restored": digest(state, copy_step),
+            "aliased": any(t.data_ptr() in moments for t in agreed._leaves.values())}  # fmt: skip

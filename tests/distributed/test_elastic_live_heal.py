@@ -34,3 +34,18 @@ def test_newcomers_heal_from_every_holders_slice_bit_identical() -> None:
     assert all(r["before"] != held for r in results[2:])  # the newcomers differed
     assert {r["after"] for r in results} == {held}
     assert len({r["next"] for r in results}) == 1
+
+
+def test_a_heals_holders_keep_their_copy_and_receivers_record_the_received_state() -> None:
+    # 1 holder, 2 newcomers: the holder sends a digest it does not hash again and keeps the
+    # copy of its step 1; each newcomer's copy (received leaves adopted, moments cloned) is
+    # the healed state and stays it when the live state trains on
+    results = run_ranks(live_heal_ranks.reconciled_heal, 3, 1, timeout_s=50)
+    healed = results[0]["healed"]
+    assert [r["step"] for r in results] == [3, 3, 3]
+    assert [r["received"] for r in results] == [False, True, True]
+    assert {r["healed"] for r in results} == {healed}
+    assert results[0]["copy_step"] == 1 and results[0]["restored"] == results[0]["kept"]
+    for r in results[1:]:
+        assert r["copy_step"] == 3 and r["restored"] == healed
+        assert not r["aliased"]  # no leaf of the copy is a live optimizer moment

@@ -46,7 +46,13 @@ import torch
 
 from stalwart.elastic.groups import device_of
 from stalwart.elastic.protocol import from_env
-from stalwart.elastic.state import leaf_nbytes, load_leaves, local_part, state_header
+from stalwart.elastic.state import (
+    leaf_nbytes,
+    live_targets,
+    load_leaves,
+    local_part,
+    state_header,
+)
 from stalwart.tree import dtype_from_name
 
 __all__ = ["CHUNK_BYTES", "IDLE_TIMEOUT_S", "STREAMS", "heal", "slice_bounds"]
@@ -87,6 +93,7 @@ def _advertised_host() -> str:
 def heal(
     state: Any, step: int, rank: int, holders: Sequence[int], group: Any, *,
     chunk_bytes: int = CHUNK_BYTES, streams: int = STREAMS,
+    spare: dict[str, torch.Tensor] | None = None,
 ) -> int:  # fmt: skip
     """Send ``state`` from ``holders`` to every other rank of ``group``; collective.
 
@@ -98,6 +105,11 @@ def heal(
         group: the epoch's (replicate) process group: one all-gather of addresses.
         chunk_bytes: the most bytes one ``sendall`` / ``recv_into`` moves.
         streams: connections per (holder, receiver) pair, each a part of the holder's slice.
+        spare: on a receiver, filled with a tensor per received leaf that holds its bytes
+            and that the state does not reference: the received leaf itself where it was
+            copied into a tensor this member held (:func:`~stalwart.elastic.state.load_leaves`),
+            else a twin the receiving threads filled as the bytes arrived. The agreed copy
+            adopts them instead of copying the state once more after the heal.
 
     Returns:
         The committed step this member holds afterwards.
@@ -120,7 +132,7 @@ def heal(
                      for r in receivers for j in range(streams)]  # fmt: skip
             _all(sends)
             return step
-        got, nbytes = _receive(state, listener, len(holders) * streams, chunk_bytes)
+        got, nbytes = _receive(state, listener, len(holders) * streams, chunk_bytes, spare)
     except OSError as e:
         raise RuntimeError(f"the heal from ranks {list(holders)} failed: {e}") from e
     finally:
@@ -205,7 +217,18 @@ def _recv_into(sock: socket.socket, view: memoryview, chunk_bytes: int = CHUNK_B
         view = view[got:]
 
 
-def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int) -> tuple[int, int]:
+def _twins(header: dict[str, Any], leaves: Sequence[torch.Tensor],
+           into: dict[str, torch.Tensor] | None) -> dict[int, torch.Tensor]:  # fmt: skip
+    """A second tensor for each plain leaf handed to the state as received (no tensor of
+    this member to copy it into, e.g. a fresh optimizer's moments): the agreed copy's."""
+    if into is None or len(into) == 0:
+        return {}  # no spare wanted, or a state off the CPU (its leaves move at the load)
+    return {i: torch.empty_like(leaves[i]) for i, (name, _, _, *rest) in enumerate(header["leaves"])
+            if name not in into and (not rest or rest[0] is None)}  # fmt: skip
+
+
+def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int,
+             spare: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:  # fmt: skip
     """Accept ``count`` holders, take their slices in parallel, load; (step, bytes received)."""
     conns: dict[int, socket.socket] = {}
     try:
@@ -218,15 +241,24 @@ def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int) 
         leaves = [torch.empty(shape, dtype=dtype_from_name(dtype))
                   for _, dtype, shape, *_ in header["leaves"]]  # fmt: skip
         sizes = [leaf_nbytes(dtype, shape) for _, dtype, shape, *_ in header["leaves"]]
-        views = [_flat(t).numpy().data for t in leaves]  # the leaves' own memory
+        flats = [_flat(t) for t in leaves]
+        views = [f.numpy().data for f in flats]  # the leaves' own memory
+        into = live_targets(state, header) if spare is not None else None
+        twins = _twins(header, leaves, into)
 
         def take(index: int) -> None:
             lo, hi = slice_bounds(sum(sizes), index, count)
             for leaf, a, b in _pieces(sizes, lo, hi):
                 _recv_into(conns[index], views[leaf][a:b], chunk_bytes)
+                if leaf in twins:  # while the other connections' bytes are in flight
+                    _flat(twins[leaf])[a:b].copy_(flats[leaf][a:b])
 
         _all([functools.partial(take, i) for i in range(count)])
-        step = load_leaves(state, header, leaves)
+        step = load_leaves(state, header, leaves, into)
+        if spare is not None and into is not None:
+            for i, (name, *_) in enumerate(header["leaves"]):
+                if name in into or i in twins:
+                    spare[name] = leaves[i] if name in into else twins[i]
         for conn in conns.values():
             conn.sendall(b"k")
         return step, sum(sizes)

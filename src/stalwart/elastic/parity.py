@@ -29,7 +29,8 @@ takes the same decision without further messages):
    (:mod:`stalwart.elastic.heal`); every member outside that group loads it. Members then
    compare digests again, and a second disagreement is an error (the state is not
    deterministic, e.g. a tensor the optimizer does not own changes between
-   ``state_dict()`` calls).
+   ``state_dict()`` calls). Holders neither hash nor copy their unchanged state again
+   (:meth:`AgreedState.keep`); a receiver's agreed copy adopts the bytes it received.
 
 The decision is returned (:class:`Decision`, in :class:`ParityResult`); :class:`ParityCheck`,
 the job's collaborator, keeps the agreed copy and writes the decision in its
@@ -232,14 +233,16 @@ def reconcile(
     """
     if group is None:  # a world of one compares with nobody: no digest (seconds at GiBs)
         return step, ParityResult(True, None, False, False, [])
-    table = gather_table(step, digest(state, step), group, shard_group)
+    table = gather_table(step, mine := digest(state, step), group, shard_group)
     if len(set(table)) == 1:
-        _record(agreed, state, step, group)
+        if agreed is not None:
+            agreed.record(state, step)
         return step, ParityResult(True, None, False, False, table)
     src, decision = choose_source(table)
     mismatch = _mismatch(table)
     evidence = examine(state, table, group, shard_group, agreed) if mismatch else None
-    rolled_from = None
+    rolled_from, held = None, None
+    spare: dict[str, torch.Tensor] = {}  # leaves a heal received that nothing else holds
     redo = majority_rollback and evidence is not None and evidence.can_roll_back
     if src is None or (decision is Decision.MAJORITY and redo):
         # no majority; or a majority whose suspect's gradients entered everyone's updates
@@ -248,10 +251,10 @@ def reconcile(
         step, src, received = _roll_back_all(state, step, rank, table, agreed, group, shard_group)
     else:
         received = table[rank] != table[src]
-        step = _heal(state, step, rank, table, src, group, shard_group)
+        held = None if received else mine  # a holder: its state unchanged since ``mine``
+        step = _heal(state, step, rank, table, src, group, shard_group, spare)
     log.info("parity (%s): steps %s, rank %s sent its state", decision, [s for s, _ in table], src)
-    _check_repaired(state, step, src, group, shard_group)
-    _record(agreed, state, step, group)
+    _check_repaired(state, step, src, group, shard_group, agreed, held, spare)
     return step, ParityResult(False, src, received, mismatch, table, decision, rolled_from,
                               evidence)  # fmt: skip
 
@@ -272,32 +275,37 @@ def _roll_back_all(state: Any, step: int, rank: int, table: list[tuple[int, str]
             f"{rolled_from} ({table2}); restart from the durable checkpoint"
         )
     received = table2[rank] != table2[src]
-    step = _heal(state, step, rank, table2, src, group, shard_group)
+    step = _heal(state, step, rank, table2, src, group, shard_group, {})
     return step, src, received
 
 
-def _check_repaired(state: Any, step: int, src: int | None, group: Any, shard_group: Any) -> None:
-    """Compare the digests again after a repair; a disagreement left is an error."""
-    after = gather_table(step, digest(state, step), group, shard_group)
+def _check_repaired(state: Any, step: int, src: int | None, group: Any, shard_group: Any,
+                    agreed: AgreedState | None, held: str | None,
+                    spare: dict[str, Any]) -> None:  # fmt: skip
+    """Compare the digests after a repair (a disagreement left is an error), record the agreed
+    copy; a holder (``held``: its unchanged digest) keeps its own (:meth:`AgreedState.keep`)."""
+    after = gather_table(step, held or digest(state, step), group, shard_group)
     if len(set(after)) != 1:
         raise DistributedError(
             f"members still disagree after repairing from rank {src}: {after}; the state "
             "is not deterministic (does state_dict() return values that change between "
             "calls?) or the members' models differ in structure"
         )
+    if agreed is not None and (held is None or not agreed.keep(step)):
+        agreed.record(state, step, spare)
 
 
 def _heal(state: Any, step: int, rank: int, table: list[tuple[int, str]], src: int,
-          group: Any, shard_group: Any = None) -> int:  # fmt: skip
+          group: Any, shard_group: Any, spare: dict[str, Any]) -> int:  # fmt: skip
     """Every member holding ``table[src]`` sends a slice of its state to each other member.
 
     Peer to peer over sockets, all holders at once (:mod:`stalwart.elastic.heal`); returns
     the step this member holds. With replica groups every shard is sent at once, each on its
     replicate group; a failure on one shard fails the heal on every rank of the group
-    (:func:`~.groups.all_or_none`).
+    (:func:`~.groups.all_or_none`). ``spare``: see :func:`~stalwart.elastic.heal.heal`.
     """
     holders = [r for r, row in enumerate(table) if row == table[src]]
-    return all_or_none(shard_group, lambda: heal(state, step, rank, holders, group))
+    return all_or_none(shard_group, lambda: heal(state, step, rank, holders, group, spare=spare))
 
 
 def _roll_back(
@@ -323,11 +331,6 @@ def _roll_back(
         )
     log.warning("parity: no majority at step %d; rolling back to step %d", top, agreed.step)
     return agreed.restore(state)
-
-
-def _record(agreed: AgreedState | None, state: Any, step: int, group: Any) -> None:
-    if agreed is not None and group is not None:
-        agreed.record(state, step)
 
 
 class ParityCheck:

@@ -182,15 +182,26 @@ def state_header(state: Any, step: int) -> tuple[dict[str, Any], list[torch.Tens
     return header, tensors
 
 
-def load_leaves(state: Any, header: dict[str, Any], leaves: Sequence[torch.Tensor]) -> int:
+def load_leaves(
+    state: Any, header: dict[str, Any], leaves: Sequence[torch.Tensor],
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> int:  # fmt: skip
     """Load received local ``leaves`` (CPU, in the header's order) into ``state``.
 
     A DTensor leaf is rebuilt on this member's mesh. Returns the sender's committed step.
+
+    ``into``: this member's own tensors by leaf name (:func:`live_targets`); a received leaf
+    named there is copied into that tensor, which ``load_state_dict`` is given: the received
+    tensor is never handed to the state (an :class:`AgreedState` may adopt it).
     """
     tensors: dict[str, torch.Tensor] = {}
     own: dict[str, torch.Tensor] | None = None  # this member's leaves: templates for DTensors
     for (name, _, _, *rest), t in zip(header["leaves"], leaves, strict=True):
         tensors[name] = t
+        if into is not None and name in into:
+            with torch.no_grad():
+                into[name].copy_(t)
+            tensors[name] = into[name]
         if rest and rest[0] is not None:
             if own is None:
                 own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
@@ -199,6 +210,27 @@ def load_leaves(state: Any, header: dict[str, Any], leaves: Sequence[torch.Tenso
     tree = unflatten(header["skeleton"], tensors.__getitem__)
     state.load_state_dict(_localize(tree))
     return int(header["step"])
+
+
+def live_targets(state: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This member's plain CPU tensors that the header's plain leaves of the same name,
+    shape and dtype can be copied into (:func:`load_leaves`): its parameters and buffers,
+    its optimizer's moments once it has stepped."""
+    own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
+    out = {}
+    for name, dtype, shape, *rest in header["leaves"]:
+        live = own.get(name)
+        if (live is not None and not isinstance(live, DTensor) and live.device.type == "cpu"
+                and (not rest or rest[0] is None) and list(live.shape) == list(shape)
+                and dtype_name(live.dtype) == dtype):  # fmt: skip
+            out[name] = live
+    return out
+
+
+def _fits(live: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` can stand for this member's plain tensor ``live`` in a copy of the state."""
+    same = (live.shape, live.dtype, live.device) == (t.shape, t.dtype, t.device)
+    return same and not isinstance(live, DTensor) and live is not t
 
 
 def leaf_nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -315,14 +347,39 @@ class AgreedState:
         self._skeleton: Any = None
         self._leaves: dict[str, torch.Tensor] = {}
 
-    def record(self, state: Any, step: int) -> None:
-        """Keep a copy of ``state`` at ``step`` (into the last copy's tensors where they fit)."""
+    def record(
+        self, state: Any, step: int, spare: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Keep a copy of ``state`` at ``step`` (into the last copy's tensors where they fit).
+
+        ``spare``: tensors holding a leaf's bytes that nothing else references (the leaves a
+        heal received and copied into the state, :func:`load_leaves`), adopted as the copy
+        of that leaf instead of copying it again.
+        """
         flat = flatten(canonical_tree(state))
         if self.step is None or step > self.step:
             self.rollbacks = 0
         self.step, self._skeleton = step, flat.skeleton
-        old = self._leaves
-        self._leaves = {n: copy_into(old.get(n), leaf.tensor) for n, leaf in flat.leaves.items()}
+        old, spare = self._leaves, spare or {}
+        self._leaves = {
+            n: spare[n] if n in spare and _fits(leaf.tensor, spare[n])
+            else copy_into(old.get(n), leaf.tensor)
+            for n, leaf in flat.leaves.items()
+        }  # fmt: skip
+
+    def keep(self, step: int) -> bool:
+        """The members agreed at ``step`` on a state this member held unchanged since its
+        last copy (a heal's holders): keep that copy rather than copying the state again.
+
+        A rollback then goes to that older, also agreed, step (or to a receiver's newer copy:
+        ahead wins among the copies), and the job recomputes a few more steps; the state is
+        not copied at every heal. Returns False when there is no copy yet (record one).
+        """
+        if self.step is None:
+            return False
+        if step > self.step:
+            self.rollbacks = 0  # the job agreed on a later step since the last rollback
+        return True
 
     def restore(self, state: Any) -> int:
         """Load the copy into ``state``; returns its step.
