@@ -20,7 +20,11 @@ Reported per run, from the workers' event logs and the heal's own log line:
 * on the survivor's own clock (the workers time their loop): its step boundary that held the
   epoch change (join, digests, the heal, the check, the agreed copy) and its first commit
   with the newcomer (the all-reduce waits for the newcomer's first backward), against its
-  healthy commit; the newcomer's first forward and backward.
+  healthy commit; the newcomer's first forward and backward, and its warm-up.
+
+``--warmup`` (the default) gives the replacement a warm-up (``Job(warmup=...)``: one forward
+and backward on zeros before it announces itself); ``--no-warmup`` leaves it out and runs
+against a ``Job`` without that argument too (an older tree, for A/B runs).
 Medians and ranges over ``--runs`` runs (probe and job interleaved).
 
     .venv/bin/python bench/heal_bench.py --runs 3 --gib 4.0
@@ -86,8 +90,16 @@ def worker(a: argparse.Namespace) -> None:
     model = _model(a.gib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    timed: dict[str, Any] = {"steps": []}
-    job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0)
+    timed: dict[str, Any] = {"warmup_s": None, "steps": []}
+
+    def warmup() -> None:  # a replacement's first backward, paid before it joins
+        t0 = time.perf_counter()
+        F.mse_loss(model(torch.zeros(2, WIDTH))[:, :1], torch.zeros(2, 1)).backward()
+        opt.zero_grad()
+        timed["warmup_s"] = time.perf_counter() - t0
+
+    extra = {"warmup": warmup} if a.warmup else {}  # without: runs on a Job without it too
+    job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0, **extra)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
@@ -222,7 +234,8 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         ev, out = Path(tmp) / "events", Path(tmp) / "out"
         out.mkdir()
         me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
-              "--steps", str(a.steps), "--out", str(out)]  # fmt: skip
+              "--steps", str(a.steps), "--out", str(out),
+              "--warmup" if a.warmup else "--no-warmup"]  # fmt: skip
         cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--max-restarts", "2",
                "--events", str(ev), "--timeout", str(a.timeout), *me]  # fmt: skip
         sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
@@ -277,6 +290,7 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
             sum(v for k, v in s.items() if k.endswith("_s")) for s in healthy_at
         ),
         "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
+        "newcomer_warmup_s": theirs["warmup_s"] or 0.0,
     }
 
 
@@ -295,6 +309,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--probe-gib", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=60.0, help="stalwart run --timeout")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="the replacement warms up before it joins (Job(warmup=...))")  # fmt: skip
     a = p.parse_args()
     if a.worker:
         worker(a)
@@ -333,6 +349,7 @@ def main() -> None:
     print(f"| survivor's step holding the heal, timed (s) | {_cell(col['survivor_heal_step_s'])} |")
     print(f"| survivor's healthy step, timed (s) | {_cell(col['survivor_healthy_step_s'])} |")
     print(f"| newcomer's first forward+backward (s) | {_cell(col['newcomer_first_compute_s'])} |")
+    print(f"| newcomer's warm-up, before it joined (s) | {_cell(col['newcomer_warmup_s'])} |")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,8 @@ the committed state, the job resumes from its checkpoint tiers (``Job(checkpoint
 :mod:`stalwart.elastic.checkpointing`).
 
 The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``);
-:meth:`Job.commit` hands each step to one
-:class:`~stalwart.elastic.ledger.CommitStrategy`: the all-reduce
-(:mod:`stalwart.elastic.commit`) or backup workers (:mod:`stalwart.elastic.backup_job`).
+:meth:`Job.commit` hands each step to one :class:`~stalwart.elastic.ledger.CommitStrategy`: the
+all-reduce (:mod:`stalwart.elastic.commit`) or backup workers (:mod:`stalwart.elastic.backup_job`).
 
 **Replica groups** (``Job(state, group_size=G)``; default ``stalwart run --group-size``):
 each replica is a group of ``G`` ranks with FSDP2 or tensor parallel inside
@@ -97,6 +96,7 @@ class Job:
             (:mod:`stalwart.elastic.checkpointing`). Under ``stalwart run`` its default
             process group is the replica group (each group's ranks save their shards).
         save_every: a plain Checkpointer's interval, committed steps (tiers have their own).
+        warmup: run by a replacement before it announces itself (a backward on zeros, say).
 
     Attributes:
         ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`).
@@ -125,6 +125,7 @@ class Job:
         device: str | torch.device | None = None,
         checkpoint: Any = None,
         save_every: int = 100,
+        warmup: Callable[[], object] | None = None,
     ) -> None:
         if min_size < 1 or verify_every < 0 or (group_size is not None and group_size < 1):
             raise ConfigError(
@@ -132,10 +133,9 @@ class Job:
                 ": min_size and group_size must be >= 1 and verify_every >= 0"
             )
         self.state, self.verify_every = state, verify_every
-        self._reduce, self._closed = "mean", False
+        self._reduce, self._closed, self._save_every = "mean", False, save_every
         self._strategy: CommitStrategy = AllReduceCommit()
         self._solo: dist.ProcessGroup | None = None  # a group of one, made on first use
-        self._save_every = save_every  # for the checkpoint setter
         self.world = World.detect() if world is None else World(world)
         env = from_env() if self.world is World.ELASTIC else None
         if self.world is World.ELASTIC and env is None:
@@ -147,15 +147,15 @@ class Job:
             hang_override_s=env.hang_s if env else 0.0, join_override_s=join_timeout_s,
         )  # fmt: skip
         self.join_timeout_s = self.timeouts.join_s
-        membership = Membership(env, min_size, timeouts=self.timeouts) if env else None
+        membership = None if env is None else Membership(env, min_size, timeouts=self.timeouts,
+                                                          warmup=warmup)  # fmt: skip
         local_rank = membership.layout.local_rank if membership else 0
         self.device = pick_device(device, state, local_rank)
         events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
         index = self.device.index if self.device.type == "cuda" else None
         events.record(Start(pid=os.getpid(), host=host_attributes(index)))
-        first, shard_group = first_epoch(
-            self.world, membership, group_size, self.device, self.timeouts, timeout_s
-        )
+        first, shard_group = first_epoch(self.world, membership, group_size, self.device,
+                                         self.timeouts, timeout_s)  # fmt: skip
         self.ledger = StepLedger(
             state, events, membership, first, verify_every=verify_every,
             join_timeout_s=self.join_timeout_s, stats_window=stats_window,

@@ -103,6 +103,9 @@ class Membership:
             coordinator).
         timeouts: the job's timeouts (default: derived from ``env``).
         device: the device of the replicate group's collectives (gloo: CPU; CUDA: NCCL).
+        warmup: ``Job(warmup=...)``: called before announcing when the job already committed
+            steps without this worker (a replacement, whose state the heal overwrites), so
+            that its first-step costs (a cold first backward) are paid while the others train.
 
     Attributes:
         layout: this worker's place in its replica group (the launcher's record).
@@ -111,7 +114,8 @@ class Membership:
     """
 
     def __init__(self, env: WorkerEnv, min_size: int, *, timeouts: Timeouts | None = None,
-                 device: torch.device | None = None) -> None:  # fmt: skip
+                 device: torch.device | None = None,
+                 warmup: Callable[[], object] | None = None) -> None:  # fmt: skip
         self.env = env
         self.wid = env.worker_id
         self.min_size = min_size
@@ -123,6 +127,10 @@ class Membership:
         self.layout: Layout = read_layout(self.store, self.wid)
         self.shard_group: Any = None
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
+        if warmup is not None and self.progress() > 0:  # paid while the others still train
+            started = time.perf_counter()
+            warmup()
+            log.info("worker %d warmed up in %.2f s", self.wid, time.perf_counter() - started)
         self._announce()
 
     def _connect(self, address: tuple[str, int]) -> Store:
