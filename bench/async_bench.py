@@ -17,7 +17,18 @@ Runs, in one process and one run, on the same state:
    20, ``dcp.async_save`` with the default stager and with a persistent stager (each waiting
    for the previous save, as DCP documents). Runs interleaved; medians and ranges.
 
+3. ``--gib-layers L`` (issue 25): a gigabyte state checkpointed to memory every step.
+   ``L`` x ``Linear(--gib-dim, bias=False)`` + AdamW (22 x 2048: 1.03 GiB of parameters and
+   moments), batch ``--gib-batch``, one compute thread; runs of ``--gib-steps`` steps without
+   checkpoints and with a memory-tier snapshot every step (lazy ``save_async``, guarded
+   optimizer), interleaved, ``--gib-runs`` each. In the same runs: the background CPU seconds
+   per GB snapshotted (process CPU time minus the training thread's, over the timed steps,
+   less the same difference without checkpoints) against the copy + hash limit (one thread's
+   CPU time for a ``copy_`` of the same tensors into reused buffers plus XXH3-128 over the
+   same bytes, the work a snapshot cannot avoid), measured between the runs.
+
     .venv/bin/python bench/async_bench.py --state-mib 256 --reps 9 --steps 40 --runs 5
+    .venv/bin/python bench/async_bench.py --gib-layers 22 --gib-runs 7   # part 3 only
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import stalwart
@@ -217,6 +229,106 @@ def train(mode: str, steps: int, root: Path) -> float:
     return steps / (time.perf_counter() - t0)
 
 
+def _gib_model(layers: int, dim: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def gib_run(mode: str, model: Any, opt: Any, a: argparse.Namespace) -> dict[str, float]:
+    """Steps/s and background CPU seconds of one run of ``mode`` (``none`` or ``memory``)."""
+    torch.set_num_threads(1)
+    x = torch.randn(a.gib_batch, a.gib_dim)
+    ck = None
+    if mode == "memory":
+        ck = stalwart.TieredCheckpointer(
+            [stalwart.Tier(name="memory", every=stalwart.EveryNSteps(1), keep=stalwart.KeepLast(1))]
+        )
+        ck.guard(opt)
+    t0 = cpu0 = main0 = 0.0
+    for step in range(a.gib_steps + 2):
+        if step == 2:  # after warm-up (buffers faulted in, threads started)
+            t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
+        if ck is not None:
+            ck.save_async(step, {"model": model.state_dict(), "optim": opt.state_dict()},
+                          lazy=True)  # fmt: skip
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    if ck is not None:
+        ck.wait()
+    wall = time.perf_counter() - t0
+    bg = (time.process_time() - cpu0) - (time.thread_time() - main0)
+    if ck is not None:
+        ck.close()
+    return {"rate": a.gib_steps / wall, "bg_cpu": bg, "main_cpu": time.thread_time() - main0}
+
+
+def copy_hash_limit(model: Any, opt: Any, bufs: list[torch.Tensor]) -> tuple[float, int]:
+    """One thread's CPU seconds to copy the state into reused buffers and XXH3 its bytes."""
+    srcs = [t for t in model.state_dict().values()]
+    srcs += [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    if not bufs:
+        bufs += [torch.empty_like(t) for t in srcs]
+        for b, t in zip(bufs, srcs, strict=True):
+            b.copy_(t)  # fault the pages in once: the snapshot's buffers are reused too
+    c0 = time.thread_time()
+    n = 0
+    for b, t in zip(bufs, srcs, strict=True):
+        b.copy_(t)
+        xxhash.xxh3_128_digest(memoryview(b.view(-1).view(torch.uint8).numpy().data))
+        n += b.numel() * b.element_size()
+    return time.thread_time() - c0, n
+
+
+def every_step_gib(a: argparse.Namespace) -> None:
+    model, opt = _gib_model(a.gib_layers, a.gib_dim)
+    opt.zero_grad()
+    model(torch.randn(2, a.gib_dim)).sum().backward()
+    opt.step()  # AdamW's moments exist: the state is complete
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for st in opt.state.values()
+                  for v in st.values())  # fmt: skip
+    res: dict[str, list[dict[str, float]]] = {"none": [], "memory": []}
+    limit: list[float] = []
+    bufs: list[torch.Tensor] = []
+    for run in range(a.gib_runs):
+        for mode in ("none", "memory") if run % 2 == 0 else ("memory", "none"):
+            res[mode].append(gib_run(mode, model, opt, a))
+        cpu, n = copy_hash_limit(model, opt, bufs)
+        limit.append(cpu / (n / 1e9))
+        last = {m: v[-1]["rate"] for m, v in res.items()}
+        load = os.getloadavg()[0]
+        print(f"run {run}: none {last['none']:.3f} steps/s, memory {last['memory']:.3f}, "
+              f"load {load:.1f}", flush=True)  # fmt: skip
+    rates = {m: [r["rate"] for r in v] for m, v in res.items()}
+    gb = a.gib_steps * nbytes / 1e9
+    base_bg = med([r["bg_cpu"] for r in res["none"]])
+    per_gb = [(r["bg_cpu"] - base_bg) / gb for r in res["memory"]]
+    main_extra = [
+        (m["main_cpu"] - n["main_cpu"]) / a.gib_steps
+        for m, n in zip(res["memory"], res["none"], strict=True)
+    ]
+    ovh = [1 - m / n for m, n in zip(rates["memory"], rates["none"], strict=True)]
+    print(f"\nstate {nbytes / 2**30:.2f} GiB ({a.gib_layers} x Linear({a.gib_dim}) + AdamW), "
+          f"batch {a.gib_batch}, {a.gib_steps} timed steps per run, {a.gib_runs} runs each, "
+          "interleaved; median [min-max]")  # fmt: skip
+    print("| | steps/s | range |\n|---|---:|---:|")
+    for m, label in (("none", "no checkpoints"), ("memory", "memory snapshot every step")):
+        print(f"| {label} | {med(rates[m]):.3f} | {_range(rates[m], fmt='.3f')} |")
+    overall = 100 * (1 - med(rates["memory"]) / med(rates["none"]))
+    print(f"\noverhead (1 - median rate ratio): {overall:.1f} %; "
+          f"per run pair {_range(ovh, 100, '.1f')} %")  # fmt: skip
+    print(f"background CPU per GB snapshotted: {med(per_gb):.3f} s/GB "
+          f"[{_range(per_gb, fmt='.3f')}]; copy + XXH3 limit {med(limit):.3f} s/GB "
+          f"[{_range(limit, fmt='.3f')}]; "
+          f"ratio {med(per_gb) / med(limit):.2f}x")  # fmt: skip
+    print(f"training thread's extra CPU per step with snapshots: {med(main_extra) * 1e3:.1f} ms "
+          f"[{_range(main_extra, 1e3)}]; background CPU per step without checkpoints "
+          f"{base_bg / a.gib_steps * 1e3:.1f} ms")  # fmt: skip
+
+
 def _range(xs: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
     return f"{min(xs) * scale:{fmt}}-{max(xs) * scale:{fmt}}"
 
@@ -261,7 +373,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--runs", type=int, default=5, help="training runs per mode")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--gib-layers", type=int, default=0, help="part 3 only, with this many")
+    ap.add_argument("--gib-dim", type=int, default=2048)
+    ap.add_argument("--gib-batch", type=int, default=64)
+    ap.add_argument("--gib-steps", type=int, default=10)
+    ap.add_argument("--gib-runs", type=int, default=7)
     args = ap.parse_args()
+    if args.gib_layers:
+        torch.set_num_threads(1)
+        print(f"machine: nproc={os.cpu_count()}, load {os.getloadavg()[0]:.2f}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+        every_step_gib(args)
+        print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+        return
     warnings.filterwarnings("ignore", message=".*existing checkpoint.*")
     root = Path(tempfile.mkdtemp(prefix="stalwart-async-", dir=args.dir))
     store = dist.FileStore(str(root / "store"), 1)

@@ -7,25 +7,128 @@ optimizer's storages, and ``stage`` (layout plus eager copies). Medians in ms; t
 the same loop is printed for scale.
 
     .venv/bin/python bench/save_path_profile.py --saves 200
+
+``--first-save N``: where the first ``save_async`` of a new ``Checkpointer`` spends its time
+against a steady one, on 2 gloo ranks (``run_ranks``), the same FSDP2 and DDP states as
+``bench/dist_load_bench.py`` (``--layers`` x ``Linear(--dim)`` + AdamW): N rounds, each a
+new Checkpointer of one root (built, its first step check, its background group, the call)
+and a reused one, interleaved; slowest rank, medians in ms.
+
+    .venv/bin/python bench/save_path_profile.py --first-save 9 --layers 21 --dim 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stalwart.checkpoint.capture import HostBuffer, optimizer_storages, stage
 from stalwart.checkpoint.durable.plan import local_items
 from stalwart.tree import flatten
 
+PARTS = ("build", "step check", "background group", "save_async rest", "total")
+FAULTS = "page faults (thousands)"
+
+
+def first_save_ranks(
+    rank: int, world: int, base: str, layers: int, dim: int, n: int, layouts: list[str]
+) -> Any:
+    """Per-part times of a new Checkpointer's first save_async against a reused one."""
+    import dist_load_bench as dlb
+
+    from stalwart.checkpoint import Checkpointer
+
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for layout in layouts:
+        model, opt = dlb._model(layers, dim, layout == "fsdp2")
+        state = {"model": model, "optim": opt}
+        root = Path(base) / layout
+        reused = Checkpointer(root / "reused")
+        reused.save_async(0, state).wait()  # its own first save, not counted
+        res: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PARTS, FAULTS)}
+                                                  for k in ("first", "steady")}  # fmt: skip
+        for r in range(n):
+            for kind in sorted(res, reverse=r % 2 == 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ck = Checkpointer(root / "per_save") if kind == "first" else reused
+                t1 = time.perf_counter()
+                ck._async_saves.check_new_step(r + 1)  # what save_async does first
+                t2 = time.perf_counter()
+                ck._async_saves.background_group()
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                t3 = time.perf_counter()
+                p = ck.save_async(r + 1, state)  # checks again (free now), flattens, copies
+                t4 = time.perf_counter()
+                faults = [0] * world
+                dist.all_gather_object(
+                    faults, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                )
+                res[kind][FAULTS].append(max(faults) / 1e3 / 1e3)  # printed x1e3 below
+                for part, v in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0),
+                                   strict=True):  # fmt: skip
+                    got = [0.0] * world
+                    dist.all_gather_object(got, v)
+                    res[kind][part].append(max(got))
+                p.wait()
+                if ck is not reused:
+                    ck.close()
+        reused.close()
+        out[layout] = res
+        del model, opt, state
+    return out
+
+
+def first_save(a: argparse.Namespace) -> None:
+    import sys
+
+    from stalwart.testing import run_ranks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    base = tempfile.mkdtemp(prefix="first_save_")
+    try:
+        res = run_ranks(first_save_ranks, 2, base, a.layers, a.dim, a.first_save,
+                        a.layouts.split(","), timeout_s=1800)[0]  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for layout, r in res.items():
+        print(f"\n== {layout}: slowest rank, median [range] of {a.first_save}, ms")
+        for part in (*PARTS, FAULTS):
+            cells = "  ".join(
+                f"{k} {statistics.median(r[k][part]) * 1e3:7.1f} "
+                f"[{min(r[k][part]) * 1e3:.1f}-{max(r[k][part]) * 1e3:.1f}]"
+                for k in r
+            )
+            print(f"  {part:18s} {cells}")
+        first, steady = (statistics.median(r[k]["total"]) for k in ("first", "steady"))
+        pairs = sorted(f / s for f, s in zip(r["first"]["total"], r["steady"]["total"],
+                                             strict=True))  # fmt: skip
+        q = len(pairs) // 4
+        print(f"  first / steady: {first / steady:.2f}x (medians); per round, paired: median "
+              f"{statistics.median(pairs):.2f}x, middle half {pairs[q]:.2f}-{pairs[-q - 1]:.2f}x, "
+              f"rounds over 1.2x: {sum(x > 1.2 for x in pairs)} of {len(pairs)}")  # fmt: skip
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=200)
+    ap.add_argument("--first-save", type=int, default=0, help="rounds of the 2-rank mode")
+    ap.add_argument("--layers", type=int, default=21)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layouts", default="fsdp2,ddp", help="of --first-save: fsdp2, ddp")
     args = ap.parse_args()
+    if args.first_save:
+        first_save(args)
+        return
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(

@@ -16,8 +16,17 @@ Phase 1, 4 ranks: ``--rounds`` rounds; in each the contenders save (order rotati
 back into a zeroed state, page cache dropped before each timed load (root only; otherwise said),
 the slowest rank's time barrier to barrier. Peak memory: each rank samples its own resident set
 every 5 ms during the operation; the figure is the largest rank's rise above its level before.
-Phase 2, 2 ranks (a resharding load: 4 shards per tensor on disk, 2 in memory): each contender
-loads the phase-1 checkpoint it wrote, checked bit for bit the same way.
+Phase 2, 2 ranks, then 1 rank (resharding loads: 4 shards per tensor on disk, 2 or 1 in
+memory): each contender loads the phase-1 checkpoint it wrote, checked bit for bit the same way.
+Phase 3, 4 ranks, asynchronous saves: one process per contender and round (order rotating), so
+each rank's memory rise is that contender's alone. Each saves twice, a warm-up and the timed
+save, in its documented steady configuration: stalwart ``save_async`` on one Checkpointer (the
+warm-up step deleted and collected first, so nothing deduplicates), unbounded and with
+``max_staging_bytes=--cap-mib``; DCP ``dcp.async_save`` with one persistent ``DefaultStager``
+(CPU options) on a gloo group of its own; ByteCheckpoint ``save(fast_saving=True)``, done when
+its completion callback fires (its first save of a state is synchronous). Blocking time: the
+call, slowest rank; to committed: until every rank's data and the commit are written; peak
+memory: the largest rank's resident-set rise over both saves, above its level before them.
 
     .venv/bin/python bench/scale_ckpt_bench.py --layers 43 --dim 4096 --rounds 3
 
@@ -52,6 +61,8 @@ import dist_load_bench as dlb  # DCP's recipe, the cold-cache timer
 from stalwart.checkpoint import Checkpointer
 
 NAMES = ["stalwart", "dcp", "bytecheckpoint"]
+ASYNC = ["stalwart", "stalwart_capped", "dcp", "bytecheckpoint"]
+Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
 
 
@@ -234,17 +245,115 @@ def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int
     return res
 
 
+def _async_save(
+    name: str, model: nn.Module, opt: Any, where: Path, cap: int
+) -> tuple[
+    Callable[[int, Path], Any], Callable[[Any], None], Callable[[], None], Callable[[], None]
+]:
+    """(start(step, dir), wait(handle), close(), clear()) of contender ``name``'s asynchronous
+    save; ``clear`` runs untimed between the warm-up and the timed save."""
+    state = {"model": model, "optim": opt}
+    if name.startswith("stalwart"):
+        from stalwart.checkpoint import CheckpointOptions
+
+        opts = CheckpointOptions(max_staging_bytes=cap if name.endswith("capped") else None)
+        ck = Checkpointer(where / "stalwart", opts)
+
+        def start(step: int, _d: Path) -> Any:
+            return ck.save_async(step, state)
+
+        def clear() -> None:  # before the timed save, untimed: nothing to deduplicate against
+            if dist.get_rank() == 0 and ck.steps():
+                for old in ck.steps():
+                    ck.delete(old)
+                ck.gc(grace_s=0)
+
+        return start, lambda p: p.wait(), ck.close, clear
+    if name == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from async_bench import persistent_stager
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        stager, group = persistent_stager(), dist.new_group(backend="gloo")
+
+        def start_dcp(step: int, d: Path) -> Any:
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            return dcp.async_save(sd, checkpoint_id=str(d), async_stager=stager,
+                                  process_group=group)  # fmt: skip
+
+        return start_dcp, lambda f: f.result(), stager.close, lambda: None
+    import bytecheckpoint as bcp
+
+    done = threading.Event()
+
+    def start_bcp(step: int, d: Path) -> Any:
+        done.clear()
+        bcp.save(str(d), {"model": model, "optimizer": opt}, framework="fsdp2",
+                 fast_saving=True, global_steps=step, callback=done.set,
+                 ignore_append_global_steps_to_folder=True)  # fmt: skip
+
+    def wait_bcp(_h: Any) -> None:
+        if dist.get_rank() == 0 and not done.wait(1800):  # called on the coordinator
+            raise TimeoutError("ByteCheckpoint's save did not complete")
+
+    return start_bcp, wait_bcp, lambda: None, lambda: None
+
+
+def async_saves(rank: int, world: int, base: str, layers: int, dim: int, a: Any) -> Any:
+    """One contender's warm-up and timed asynchronous save (one process, one round)."""
+    model, opt = _build(layers, dim)
+    where = Path(base) / f"async-{a.contender}-r{a.round}"
+    start, wait, close, clear = _async_save(a.contender, model, opt, where, a.cap_mib << 20)
+    base_rss, peak, stop = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            stop.wait(0.005)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    wait(start(1, where / "warm"))
+    clear()
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = start(2, where / "timed")
+    blocked = time.perf_counter() - t0
+    wait(handle)
+    dist.barrier()
+    total = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    close()
+    _check(model, opt)  # the state was not changed by its saves
+    figures = torch.tensor([blocked, total, float(max(peak[0], _rss()) - base_rss)],
+                           dtype=torch.float64)  # fmt: skip
+    out = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(out, figures)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+        print(f"async round {a.round}: {a.contender} blocking {max(float(x[0]) for x in out):.2f}s"
+              f" committed {max(float(x[1]) for x in out):.2f}s", flush=True)  # fmt: skip
+    return {"blocking": max(float(x[0]) for x in out), "committed": max(float(x[1]) for x in out),
+            "mem": max(float(x[2]) for x in out)}  # fmt: skip
+
+
 def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
-def report(first: dict[str, Any], second: dict[str, Any], rounds: int) -> None:
+def _report_sync(
+    first: dict[str, Any], second: dict[str, Any], third: dict[str, Any], rounds: int
+) -> None:
     gib = first["bytes"] / 2**30
     drop = os.access("/proc/sys/vm/drop_caches", os.W_OK)
     print(f"\nstate {gib:.2f} GiB over 4 ranks; page cache dropped before each load: {drop}; "
           f"{rounds} rounds, medians [ranges], s; memory = largest rank's rise, GiB")  # fmt: skip
     rows = [("save, 4 ranks", first, "save"), ("load, 4 ranks", first, "load"),
-            ("reshard load 4 -> 2 ranks", second, "load")]  # fmt: skip
+            ("reshard load 4 -> 2 ranks", second, "load"),
+            ("reshard load 4 -> 1 rank", third, "load")]  # fmt: skip
     print("\n| | " + " | ".join(NAMES) + " | stalwart / best peer |")
     print("|---|" + "---|" * (len(NAMES) + 1))
     for label, res, key in rows:
@@ -256,13 +365,41 @@ def report(first: dict[str, Any], second: dict[str, Any], rounds: int) -> None:
         print(f"| {label}, peak memory rise per rank (GiB) | {mems} | |")
 
 
-def _torchrun(body: str, world: int, a: argparse.Namespace, base: str) -> Any:
+def report(
+    first: dict[str, Any],
+    second: dict[str, Any],
+    third: dict[str, Any],
+    asyncs: dict[str, list[dict[str, float]]],
+    a: argparse.Namespace,
+) -> None:
+    rounds = a.rounds
+    if first:
+        _report_sync(first, second, third, rounds)
+    print(f"\nasynchronous saves, 4 ranks (stalwart capped: max_staging_bytes={a.cap_mib} MiB)")
+    print("\n| | " + " | ".join(ASYNC) + " | stalwart / best peer | capped / best peer |")
+    print("|---|" + "---|" * (len(ASYNC) + 2))
+    for key, label in (("blocking", "blocking (s)"), ("committed", "to committed (s)"),
+                       ("mem", "peak memory rise per rank (GiB)")):  # fmt: skip
+        scale = 2**30 if key == "mem" else 1
+        xs = {n: [r[key] / scale for r in asyncs[n]] for n in ASYNC}
+        meds = {n: statistics.median(v) for n, v in xs.items()}
+        best = min(meds["dcp"], meds["bytecheckpoint"])
+        ratio = (f"{meds['stalwart'] / best:.2f}x | {meds['stalwart_capped'] / best:.2f}x"
+                 if best > 0 else " | ")  # fmt: skip
+        print(f"| async save, {label} | " + " | ".join(_fmt(xs[n]) for n in ASYNC)
+              + f" | {ratio} |")  # fmt: skip
+
+
+def _torchrun(
+    body: str, world: int, a: argparse.Namespace, base: str, extra: tuple[str, ...] = ()
+) -> Any:
     """Ranks under torchrun (ByteCheckpoint starts a server process: no daemonic parents)."""
-    out = Path(base) / f"{body}.json"
+    out = Path(base) / f"{body}-{world}{'-'.join(('', *extra))}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
            f"--master-port={_free_port()}", __file__,
            "--body", body, "--layers", str(a.layers), "--dim", str(a.dim),
-           "--rounds", str(a.rounds), "--base", base, "--out", str(out)]  # fmt: skip
+           "--rounds", str(a.rounds), "--base", base, "--out", str(out),
+           "--cap-mib", str(a.cap_mib), *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -289,8 +426,12 @@ def _rank_main(a: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=3600))
     torch.set_num_threads(1)
-    body = {"save_and_load": save_and_load, "reshard": reshard}[a.body]
-    res = body(dist.get_rank(), dist.get_world_size(), a.base, a.layers, a.dim, a.rounds)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if a.body == "async_saves":
+        res = async_saves(rank, world, a.base, a.layers, a.dim, a)
+    else:
+        body = {"save_and_load": save_and_load, "reshard": reshard}[a.body]
+        res = body(rank, world, a.base, a.layers, a.dim, a.rounds)
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(res))
     dist.barrier()
@@ -302,7 +443,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=43)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cap-mib", type=int, default=256, help="stalwart's capped staging, MiB")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--async-only", action="store_true", help="phase 3 alone")
+    ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--body", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--base", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -316,12 +461,24 @@ def main() -> None:
         sys.exit("ByteCheckpoint is not installed: see docs/benchmarks.md (bench-only peer)")
     base = tempfile.mkdtemp(prefix="scale_ckpt_", dir=a.dir)
     try:
-        first = _torchrun("save_and_load", 4, a, base)
-        second = _torchrun("reshard", 2, a, base)
+        first: dict[str, Any] = {}
+        second: dict[str, Any] = {}
+        third: dict[str, Any] = {}
+        if not a.async_only:
+            first = _torchrun("save_and_load", 4, a, base)
+            second = _torchrun("reshard", 2, a, base)
+            third = _torchrun("reshard", 1, a, base)
+        for name in NAMES:  # the loads are done: free the disk for the asynchronous saves
+            shutil.rmtree(_where(base, name, a.rounds - 1), ignore_errors=True)
+        asyncs: dict[str, list[dict[str, float]]] = {n: [] for n in ASYNC}
+        for rnd in range(a.rounds):
+            for name in ASYNC[rnd % 4 :] + ASYNC[: rnd % 4]:
+                extra = ("--contender", name, "--round", str(rnd))
+                asyncs[name].append(_torchrun("async_saves", 4, a, base, extra))
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(base)
-    report(first, second, a.rounds)
+    report(first, second, third, asyncs, a)
 
 
 if __name__ == "__main__":

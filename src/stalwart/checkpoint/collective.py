@@ -8,6 +8,7 @@ The objects exchanged are small descriptions, never tensor data.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from stalwart.errors import DistributedError
 
-__all__ = ["Group", "dedicated_group", "release", "resolve_group"]
+__all__ = ["BACKGROUND_GROUPS", "BackgroundGroups", "Group", "dedicated_group", "release",
+           "resolve_group"]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -113,3 +115,61 @@ def release(g: Group) -> None:
     except (RuntimeError, ValueError, KeyError):
         return
     dist.destroy_process_group(g.pg)
+
+
+class BackgroundGroups:
+    """Dedicated groups that no Checkpointer uses now, kept for the next one of the process.
+
+    Making a gloo group is a rendezvous of every rank through the store and a connection to
+    each (11 ms on 2 local ranks, the largest part of a new Checkpointer's first
+    ``save_async``). A closed Checkpointer gives its background group back here, and the next
+    one over the same ranks takes it instead of making one: a Checkpointer per save costs no
+    group. A group is used by one Checkpointer at a time (two threads issuing collectives on
+    one group deadlock). :meth:`take` is collective when it must make a group, so every rank
+    must take and give in the same order, as every rank makes the same Checkpointer calls.
+    At most ``keep`` free groups are kept per set of ranks; further ones are released.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.free: dict[tuple[int, ...], list[Group]] = {}
+        self.made = 0  # groups made because none was free, for tests and benches
+        self._lock = threading.Lock()
+
+    def take(self, g: Group) -> Group:
+        """A free dedicated group over ``g``'s ranks, or a new one (then collective)."""
+        ranks = tuple(dist.get_process_group_ranks(g.pg))
+        with self._lock:
+            free = self.free.get(ranks, [])
+            while free:
+                cand = free.pop()
+                if _registered(cand):  # gone with a destroyed default group: never reused
+                    return cand
+        self.made += 1
+        return dedicated_group(g)
+
+    def give(self, g: Group) -> None:
+        """Return ``g`` (no collective runs on it any more); release it past ``keep``."""
+        if not _registered(g):
+            return
+        ranks = tuple(dist.get_process_group_ranks(g.pg))
+        with self._lock:
+            free = self.free.setdefault(ranks, [])
+            if len(free) < self.keep:
+                free.append(g)
+                return
+        release(g)
+
+
+def _registered(g: Group) -> bool:
+    if g.pg is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(g.pg)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
+
+
+BACKGROUND_GROUPS = BackgroundGroups()
+"""The process's free background groups, shared by every Checkpointer."""

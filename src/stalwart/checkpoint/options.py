@@ -85,6 +85,13 @@ class CheckpointOptions:
             steps it named until it expires; keep it above your longest save or load.
         max_inflight_saves: asynchronous saves that may be staged or persisting at once;
             each holds one set of host buffers. A further ``save_async`` waits.
+        max_staging_bytes: the most host memory one asynchronous save stages at once, in
+            bytes; ``None`` (default) copies this rank's whole state before ``save_async``
+            returns. With a cap, the state is copied in windows of at most this many bytes,
+            each written before the next is copied, and ``save_async`` returns once the last
+            window is copied (it blocks for the writing of the others); lazy saves then copy
+            everything before returning too. At least ``chunk_bytes``. Each save in flight
+            holds one such buffer (``max_inflight_saves`` x the cap in all).
         exit_flush_timeout_s: at interpreter exit, how long to wait for saves in flight.
         on_event: called with a :class:`~stalwart.checkpoint.events.CheckpointEvent` after
             each save commits or fails and after each load, on every rank (from the
@@ -106,6 +113,7 @@ class CheckpointOptions:
     exit_flush_timeout_s: float = field(
         default_factory=_env("STALWART_EXIT_FLUSH_TIMEOUT_S", 600.0, float)
     )
+    max_staging_bytes: int | None = None
     on_event: EventListener | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +129,15 @@ class CheckpointOptions:
             raise ConfigError(f"keep={self.keep!r}: must be a retention policy (KeepLast, ...)")
         if not isinstance(self.max_inflight_saves, int) or self.max_inflight_saves < 1:
             raise ConfigError(f"max_inflight_saves={self.max_inflight_saves!r}: must be >= 1")
+        cap = self.max_staging_bytes
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int) or cap < self.chunk_bytes
+        ):
+            raise ConfigError(
+                f"max_staging_bytes={cap!r}: must be None (stage the whole state at once) or "
+                f"an int >= chunk_bytes ({self.chunk_bytes}): a staging window holds at "
+                f"least one chunk, e.g. max_staging_bytes={max(self.chunk_bytes, 256 << 20)}"
+            )
         if self.gc_grace_s < 0 or self.lease_s <= 0:
             raise ConfigError("gc_grace_s must be >= 0 and lease_s > 0")
         if self.on_event is not None and not callable(self.on_event):

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.capture import optimizer_storages
-from stalwart.checkpoint.collective import Group, dedicated_group, release
+from stalwart.checkpoint.collective import BACKGROUND_GROUPS, Group
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture, guard
 from stalwart.checkpoint.durable.commit import SaveRequest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
 from stalwart.checkpoint.durable.results import SaveResult
 from stalwart.checkpoint.durable.saver import Capturer, Saver
+from stalwart.checkpoint.durable.staging import StagingWindows
 from stalwart.errors import DistributedError, StorageError
 from stalwart.tree import flatten
 
@@ -98,12 +99,42 @@ class AsyncSaves:
 
             return self.saver.write(request, checked, g, time.perf_counter())
 
+        cap = self.ctx.options.max_staging_bytes
+        if cap is not None:
+            return self._save_windowed(request, items, skeleton, err, cap, g)
         defer = self.deferrable() if lazy else frozenset()
         if lazy and not self.guarded:
             log.info("save_async(lazy=True) without guard(optimizer): every tensor copied now")
         pending = self.queue.submit(request.step, items, skeleton, lazy, write, defer=defer)
         if err is not None:
             pending.mark_observed()  # raised here; not again at the next call
+            raise err
+        return pending
+
+    def _save_windowed(
+        self,
+        request: SaveRequest,
+        items: list[LocalItem],
+        skeleton: dict[str, Any],
+        err: Exception | None,
+        cap: int,
+        g: Group,
+    ) -> PendingSave:
+        """``save_async`` with bounded staging (``options.max_staging_bytes``; ``staging.py``)."""
+        if any(it.tensor.device.type == "cuda" for it in items):
+            torch.cuda.current_stream().synchronize()  # the writer thread reads the state
+
+        def live() -> tuple[list[LocalItem], dict[str, Any]]:
+            if err is not None:
+                raise err
+            return items, skeleton
+
+        def write(windows: StagingWindows) -> SaveResult:
+            return self.saver.write(request, live, g, time.perf_counter(), windows)
+
+        pending = self.queue.submit_windowed(request.step, cap, write)
+        if err is not None:
+            pending.mark_observed()
             raise err
         return pending
 
@@ -124,17 +155,19 @@ class AsyncSaves:
     def background_group(self) -> Group:
         """The group background saves use: never the training's (see dedicated_group).
 
-        Made on the first save_async, which all ranks make together.
+        Taken on the first save_async, which all ranks make together: a group a closed
+        Checkpointer of this process gave back, else a new one (``BACKGROUND_GROUPS``).
         """
         g = self.ctx.group
         if g.world > 1 and self.background is None:
-            self.background = dedicated_group(g)
+            self.background = BACKGROUND_GROUPS.take(g)
         return self.background if g.world > 1 and self.background else g
 
     def close(self) -> None:
-        """Release the background group (the saves are already waited for)."""
+        """Give the background group back for the process's next Checkpointer (the saves
+        are already waited for)."""
         if self.background is not None:
-            release(self.background)
+            BACKGROUND_GROUPS.give(self.background)
             self.background = None
 
     def wait(self) -> None:

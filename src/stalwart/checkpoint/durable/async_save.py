@@ -40,6 +40,7 @@ import torch
 from stalwart.checkpoint.buffer_pool import HOST_BUFFERS
 from stalwart.checkpoint.capture import Capture, HostBuffer, stage
 from stalwart.checkpoint.durable.plan import LocalItem
+from stalwart.checkpoint.durable.staging import StagingWindows
 from stalwart.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -214,7 +215,42 @@ class AsyncSaver:
             captured.capture.ready()
             return captured.host_items(), captured.skeleton
 
-        self._enqueue(pending, capture, write, staged)
+        self._enqueue(pending, lambda: write(capture), staged)
+        pending.blocking_s = time.perf_counter() - t0
+        return pending
+
+    def submit_windowed(
+        self, step: int, cap: int, write: Callable[[StagingWindows], SaveResult]
+    ) -> PendingSave:
+        """Persist with ``write``, staging through a buffer of at most ``cap`` bytes.
+
+        The background writer copies the state window by window (``durable/staging.py``)
+        while this call waits; it returns once the last window is copied. The caller must
+        not change the state before then (it is blocked here, so it cannot).
+        """
+        t0 = time.perf_counter()
+        self._make_room()
+        slot = HOST_BUFFERS.take(self.pool_key)
+        windows = StagingWindows(slot, cap)
+        pending = PendingSave(step, lazy=False)
+        pending.slot = slot
+
+        def on_staged(_f: Future[None]) -> None:
+            pending.staging_s = time.perf_counter() - t0
+            pending.staged.set()
+
+        windows.staged.add_done_callback(on_staged)
+
+        def job() -> SaveResult:
+            try:
+                return write(windows)
+            finally:
+                windows.finish()  # a failure before the last window releases the caller too
+
+        self._enqueue(pending, job, windows.staged)
+        if slot not in self.slots:
+            self.slots.append(slot)
+        windows.staged.result()
         pending.blocking_s = time.perf_counter() - t0
         return pending
 
@@ -226,17 +262,13 @@ class AsyncSaver:
             self._reap()
 
     def _enqueue(
-        self,
-        pending: PendingSave,
-        capture: Callable[[], tuple[list[LocalItem], dict[str, Any]]],
-        write: Callable[[Callable[[], tuple[list[LocalItem], dict[str, Any]]]], SaveResult],
-        staged: Future[None],
+        self, pending: PendingSave, job: Callable[[], SaveResult], staged: Future[None]
     ) -> None:
         def run() -> None:
             if not pending.future.set_running_or_notify_cancel():
                 return
             try:
-                result = write(capture)
+                result = job()
             except BaseException as e:
                 pending.staged.set()  # never leave a guard waiting on a failed save
                 self._give_back(pending, staged)

@@ -26,7 +26,7 @@ from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.storage.base import Buffer, Storage
 
-__all__ = ["PersistStats", "chunk_hash", "persist_boxes", "tensor_bytes"]
+__all__ = ["Piece", "PersistStats", "chunk_hash", "persist_boxes", "persist_pieces", "tensor_bytes"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -90,6 +90,18 @@ class _Chunk:
     ref: ChunkRef | None = None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[start, start + len(view))`` of the box ``key`` (``start`` on a chunk boundary).
+
+    A whole box is one piece at 0; a staging window (``staging.py``) may hold a box in several.
+    """
+
+    key: BoxKey
+    start: int
+    view: memoryview
+
+
 def persist_boxes(
     storage: Storage,
     items: list[LocalItem],
@@ -112,53 +124,51 @@ def persist_boxes(
         options: chunk size and compression.
         pool: worker threads for hashing and compression.
     """
+    pieces = [Piece(it.key, 0, tensor_bytes(it.tensor)) for it in items]
+    chunks_of, stats = persist_pieces(
+        storage,
+        pieces,
+        pack_key=pack_key,
+        known=known,
+        options=options,
+        pool=pool,
+        previous=previous,
+    )
+    by_key = {it.key: it for it in items}
+    shards = {
+        key: ShardEntry(by_key[key].offsets, by_key[key].sizes, tuple(refs))
+        for key, refs in chunks_of.items()
+    }
+    return shards, stats
+
+
+def persist_pieces(
+    storage: Storage,
+    pieces: list[Piece],
+    *,
+    pack_key: str,
+    known: dict[str, ChunkRef],
+    options: CheckpointOptions,
+    pool: ThreadPoolExecutor,
+    previous: FastIndex | None = None,
+) -> tuple[dict[BoxKey, list[ChunkRef]], PersistStats]:
+    """Write ``pieces`` as chunks into one new pack; return each box's chunks, in order.
+
+    The arguments are :func:`persist_boxes`'s; a box's chunks follow the order of its
+    pieces, which must come in byte order.
+    """
     stats = PersistStats()
-    views: dict[BoxKey, memoryview] = {}
-    for it in items:
-        views[it.key] = tensor_bytes(it.tensor)
-    stats.bytes_total = sum(len(v) for v in views.values())
+    stats.bytes_total = sum(len(p.view) for p in pieces)
 
-    def cut() -> Iterator[_Chunk]:
-        step = options.chunk_bytes
-        for key, view in views.items():
-            for start in range(0, max(len(view), 1), step):
-                yield _Chunk(key=key, start=start, raw=view[start : start + step])
-
-    zstd_local = threading.local()
-
-    def prepare(c: _Chunk) -> _Chunk:
-        # Change detection first: XXH3-128 runs ~10x faster than BLAKE3 here, so a chunk
-        # whose bytes match what the same position held at the last save (and whose chunk
-        # is still committed) reuses that save's BLAKE3 name without hashing it again.
-        c.fast = xxhash.xxh3_128_digest(c.raw)
-        prev = previous.get((c.key, c.start)) if previous else None
-        if prev is not None and prev[0] == c.fast and prev[1] in known:
-            c.hash = prev[1]
-            c.ref = known[c.hash]
-            return c
-        c.hash = chunk_hash(c.raw)
-        if c.hash in known:
-            c.ref = known[c.hash]
-            return c
-        c.payload = c.raw
-        if options.compression == "zstd" and len(c.raw) > 0:
-            import zstandard
-
-            comp = getattr(zstd_local, "c", None)
-            if comp is None:
-                comp = zstandard.ZstdCompressor(level=options.compression_level)
-                zstd_local.c = comp
-            packed = comp.compress(c.raw)
-            if len(packed) < len(c.raw):
-                c.payload, c.codec = packed, "zstd"
-        return c
-
-    chunks_of: dict[BoxKey, list[ChunkRef]] = {key: [] for key in views}
+    prepare = _Preparer(known, options, previous)
+    chunks_of: dict[BoxKey, list[ChunkRef]] = {p.key: [] for p in pieces}
     new_in_pack: dict[str, ChunkRef] = {}
     state = {"offset": 0}
 
     def stream() -> Iterator[Buffer]:
-        for c in ordered_map(pool, prepare, cut(), window=2 * options.io_threads + 2):
+        for c in ordered_map(
+            pool, prepare.run, _cut(pieces, options.chunk_bytes), window=2 * options.io_threads + 2
+        ):
             if c.ref is None and c.hash in new_in_pack:
                 c.ref = new_in_pack[c.hash]
             if c.ref is not None:
@@ -189,9 +199,50 @@ def persist_boxes(
 
         storage.write(pack_key, whole())
         stats.packs.append(pack_key)
-    by_key = {it.key: it for it in items}
-    shards = {
-        key: ShardEntry(by_key[key].offsets, by_key[key].sizes, tuple(refs))
-        for key, refs in chunks_of.items()
-    }
-    return shards, stats
+    return chunks_of, stats
+
+
+def _cut(pieces: list[Piece], step: int) -> Iterator[_Chunk]:
+    """The chunks of ``pieces``, in order: each piece cut at every ``step`` bytes."""
+    for p in pieces:
+        assert p.start % step == 0, "a piece starts on a chunk boundary"
+        for start in range(0, max(len(p.view), 1), step):
+            yield _Chunk(key=p.key, start=p.start + start, raw=p.view[start : start + step])
+
+
+class _Preparer:
+    """Names one chunk (hashes it), finds it among ``known`` or readies its payload."""
+
+    def __init__(
+        self, known: dict[str, ChunkRef], options: CheckpointOptions, previous: FastIndex | None
+    ) -> None:
+        self.known, self.options, self.previous = known, options, previous
+        self.zstd = threading.local()
+
+    def run(self, c: _Chunk) -> _Chunk:
+        # Change detection first: XXH3-128 runs ~10x faster than BLAKE3 here, so a chunk
+        # whose bytes match what the same position held at the last save (and whose chunk
+        # is still committed) reuses that save's BLAKE3 name without hashing it again.
+        known = self.known
+        c.fast = xxhash.xxh3_128_digest(c.raw)
+        prev = self.previous.get((c.key, c.start)) if self.previous else None
+        if prev is not None and prev[0] == c.fast and prev[1] in known:
+            c.hash = prev[1]
+            c.ref = known[c.hash]
+            return c
+        c.hash = chunk_hash(c.raw)
+        if c.hash in known:
+            c.ref = known[c.hash]
+            return c
+        c.payload = c.raw
+        if self.options.compression == "zstd" and len(c.raw) > 0:
+            import zstandard
+
+            comp = getattr(self.zstd, "c", None)
+            if comp is None:
+                comp = zstandard.ZstdCompressor(level=self.options.compression_level)
+                self.zstd.c = comp
+            packed = comp.compress(c.raw)
+            if len(packed) < len(c.raw):
+                c.payload, c.codec = packed, "zstd"
+        return c

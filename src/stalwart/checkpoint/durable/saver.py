@@ -32,6 +32,7 @@ from stalwart.checkpoint.durable.manifest import (
 from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem, merge_skeletons, plan_writes
 from stalwart.checkpoint.durable.results import SaveResult
+from stalwart.checkpoint.durable.staging import StagingWindows
 from stalwart.checkpoint.events import CheckpointEvent, emit
 from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError
 from stalwart.storage.base import Storage
@@ -51,12 +52,23 @@ class Saver:
         self.ctx = ctx
         self.fast_index: FastIndex = {}  # valid for the next save once a save committed
 
-    def write(self, request: SaveRequest, capture: Capturer, g: Group, t0: float) -> SaveResult:
-        """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed)."""
+    def write(
+        self,
+        request: SaveRequest,
+        capture: Capturer,
+        g: Group,
+        t0: float,
+        windows: StagingWindows | None = None,
+    ) -> SaveResult:
+        """:meth:`_write_step`, reported to ``options.on_event`` (saved or failed).
+
+        ``windows``: stage the boxes this rank writes through a bounded buffer, window by
+        window, as they are persisted (``capture`` then yields the live state's boxes).
+        """
         step, on_event, url = request.step, self.ctx.options.on_event, self.ctx.url
         meta = dict(request.metadata or {})
         try:
-            r = self._write_step(request, capture, g, t0)
+            r = self._write_step(request, capture, g, t0, windows)
         except BaseException as e:
             seconds = time.perf_counter() - t0
             failed = CheckpointEvent("save_failed", step, url, g.rank, seconds, metadata=meta)
@@ -67,7 +79,12 @@ class Saver:
         return r
 
     def _write_step(
-        self, request: SaveRequest, capture: Capturer, g: Group, t0: float
+        self,
+        request: SaveRequest,
+        capture: Capturer,
+        g: Group,
+        t0: float,
+        windows: StagingWindows | None,
     ) -> SaveResult:
         """Plan, persist, commit and retain; ``capture`` yields this rank's boxes + skeleton.
 
@@ -107,7 +124,7 @@ class Saver:
             pack_key = f"packs/step-{step:020d}-rank{g.rank:05d}-{uuid.uuid4().hex[:12]}.pack"
 
             def persist() -> Any:
-                return self._persist(store, plan.writes, pack_key, known, local)
+                return self._persist(store, plan.writes, pack_key, known, local, windows)
 
             if g.rank == 0:
                 packs = {c.pack for c in known.values()}
@@ -129,20 +146,40 @@ class Saver:
         pack_key: str,
         known: dict[str, ChunkRef],
         local: dict[str, Any],
+        windows: StagingWindows | None = None,
     ) -> tuple[dict[Any, Any], Any]:
         """Write this rank's pack; its shard records (JSON) and stats go to the commit.
 
+        With ``windows``, one pack per staging window, each a fresh name of the same form
+        (``gc`` collects only names of that form).
         The new fast index stays in ``local`` until the commit: valid only once committed.
         """
-        shards, stats = persist_boxes(
-            store,
-            writes,
-            pack_key=pack_key,
-            known=known,
-            options=self.ctx.options,
-            pool=self.ctx.io_pool,
-            previous=self.fast_index,
-        )
+        opts, pool = self.ctx.options, self.ctx.io_pool
+        if windows is None:
+            shards, stats = persist_boxes(
+                store,
+                writes,
+                pack_key=pack_key,
+                known=known,
+                options=opts,
+                pool=pool,
+                previous=self.fast_index,
+            )
+        else:
+            stem = pack_key[: -len("-0123456789ab.pack")]
+
+            def window_pack(i: int) -> str:
+                return pack_key if i == 0 else f"{stem}-{uuid.uuid4().hex[:12]}.pack"
+
+            shards, stats = windows.persist(
+                store,
+                writes,
+                pack_key=window_pack,
+                known=known,
+                options=opts,
+                pool=pool,
+                previous=self.fast_index,
+            )
         local["fast_index"], stats.fast_index = stats.fast_index, {}  # this rank's
         return {k: s.to_json() for k, s in shards.items()}, stats
 
