@@ -45,16 +45,25 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[k] == v, k
 
 
-def save_then_load(rank: int, world: int, root: str, shared: bool, shm: bool = True) -> int:
-    """Save version 1, load it into zeros (shared reads on or off); return bytes read.
+def save_then_load(
+    rank: int,
+    world: int,
+    root: str,
+    shared: bool | None,
+    shm: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Save version 1, load it into zeros (shared reads on, off, or None: by the store);
+    return bytes read.
 
     ``shm``: pieces pass through files in /dev/shm (else gloo broadcasts).
+    ``storage_options``: for a URL ``root`` (an S3 bucket on the test's moto server).
     """
     shared_read.PIECE_BYTES = PIECE_BYTES
     shared_read.SHARED_READS = shared
     shared_read.SHM_READS = shm
     opts = CheckpointOptions(chunk_bytes=4096)
-    with Checkpointer(root, options=opts) as ck:
+    with Checkpointer(root, options=opts, storage_options=storage_options) as ck:
         ck.save(1, replicated(1))
         state = _zeros()
         ck.load(state)

@@ -1,26 +1,32 @@
 """Replicated boxes are read once by the group and broadcast, every chunk still verified.
 
-Real gloo worlds (``run_ranks``) on real tmp dirs: the bytes the ranks read add up to the
-checkpoint's unique bytes (not once per rank), values come back exactly, and a flipped bit
-is found by the rank that read it, named to the others, and skipped together by fallback.
+Real gloo worlds (``run_ranks``) on real tmp dirs and a moto S3 server: the bytes the
+ranks read add up to the checkpoint's unique bytes (not once per rank), values come back
+exactly, and a flipped bit is found by the rank that read it, named to the others, and
+skipped together by fallback. By default (``SHARED_READS = None``) an S3 store shares and a
+local disk reads rank by rank.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stalwart.checkpoint import Checkpointer
 from stalwart.testing import run_ranks
+from stalwart.testing.s3_server import S3Server
 
 from . import shared_load_ranks as ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _unique_bytes(root: Path, step: int) -> int:
-    m = Checkpointer(root).manifest(step)
+def _unique_bytes(
+    root: Path | str, step: int, storage_options: dict[str, Any] | None = None
+) -> int:
+    m = Checkpointer(root, storage_options=storage_options).manifest(step)
     chunks = {
         (c.pack, c.offset): c.length for e in m.tensors.values() for s in e.shards for c in s.chunks
     }
@@ -43,6 +49,33 @@ def test_replicated_load_reads_each_byte_once_per_node(
 def test_solo_reads_read_everything_on_every_rank(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     read = run_ranks(ranks.save_then_load, 2, str(root), False, timeout_s=120)
+    assert read == [_unique_bytes(root, 1)] * 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_remote_store_shares_reads_by_default(
+    s3_server: S3Server, s3_bucket: str, world: int
+) -> None:
+    """S3 (moto over HTTP): by default each replicated byte is fetched once by the group."""
+    url, opts = f"s3://{s3_bucket}/job", s3_server.storage_options
+    read = run_ranks(ranks.save_then_load, world, url, None, True, opts, timeout_s=120)
+    unique = _unique_bytes(url, 1, opts)
+    assert unique <= sum(read) <= 1.05 * unique, (read, unique)
+    assert sum(1 for r in read if r > 0) >= 2  # the reads are spread over ranks
+
+
+def test_remote_store_forced_solo_reads_everything_on_every_rank(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    url, opts = f"s3://{s3_bucket}/job", s3_server.storage_options
+    read = run_ranks(ranks.save_then_load, 2, url, False, True, opts, timeout_s=120)
+    assert read == [_unique_bytes(url, 1, opts)] * 2
+
+
+def test_local_root_reads_rank_by_rank_by_default(tmp_path: Path) -> None:
+    """A local disk: the page cache reads each byte once, so each rank reads alone."""
+    root = tmp_path / "ckpt"
+    read = run_ranks(ranks.save_then_load, 2, str(root), None, timeout_s=120)
     assert read == [_unique_bytes(root, 1)] * 2
 
 

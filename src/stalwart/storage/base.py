@@ -13,7 +13,8 @@ Two guarantees carry the checkpoint commit protocol, so every backend must give 
 
 Optional capabilities are declared, not guessed: a backend that can lend a read-only view of
 a byte range implements :class:`ReadsViews`; one that leaves temporaries a crashed writer
-may strand implements :class:`RemovesStaleTemps`. Callers test ``isinstance(store, ...)``.
+may strand implements :class:`RemovesStaleTemps`; one whose every read fetches bytes from
+another machine says so with :class:`ReadsLeaveHost`. Callers test ``isinstance(store, ...)``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from stalwart.errors import UnsafeManifestError
 __all__ = [
     "Buffer",
     "ObjectInfo",
+    "ReadsLeaveHost",
     "ReadsViews",
     "RemovesStaleTemps",
     "Storage",
@@ -147,4 +149,19 @@ class RemovesStaleTemps(Protocol):
 
     def remove_stale_temps(self, older_than_s: float) -> int:
         """Delete temporaries no live writer holds, older than ``older_than_s``; count them."""
+        ...
+
+
+@runtime_checkable
+class ReadsLeaveHost(Protocol):
+    """A store that says whether reading it fetches bytes from another machine (object stores).
+
+    Distributed loads share such reads inside a host (each byte fetched once per host, then
+    handed between its ranks); a store without it counts as local, where the page cache
+    already reads each byte once per host.
+    """
+
+    @property
+    def reads_leave_host(self) -> bool:
+        """True when every read reaches another machine, for every rank anew."""
         ...

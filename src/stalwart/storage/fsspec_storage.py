@@ -43,6 +43,10 @@ _PERMISSION_CODES = frozenset({"AccessDenied", "Forbidden", "403", "AllAccessDis
 _EMPTY_RANGE_CODES = frozenset({"InvalidRange", "416"})
 
 
+_IN_PROCESS = frozenset({"memory"})
+"""fsspec protocols whose bytes never leave the process."""
+
+
 def _install_hint(protocol: str) -> str:
     extra = _EXTRAS.get(protocol)
     if extra:
@@ -130,6 +134,11 @@ class FsspecStorage:
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
+
+    @property
+    def reads_leave_host(self) -> bool:
+        """True but for in-process filesystems (``memory://``); see ``ReadsLeaveHost``."""
+        return self.protocol.split("::")[-1] not in _IN_PROCESS
 
     def _path(self, key: str) -> str:
         validate_key(key)

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from stalwart.errors import ConfigError, TransientStorageError
-from stalwart.storage.base import Buffer, ObjectInfo, Storage
+from stalwart.storage.base import Buffer, ObjectInfo, ReadsLeaveHost, Storage
 
 __all__ = ["OPERATIONS", "FlakyStorage"]
 
@@ -70,6 +70,11 @@ class FlakyStorage:
 
     def __repr__(self) -> str:
         return f"FlakyStorage({self.inner!r})"
+
+    @property
+    def reads_leave_host(self) -> bool:
+        """What the wrapped store says (``ReadsLeaveHost``); False when it says nothing."""
+        return isinstance(self.inner, ReadsLeaveHost) and self.inner.reads_leave_host
 
     @property
     def injected(self) -> int:

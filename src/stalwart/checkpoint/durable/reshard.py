@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
-from stalwart.checkpoint.durable.persist import chunk_hash
+from stalwart.checkpoint.durable.persist import chunk_hash, tensor_bytes
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
 from stalwart.storage.base import ReadsViews, Storage
 from stalwart.tree import dtype_from_name
@@ -222,12 +222,6 @@ def _spans(needs: Iterable[_Need]) -> list[tuple[str, int, int, list[_Need]]]:
     return spans
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data).cast("B")
-
-
 def _plan_box(
     box: Box, where: str, needs: dict[ChunkRef, _Need], after: list[Callable[[], None]]
 ) -> None:
@@ -242,7 +236,7 @@ def _plan_box(
     if dest.dtype != dtype or not dest.is_contiguous() or dest.device.type != "cpu":
         raise AssertionError("read_box needs a contiguous CPU tensor of the entry's dtype")
     esize = dest.element_size()
-    dest_bytes = _as_bytes(dest)
+    dest_bytes = tensor_bytes(dest)
 
     def add(shard_i: int, lo: int, hi: int, out: memoryview) -> None:
         """Chunks of shard ``shard_i`` covering its raw bytes ``[lo, hi)`` fill ``out``."""
@@ -283,7 +277,7 @@ def _plan_box(
             add(i, r0 * row_bytes, r1 * row_bytes, dest_bytes[d0 : d0 + (r1 - r0) * row_bytes])
             continue
         rows = torch.empty((r1 - r0, *shard.sizes[1:]), dtype=dtype)
-        add(i, r0 * row_bytes, r1 * row_bytes, _as_bytes(rows))
+        add(i, r0 * row_bytes, r1 * row_bytes, tensor_bytes(rows))
         src, dst = rows, dest
         for d in range(1, len(sizes)):
             src = src.narrow(d, lo_g[d] - shard.offsets[d], ov_sizes[d])

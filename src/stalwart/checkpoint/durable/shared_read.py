@@ -18,6 +18,12 @@ other ranks ``PeerDamageError`` (a ``DistributedError`` carrying the same messag
 a fallback load treats as damage: every rank moves on to an older step together.
 Groups whose backend cannot move CPU tensors (NCCL alone) read rank by rank.
 
+When: by the store (``SHARED_READS = None``, the default). Where every rank's read leaves
+the host (an object store, any fsspec URL but ``memory://``: ``reads_leave_host``), the
+group shares; on a local disk the page cache already reads each byte once per host and
+handing pieces over costs a pass, so each rank reads alone. The ranks agree in
+``plan_shared``'s one ``all_gather``: if any rank's store stays on its host, all read alone.
+
 Collective order: ``plan_shared`` (or ``withdraw`` on a rank that failed before it) then
 ``share_pieces``, on every rank of the group.
 """
@@ -36,9 +42,10 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.collective import Group
+from stalwart.checkpoint.durable.persist import tensor_bytes
 from stalwart.checkpoint.durable.reshard import Box, ReadStats, read_boxes
 from stalwart.errors import CorruptCheckpointError, DistributedError, StepRetiredError
-from stalwart.storage.base import Storage
+from stalwart.storage.base import ReadsLeaveHost, Storage
 
 __all__ = [
     "PIECE_BYTES",
@@ -50,6 +57,7 @@ __all__ = [
     "can_share",
     "plan_shared",
     "read_shared",
+    "reads_leave_host",
     "share_pieces",
     "withdraw",
 ]
@@ -57,13 +65,16 @@ __all__ = [
 PIECE_BYTES = 32 << 20
 """Shared boxes are cut into pieces of at most this many bytes (whole leading rows)."""
 
-SHARED_READS = False
-"""True: boxes every rank loads alike are read once by the group and shared.
+SHARED_READS: bool | None = None
+"""Whether boxes every rank loads alike are read once by the group and shared.
 
-Off by default: on one host the page cache already reads each byte from disk once, and handing
-pieces between ranks costs a pass (``bench/dist_load_bench.py``, docs/benchmarks.md: DDP load
-1.29 s each rank alone against 1.69 s shared, 2 ranks, 1.06 GB, cold cache). It pays where
-every rank's read reaches the store (remote object stores, several hosts); not yet measured."""
+None (default): decided by the store, on every load. Shared where reads leave the host
+(``reads_leave_host``: S3 and other fsspec URLs), where each rank's read reaches the store
+(``bench/remote_load_bench.py``); alone on local disks and in memory, where the page cache
+already reads each byte once per host and handing pieces between ranks costs a pass
+(``bench/dist_load_bench.py``: DDP load 1.29 s each rank alone against 1.69 s shared,
+2 ranks, 1.06 GB, cold cache). True or False: forced, whatever the store; every rank
+must set the same value."""
 
 SHM_READS = True
 """Ranks of one host pass pieces through files in ``SHM_DIR`` (False: the process group)."""
@@ -83,9 +94,20 @@ class SharedPlan:
     shm: str | None = None  # all ranks on one host: pieces go through files with this prefix
 
 
+def reads_leave_host(store: Storage) -> bool:
+    """True when reading ``store`` fetches bytes from another machine, for every rank anew.
+
+    The store says so (``ReadsLeaveHost``: fsspec stores but ``memory://``, and wrappers that
+    pass on what they wrap); a store that says nothing counts as local, and its ranks read
+    alone unless ``SHARED_READS`` forces sharing.
+    """
+    return isinstance(store, ReadsLeaveHost) and store.reads_leave_host
+
+
 def can_share(g: Group) -> bool:
-    """True when ``g`` has several ranks and a backend that broadcasts CPU tensors."""
-    if g.world <= 1 or not SHARED_READS:
+    """True when ``g`` may share reads: several ranks, a backend that broadcasts CPU tensors,
+    and ``SHARED_READS`` not False (None: ``plan_shared`` then asks the store)."""
+    if g.world <= 1 or SHARED_READS is False:
         return False
     try:
         return "gloo" in str(dist.get_backend(g.pg)).lower()
@@ -146,17 +168,22 @@ def _pieces(b: Box) -> list[Box]:
     return out
 
 
-def plan_shared(g: Group, boxes: list[Box]) -> SharedPlan | None:
+def plan_shared(g: Group, boxes: list[Box], store: Storage | None = None) -> SharedPlan | None:
     """Agree which boxes every rank wants and who reads each piece; None: read alone.
 
-    Collective. None when some rank withdrew (it failed before reading and raises).
+    Collective. None when some rank withdrew (it failed before reading and raises), when
+    ``SHARED_READS`` is None and some rank's ``store`` does not read off its host
+    (``reads_leave_host``; no ``store``: local), or when the ranks want no box in common.
     """
-    keys = [(_key(b), _nbytes(b)) for b in boxes]
+    share = reads_leave_host(store) if SHARED_READS is None and store is not None else SHARED_READS
+    keys = [(_key(b), _nbytes(b)) for b in boxes] if share else None
     gathered = g.all_gather((socket.gethostname(), uuid.uuid4().hex, keys))
-    if any(k is None for k in gathered):
+    every = [x[2] for x in gathered if x is not None and x[2] is not None]
+    if len(every) < g.world:
         return None
-    every = [ks for _, _, ks in gathered]
     common = set.intersection(*({k for k, _ in ks} for ks in every))
+    if not common:
+        return None  # nothing to share: each rank reads its own (sharded loads)
     load = [sum(n for k, n in ks if k not in common) for ks in every]
     by_key = {_key(b): b for b in boxes}
     plan = SharedPlan(mine=[b for b in boxes if _key(b) not in common])
@@ -255,17 +282,13 @@ def _broadcast(g: Group, plan: SharedPlan) -> None:
         ) from e
 
 
-def _bytes(b: Box) -> memoryview:
-    return memoryview(b.dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def _publish(path: str, pieces: list[Box]) -> OSError | None:
     """Write this rank's verified pieces, in plan order, to ``path``; the error if it failed."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
         try:
             for p in pieces:
-                view = _bytes(p)
+                view = tensor_bytes(p.dest)
                 while view:
                     view = view[os.write(fd, view) :]
         finally:
@@ -286,7 +309,7 @@ def _take_published(g: Group, plan: SharedPlan, prefix: str) -> None:
                 for owner, p in plan.pieces:
                     if owner != r:
                         continue
-                    view = _bytes(p)
+                    view = tensor_bytes(p.dest)
                     while view:
                         n = f.readinto(view)
                         if not n:
@@ -315,8 +338,8 @@ def read_shared(
 
     Collective (every rank of ``g`` calls it, or ``withdraw``). Returns this rank's reads.
     """
-    plan = plan_shared(g, boxes)
-    if plan is None:  # a rank withdrew: it raises; the others read as before
+    plan = plan_shared(g, boxes, storage)
+    if plan is None:  # alone: a rank withdrew (it raises), a local store, nothing in common
         return read_boxes(storage, boxes, pool=pool, where=where, verify_pool=verify_pool)
     stats, err = ReadStats(), None
     try:
