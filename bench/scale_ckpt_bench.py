@@ -30,6 +30,14 @@ memory: the largest rank's resident-set rise over both saves, above its level be
 
     .venv/bin/python bench/scale_ckpt_bench.py --layers 43 --dim 4096 --rounds 3
 
+The same phase 1 at other shapes (issue 25's first measure, DDP and FSDP2 loads at 2 and 4
+ranks): ``--layout ddp`` keeps the model whole on every rank (replicated, as DDP does;
+ByteCheckpoint with ``framework="ddp"``), ``--world`` sets the ranks; phases 2 and 3 run only
+for FSDP2 on 4 ranks.
+
+    .venv/bin/python bench/scale_ckpt_bench.py --layout ddp --world 2 --layers 21 --dim 2048 \
+        --rounds 5
+
 Bounded by: one virtio disk (each contender writes 8 GiB per save), 2 shared cores for 4 ranks,
 gloo over loopback for DCP's and ByteCheckpoint's planning collectives.
 """
@@ -66,16 +74,20 @@ Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
 
 
+LAYOUT = {"layout": "fsdp2"}  # the rank processes' layout, from --layout
+
+
 def _build(layers: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if LAYOUT["layout"] == "fsdp2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # AdamW's state without a step: the moments, filled below
@@ -96,6 +108,8 @@ def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[int, An
 
 def _span(t: Any) -> tuple[torch.Tensor, int]:
     """The local shard (flat) and its first element's global index (FSDP2 shards dim 0)."""
+    if not hasattr(t, "to_local"):  # replicated: the whole tensor on every rank
+        return t.detach().view(-1), 0
     local = t.to_local()
     rows = -(-t.shape[0] // dist.get_world_size())
     return local.view(-1), dist.get_rank() * rows * t.shape[1]
@@ -127,7 +141,7 @@ def _check(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 def _zero(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     with torch.no_grad():
         for _, t in _tensors(model, opt):
-            t.to_local().zero_()
+            _span(t)[0].zero_()
 
 
 def _rss() -> int:
@@ -159,9 +173,9 @@ def _bcp(op: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> No
 
     state = {"model": model, "optimizer": opt}
     if op == "save":
-        bcp.save(path, state, framework="fsdp2", fast_saving=True)
+        bcp.save(path, state, framework=LAYOUT["layout"], fast_saving=True)
     else:
-        bcp.load(path, state, framework="fsdp2", fast_loading=True)
+        bcp.load(path, state, framework=LAYOUT["layout"], fast_loading=True)
 
 
 def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where: Path) -> None:
@@ -205,7 +219,7 @@ def _where(base: str, name: str, rnd: int) -> Path:
 
 def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, rounds: int) -> Any:
     model, opt = _build(layers, dim)
-    nbytes = sum(t.to_local().numel() * 4 for _, t in _tensors(model, opt))
+    nbytes = sum(_span(t)[0].numel() * 4 for _, t in _tensors(model, opt))
     res: dict[str, Any] = {
         n: {"save": [], "load": [], "save_mem": [], "load_mem": []} for n in NAMES
     }
@@ -345,15 +359,18 @@ def _fmt(xs: list[float]) -> str:
 
 
 def _report_sync(
-    first: dict[str, Any], second: dict[str, Any], third: dict[str, Any], rounds: int
+    first: dict[str, Any], second: dict[str, Any], third: dict[str, Any], a: argparse.Namespace
 ) -> None:
-    gib = first["bytes"] / 2**30
+    rounds, world = a.rounds, a.world
+    gib = first["bytes"] / 2**30 / (world if a.layout == "ddp" else 1)
     drop = os.access("/proc/sys/vm/drop_caches", os.W_OK)
-    print(f"\nstate {gib:.2f} GiB over 4 ranks; page cache dropped before each load: {drop}; "
+    print(f"\n{a.layout}: state {gib:.2f} GiB over {world} ranks; page cache dropped before each "
+          f"load: {drop}; "
           f"{rounds} rounds, medians [ranges], s; memory = largest rank's rise, GiB")  # fmt: skip
-    rows = [("save, 4 ranks", first, "save"), ("load, 4 ranks", first, "load"),
+    rows = [(f"save, {world} ranks", first, "save"), (f"load, {world} ranks", first, "load"),
             ("reshard load 4 -> 2 ranks", second, "load"),
             ("reshard load 4 -> 1 rank", third, "load")]  # fmt: skip
+    rows = [r for r in rows if r[1]]
     print("\n| | " + " | ".join(NAMES) + " | stalwart / best peer |")
     print("|---|" + "---|" * (len(NAMES) + 1))
     for label, res, key in rows:
@@ -372,9 +389,10 @@ def report(
     asyncs: dict[str, list[dict[str, float]]],
     a: argparse.Namespace,
 ) -> None:
-    rounds = a.rounds
     if first:
-        _report_sync(first, second, third, rounds)
+        _report_sync(first, second, third, a)
+    if not any(asyncs.values()):
+        return
     print(f"\nasynchronous saves, 4 ranks (stalwart capped: max_staging_bytes={a.cap_mib} MiB)")
     print("\n| | " + " | ".join(ASYNC) + " | stalwart / best peer | capped / best peer |")
     print("|---|" + "---|" * (len(ASYNC) + 2))
@@ -399,7 +417,7 @@ def _torchrun(
            f"--master-port={_free_port()}", __file__,
            "--body", body, "--layers", str(a.layers), "--dim", str(a.dim),
            "--rounds", str(a.rounds), "--base", base, "--out", str(out),
-           "--cap-mib", str(a.cap_mib), *extra]  # fmt: skip
+           "--cap-mib", str(a.cap_mib), "--layout", a.layout, *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -427,6 +445,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=3600))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
+    LAYOUT["layout"] = a.layout
     if a.body == "async_saves":
         res = async_saves(rank, world, a.base, a.layers, a.dim, a)
     else:
@@ -446,6 +465,9 @@ def main() -> None:
     ap.add_argument("--cap-mib", type=int, default=256, help="stalwart's capped staging, MiB")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--async-only", action="store_true", help="phase 3 alone")
+    ap.add_argument("--no-async", action="store_true", help="phases 1 and 2 alone")
+    ap.add_argument("--layout", choices=("fsdp2", "ddp"), default="fsdp2")
+    ap.add_argument("--world", type=int, default=4, help="ranks of phase 1")
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--body", default=None, help=argparse.SUPPRESS)
@@ -464,14 +486,16 @@ def main() -> None:
         first: dict[str, Any] = {}
         second: dict[str, Any] = {}
         third: dict[str, Any] = {}
+        full = a.layout == "fsdp2" and a.world == 4  # reshards and async saves: this shape
         if not a.async_only:
-            first = _torchrun("save_and_load", 4, a, base)
+            first = _torchrun("save_and_load", a.world, a, base)
+        if not a.async_only and full:
             second = _torchrun("reshard", 2, a, base)
             third = _torchrun("reshard", 1, a, base)
         for name in NAMES:  # the loads are done: free the disk for the asynchronous saves
             shutil.rmtree(_where(base, name, a.rounds - 1), ignore_errors=True)
         asyncs: dict[str, list[dict[str, float]]] = {n: [] for n in ASYNC}
-        for rnd in range(a.rounds):
+        for rnd in range(a.rounds if full and not a.no_async else 0):
             for name in ASYNC[rnd % 4 :] + ASYNC[: rnd % 4]:
                 extra = ("--contender", name, "--round", str(rnd))
                 asyncs[name].append(_torchrun("async_saves", 4, a, base, extra))
