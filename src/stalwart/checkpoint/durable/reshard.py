@@ -33,13 +33,23 @@ import torch
 from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
 from stalwart.checkpoint.durable.persist import chunk_hash, tensor_bytes
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
-from stalwart.storage.base import ReadsViews, Storage
+from stalwart.storage.base import ReadsLeaveHost, ReadsViews, Storage
 from stalwart.tree import dtype_from_name
 
 __all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
 
 READ_AHEAD_SPANS = 8
-"""Spans read but not yet verified, at most (each holds a buffer of about ``SPAN_BYTES``)."""
+"""Spans read but not yet verified, at most, from a store whose reads leave the host (each
+holds a buffer of about ``SPAN_BYTES``): deep enough to hide a remote read's latency."""
+
+LOCAL_READ_AHEAD_SPANS = 2
+"""The same bound for stores on this host (``ReadsLeaveHost`` false or absent).
+
+Reads from the page cache do not wait, and fewer buffers stay in the CPU's cache between
+the read, the hash and the copy: 1 GB replicated on 4 ranks, cold cache, 2 cores, loaded in
+1.12 s at 2 against 1.30-1.40 s at 8 (0.53 CPU-s a rank against 0.63); one process, warm,
+interleaved: 0.307 s at 2, 0.311 at 4, 0.348 at 8, 0.498 at 1 (no overlap of read and hash).
+"""
 
 SPAN_BYTES = 4 << 20
 """Adjacent chunks of one pack are read together, up to this many bytes per read.
@@ -172,14 +182,17 @@ class _Pipeline:
 
     When the same threads read and then hash, they fall into step: all read, then all
     hash while the disk idles. Here a reader hands its span to the verify pool and goes on
-    to the next read at once; ``READ_AHEAD_SPANS`` bounds the spans read but not yet
-    verified (and so the buffers held).
+    to the next read at once; ``READ_AHEAD_SPANS`` (``LOCAL_READ_AHEAD_SPANS`` on this
+    host) bounds the spans read but not yet verified (and so the buffers held).
     """
 
     def __init__(self, storage: Storage, verify_pool: ThreadPoolExecutor) -> None:
         self.storage = storage
         self.verify_pool = verify_pool
-        self.slots = threading.BoundedSemaphore(READ_AHEAD_SPANS)
+        remote = isinstance(storage, ReadsLeaveHost) and storage.reads_leave_host
+        self.slots = threading.BoundedSemaphore(
+            READ_AHEAD_SPANS if remote else LOCAL_READ_AHEAD_SPANS
+        )
         self.verifies: list[Future[None]] = []
         self.failed = False  # a verify failed: the load will raise, skip the reads left
 
