@@ -29,7 +29,7 @@ from stalwart.checkpoint.durable.commit import build_manifest, refuse_replacing
 from stalwart.checkpoint.durable.gc import apply_retention
 from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
-from stalwart.checkpoint.durable.persist import PersistStats, persist_boxes
+from stalwart.checkpoint.durable.persist import ChunkSink, PersistStats, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.errors import ConfigError
@@ -129,15 +129,8 @@ class Root:
     ) -> tuple[dict[Any, Any], PersistStats]:
         """Write ``items`` as chunks (new ones into one new pack); shard entries as JSON."""
         pack = f"packs/step-{step:020d}-rank{_rank():05d}-{uuid.uuid4().hex[:12]}.pack"
-        shards, stats = persist_boxes(
-            self.store,
-            items,
-            pack_key=pack,
-            known=known,
-            options=self.options,
-            pool=self.pool,
-            previous=self.fast_index,
-        )
+        sink = ChunkSink(self.store, known, self.options, self.pool, previous=self.fast_index)
+        shards, stats = persist_boxes(sink, items, pack)
         self.fast_index, stats.fast_index = stats.fast_index, {}
         return {k: s.to_json() for k, s in shards.items()}, stats
 

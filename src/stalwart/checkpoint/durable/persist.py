@@ -26,7 +26,16 @@ from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.storage.base import Buffer, Storage
 
-__all__ = ["Piece", "PersistStats", "chunk_hash", "persist_boxes", "persist_pieces", "tensor_bytes"]
+__all__ = [
+    "ChunkSink",
+    "Piece",
+    "PersistStats",
+    "chunk_hash",
+    "persist_boxes",
+    "persist_pieces",
+    "shard_entries",
+    "tensor_bytes",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -102,72 +111,72 @@ class Piece:
     view: memoryview
 
 
-def persist_boxes(
-    storage: Storage,
-    items: list[LocalItem],
-    *,
-    pack_key: str,
-    known: dict[str, ChunkRef],
-    options: CheckpointOptions,
-    pool: ThreadPoolExecutor,
-    previous: FastIndex | None = None,
-) -> tuple[dict[BoxKey, ShardEntry], PersistStats]:
-    """Write the boxes of ``items`` and return their shard entries.
+@dataclass(frozen=True)
+class ChunkSink:
+    """Where a save's new chunks go, and what it may reference instead of writing.
 
-    Args:
+    Every pack of one save shares it: the boxes of :func:`persist_boxes`, the pieces of
+    :func:`persist_pieces` and each staging window of ``StagingWindows.persist``.
+
+    Attributes:
         storage: the store.
-        items: boxes this rank writes.
-        pack_key: key of the pack to create for new chunks (not created when none are new).
         known: chunks already committed in the store, by hash (read-only here).
-        previous: the fast index of this rank's last committed save; ``stats.fast_index``
-            returns the one of this save.
         options: chunk size and compression.
         pool: worker threads for hashing and compression.
+        previous: the fast index of this rank's last committed save (None: hash every chunk);
+            ``stats.fast_index`` returns the one of this save.
+    """
+
+    storage: Storage
+    known: dict[str, ChunkRef]
+    options: CheckpointOptions
+    pool: ThreadPoolExecutor
+    previous: FastIndex | None = None
+
+
+def persist_boxes(
+    sink: ChunkSink, items: list[LocalItem], pack_key: str
+) -> tuple[dict[BoxKey, ShardEntry], PersistStats]:
+    """Write the boxes of ``items`` (the boxes this rank writes) and return their shard entries.
+
+    New chunks go to one pack ``pack_key``, created only when some chunk is new.
     """
     pieces = [Piece(it.key, 0, tensor_bytes(it.tensor)) for it in items]
-    chunks_of, stats = persist_pieces(
-        storage,
-        pieces,
-        pack_key=pack_key,
-        known=known,
-        options=options,
-        pool=pool,
-        previous=previous,
-    )
+    chunks_of, stats = persist_pieces(sink, pieces, pack_key)
+    return shard_entries(items, chunks_of), stats
+
+
+def shard_entries(
+    items: list[LocalItem], chunks_of: dict[BoxKey, list[ChunkRef]]
+) -> dict[BoxKey, ShardEntry]:
+    """Each box of ``items`` as a shard entry: where it lies in its tensor, and its chunks."""
     by_key = {it.key: it for it in items}
-    shards = {
+    return {
         key: ShardEntry(by_key[key].offsets, by_key[key].sizes, tuple(refs))
         for key, refs in chunks_of.items()
     }
-    return shards, stats
 
 
 def persist_pieces(
-    storage: Storage,
-    pieces: list[Piece],
-    *,
-    pack_key: str,
-    known: dict[str, ChunkRef],
-    options: CheckpointOptions,
-    pool: ThreadPoolExecutor,
-    previous: FastIndex | None = None,
+    sink: ChunkSink, pieces: list[Piece], pack_key: str
 ) -> tuple[dict[BoxKey, list[ChunkRef]], PersistStats]:
-    """Write ``pieces`` as chunks into one new pack; return each box's chunks, in order.
-
-    The arguments are :func:`persist_boxes`'s; a box's chunks follow the order of its
-    pieces, which must come in byte order.
-    """
+    """Write ``pieces`` as chunks into one new pack ``pack_key``; return each box's chunks, in
+    order (a box's chunks follow the order of its pieces, which must come in byte order)."""
+    options = sink.options
     stats = PersistStats()
     stats.bytes_total = sum(len(p.view) for p in pieces)
 
-    prepare = _Preparer(known, options, previous)
+    prepare = _Preparer(sink)
     chunks_of: dict[BoxKey, list[ChunkRef]] = {p.key: [] for p in pieces}
     new_in_pack: dict[str, ChunkRef] = {}
     state = {"offset": 0}
 
     def stream() -> Iterator[Buffer]:
         for c in ordered_map(
-            pool, prepare.run, _cut(pieces, options.chunk_bytes), window=2 * options.io_threads + 2
+            sink.pool,
+            prepare.run,
+            _cut(pieces, options.chunk_bytes),
+            window=2 * options.io_threads + 2,
         ):
             if c.ref is None and c.hash in new_in_pack:
                 c.ref = new_in_pack[c.hash]
@@ -197,7 +206,7 @@ def persist_pieces(
             yield first
             yield from gen
 
-        storage.write(pack_key, whole())
+        sink.storage.write(pack_key, whole())
         stats.packs.append(pack_key)
     return chunks_of, stats
 
@@ -213,10 +222,8 @@ def _cut(pieces: list[Piece], step: int) -> Iterator[_Chunk]:
 class _Preparer:
     """Names one chunk (hashes it), finds it among ``known`` or readies its payload."""
 
-    def __init__(
-        self, known: dict[str, ChunkRef], options: CheckpointOptions, previous: FastIndex | None
-    ) -> None:
-        self.known, self.options, self.previous = known, options, previous
+    def __init__(self, sink: ChunkSink) -> None:
+        self.known, self.options, self.previous = sink.known, sink.options, sink.previous
         self.zstd = threading.local()
 
     def run(self, c: _Chunk) -> _Chunk:

@@ -29,7 +29,7 @@ from stalwart.checkpoint.durable.manifest import (
     committed_manifests,
     manifest_key,
 )
-from stalwart.checkpoint.durable.persist import FastIndex, persist_boxes
+from stalwart.checkpoint.durable.persist import ChunkSink, FastIndex, persist_boxes
 from stalwart.checkpoint.durable.plan import LocalItem, merge_skeletons, plan_writes
 from stalwart.checkpoint.durable.results import SaveResult
 from stalwart.checkpoint.durable.staging import StagingWindows
@@ -154,32 +154,16 @@ class Saver:
         (``gc`` collects only names of that form).
         The new fast index stays in ``local`` until the commit: valid only once committed.
         """
-        opts, pool = self.ctx.options, self.ctx.io_pool
+        sink = ChunkSink(store, known, self.ctx.options, self.ctx.io_pool, previous=self.fast_index)
         if windows is None:
-            shards, stats = persist_boxes(
-                store,
-                writes,
-                pack_key=pack_key,
-                known=known,
-                options=opts,
-                pool=pool,
-                previous=self.fast_index,
-            )
+            shards, stats = persist_boxes(sink, writes, pack_key)
         else:
             stem = pack_key[: -len("-0123456789ab.pack")]
 
             def window_pack(i: int) -> str:
                 return pack_key if i == 0 else f"{stem}-{uuid.uuid4().hex[:12]}.pack"
 
-            shards, stats = windows.persist(
-                store,
-                writes,
-                pack_key=window_pack,
-                known=known,
-                options=opts,
-                pool=pool,
-                previous=self.fast_index,
-            )
+            shards, stats = windows.persist(sink, writes, window_pack)
         local["fast_index"], stats.fast_index = stats.fast_index, {}  # this rank's
         return {k: s.to_json() for k, s in shards.items()}, stats
 

@@ -25,17 +25,21 @@ size of that box outside the cap.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
 from stalwart.checkpoint.capture import ALIGN_BYTES, HostBuffer
 from stalwart.checkpoint.durable.manifest import ChunkRef, ShardEntry
-from stalwart.checkpoint.durable.persist import FastIndex, PersistStats, Piece, persist_pieces
+from stalwart.checkpoint.durable.persist import (
+    ChunkSink,
+    PersistStats,
+    Piece,
+    persist_pieces,
+    shard_entries,
+)
 from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
-from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.storage.base import Storage
 
 __all__ = ["StagingWindows", "WindowPiece", "plan_windows"]
 
@@ -116,21 +120,14 @@ class StagingWindows:
             self.staged.set_result(None)
 
     def persist(
-        self,
-        storage: Storage,
-        items: list[LocalItem],
-        *,
-        pack_key: Callable[[int], str],
-        known: dict[str, ChunkRef],
-        options: CheckpointOptions,
-        pool: ThreadPoolExecutor,
-        previous: FastIndex | None = None,
+        self, sink: ChunkSink, items: list[LocalItem], pack_key: Callable[[int], str]
     ) -> tuple[dict[BoxKey, ShardEntry], PersistStats]:
-        """Stage and write ``items`` window by window; the arguments are ``persist_boxes``'s,
-        but for ``pack_key(i)``, the pack of window ``i`` (one pack per window)."""
-        plan = plan_windows(items, self.cap, options.chunk_bytes)
+        """Stage and write ``items`` window by window, as :func:`persist_boxes` would but for
+        ``pack_key(i)``, the pack of window ``i`` (one pack per window)."""
+        plan = plan_windows(items, self.cap, sink.options.chunk_bytes)
         self.windows = len(plan)
-        known = dict(known)  # a later window may reference an earlier window's chunks
+        # A later window may reference an earlier window's chunks: they join a copy of known.
+        sink = replace(sink, known=dict(sink.known))
         chunks_of: dict[BoxKey, list[ChunkRef]] = {it.key: [] for it in items}
         total = PersistStats()
         sources: dict[BoxKey, torch.Tensor] = {}
@@ -152,25 +149,12 @@ class StagingWindows:
             if i == len(plan) - 1:
                 sources.clear()
                 self.finish()  # the state is never read again
-            got, stats = persist_pieces(
-                storage,
-                pieces,
-                pack_key=pack_key(i),
-                known=known,
-                options=options,
-                pool=pool,
-                previous=previous,
-            )
+            got, stats = persist_pieces(sink, pieces, pack_key(i))
             for key, refs in got.items():
                 chunks_of[key] += refs
-                known.update((r.hash, r) for r in refs)
+                sink.known.update((r.hash, r) for r in refs)
             _add(total, stats)
-        by_key = {it.key: it for it in items}
-        shards = {
-            key: ShardEntry(by_key[key].offsets, by_key[key].sizes, tuple(refs))
-            for key, refs in chunks_of.items()
-        }
-        return shards, total
+        return shard_entries(items, chunks_of), total
 
 
 def _add(total: PersistStats, s: PersistStats) -> None:
