@@ -189,15 +189,28 @@ def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where:
         _bcp(op, model, opt, str(where))
 
 
+def _disk_read(where: Path) -> int:
+    """Bytes the block device holding ``where`` has read since boot (every process's)."""
+    dev = os.stat(where if where.exists() else where.parent).st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+        return int(f.read().split()[2]) * 512
+
+
 def _timed_op(rank: int, name: str, op: str, model: nn.Module, opt: Any, where: Path) -> Any:
+    """(seconds, peak memory rise, bytes the disk read) of one operation, over the ranks."""
     peak: list[int] = []
+    disk = [0]
 
     def run() -> None:
+        if rank == 0:  # after the page cache was dropped and the ranks met
+            disk[0] = -_disk_read(where)
         peak.append(_peak(lambda: _op(name, op, model, opt, where)))
 
     if op == "load":
         _zero(model, opt)
         t, _ = dlb._timed(rank, run)
+        if rank == 0:  # every rank has finished: the barrier ended the timing
+            disk[0] += _disk_read(where)
     else:
         dist.barrier()
         t0 = time.perf_counter()
@@ -210,7 +223,7 @@ def _timed_op(rank: int, name: str, op: str, model: nn.Module, opt: Any, where: 
     dist.all_gather(peaks, torch.tensor([peak[0]], dtype=torch.int64))
     if op == "load":
         _check(model, opt)
-    return max(float(x) for x in times), max(int(x) for x in peaks)
+    return max(float(x) for x in times), max(int(x) for x in peaks), disk[0]
 
 
 def _where(base: str, name: str, rnd: int) -> Path:
@@ -221,7 +234,7 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
     model, opt = _build(layers, dim)
     nbytes = sum(_span(t)[0].numel() * 4 for _, t in _tensors(model, opt))
     res: dict[str, Any] = {
-        n: {"save": [], "load": [], "save_mem": [], "load_mem": []} for n in NAMES
+        n: {"save": [], "load": [], "save_mem": [], "load_mem": [], "load_disk": []} for n in NAMES
     }
     for rnd in range(rounds):
         order = NAMES[rnd % 3 :] + NAMES[: rnd % 3]
@@ -230,13 +243,14 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
             if rank == 0 and rnd > 0:  # keep only the newest round's checkpoint of each
                 shutil.rmtree(_where(base, name, rnd - 1), ignore_errors=True)
             dist.barrier()
-            t, m = _timed_op(rank, name, "save", model, opt, where)
+            t, m, _ = _timed_op(rank, name, "save", model, opt, where)
             res[name]["save"].append(t)
             res[name]["save_mem"].append(m)
         for name in order:
-            t, m = _timed_op(rank, name, "load", model, opt, _where(base, name, rnd))
+            t, m, d = _timed_op(rank, name, "load", model, opt, _where(base, name, rnd))
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
+            res[name]["load_disk"].append(d)
         if rank == 0:
             print(f"round {rnd}: " + ", ".join(
                 f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.1f}s"
@@ -249,13 +263,14 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
 
 def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int) -> Any:
     model, opt = _build(layers, dim)
-    res: dict[str, Any] = {n: {"load": [], "load_mem": []} for n in NAMES}
+    res: dict[str, Any] = {n: {"load": [], "load_mem": [], "load_disk": []} for n in NAMES}
     for rnd in range(rounds):
         order = NAMES[rnd % 3 :] + NAMES[: rnd % 3]
         for name in order:
-            t, m = _timed_op(rank, name, "load", model, opt, _where(base, name, rounds - 1))
+            t, m, d = _timed_op(rank, name, "load", model, opt, _where(base, name, rounds - 1))
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
+            res[name]["load_disk"].append(d)
     return res
 
 
@@ -380,6 +395,12 @@ def _report_sync(
         print(f"| {label} (s) | {cells} | {meds['stalwart'] / best:.2f}x |")
         mems = " | ".join(f"{statistics.median(res[n][key + '_mem']) / 2**30:.2f}" for n in NAMES)
         print(f"| {label}, peak memory rise per rank (GiB) | {mems} | |")
+        if key == "load" and "load_disk" in res[NAMES[0]]:
+            state = gib * 2**30
+            disk = " | ".join(
+                f"{statistics.median(res[n]['load_disk']) / state:.3f}" for n in NAMES
+            )
+            print(f"| {label}, bytes the disk read / state bytes | {disk} | |")
 
 
 def report(
