@@ -49,3 +49,23 @@ def test_a_heals_holders_keep_their_copy_and_receivers_record_the_received_state
     for r in results[1:]:
         assert r["copy_step"] == 3 and r["restored"] == healed
         assert not r["aliased"]  # no leaf of the copy is a live optimizer moment
+
+
+def test_a_listener_replays_the_survivors_steps_to_their_digest_bit_for_bit() -> None:
+    # survivors 0 and 1 lend their copy of step 2 and commit 5 steps while rank 2 listens;
+    # it replays one kept step per step from its third on, then the rest, then the RNG,
+    # integer buffers and skeleton from rank 0: every digest equal, and one more step as
+    # three contributors keeps them equal
+    results = run_ranks(live_heal_ranks.background_heal, 3, True, 5, 2, timeout_s=50)
+    assert results[2]["fresh"] != results[0]["fresh"]  # the newcomer differed
+    assert len({r["final"] for r in results}) == 1
+    assert len({r["next"] for r in results}) == 1
+    assert results[2]["replayed_early"] >= 1  # some steps replayed while still listening
+    # the listener changed nothing the survivors computed: the same digests as alone
+    alone = run_ranks(live_heal_ranks.background_heal, 2, False, 5, 2, timeout_s=50)
+    assert alone[0]["final"] == results[0]["final"]
+
+
+def test_a_catchup_past_its_bound_keeps_nothing_and_refuses_to_replay() -> None:
+    results = run_ranks(live_heal_ranks.bounded_catchup, 2, 2, timeout_s=50)
+    assert results[1] == {"over": True, "kept": 0, "refused": True}

@@ -55,7 +55,17 @@ from stalwart.elastic.state import (
 )
 from stalwart.tree import dtype_from_name
 
-__all__ = ["CHUNK_BYTES", "IDLE_TIMEOUT_S", "STREAMS", "heal", "slice_bounds"]
+__all__ = [
+    "CHUNK_BYTES",
+    "IDLE_TIMEOUT_S",
+    "STREAMS",
+    "gather_addresses",
+    "heal",
+    "open_listener",
+    "receive_leaves",
+    "send_slices",
+    "slice_bounds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +195,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _send(header: dict[str, Any], tensors: Sequence[torch.Tensor], place: tuple[int, int],
-          address: tuple[str, int], chunk_bytes: int) -> None:  # fmt: skip
-    """Holder ``place = (index, count)``: send one receiver the header (index 0) and a slice."""
+          address: tuple[str, int], chunk_bytes: int, rate: float = 0.0) -> None:  # fmt: skip
+    """Holder ``place = (index, count)``: send one receiver the header (index 0) and a slice;
+    ``rate``: at most this many bytes a second on this connection (0: as fast as it goes)."""
     index, count = place
+    started, sent = time.perf_counter(), 0
     flats = [_flat(t) for t in tensors]
     lo, hi = slice_bounds(sum(f.numel() for f in flats), index, count)
     with socket.create_connection(address, timeout=IDLE_TIMEOUT_S) as sock:
@@ -199,6 +211,9 @@ def _send(header: dict[str, Any], tensors: Sequence[torch.Tensor], place: tuple[
             for c in range(a, b, chunk_bytes):
                 chunk = flats[leaf][c : min(b, c + chunk_bytes)]
                 sock.sendall(chunk.cpu().numpy().data)  # CPU: the tensor's own memory, no copy
+                sent += chunk.numel()
+                if rate > 0:  # paced: sleep until the bytes sent fit the rate
+                    time.sleep(max(0.0, sent / rate - (time.perf_counter() - started)))
         if _recv_exact(sock, 1) != b"k":  # the receiver loaded the state
             raise ConnectionError(f"receiver {address} did not acknowledge the heal")
 
@@ -227,33 +242,60 @@ def _twins(header: dict[str, Any], leaves: Sequence[torch.Tensor],
             if name not in into and (not rest or rest[0] is None)}  # fmt: skip
 
 
-def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int,
-             spare: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:  # fmt: skip
-    """Accept ``count`` holders, take their slices in parallel, load; (step, bytes received)."""
+def _accept(listener: socket.socket, count: int) -> dict[int, socket.socket]:
+    """Accept ``count`` connections, each keyed by the stream index its first word names."""
     conns: dict[int, socket.socket] = {}
     try:
         while len(conns) < count:
             conn, _ = listener.accept()
             conn.settimeout(IDLE_TIMEOUT_S)
             conns[_INT.unpack(_recv_exact(conn, _INT.size))[0]] = conn
-        (length,) = _INT.unpack(_recv_exact(conns[0], _INT.size))
-        header = json.loads(_recv_exact(conns[0], length))
-        leaves = [torch.empty(shape, dtype=dtype_from_name(dtype))
-                  for _, dtype, shape, *_ in header["leaves"]]  # fmt: skip
-        sizes = [leaf_nbytes(dtype, shape) for _, dtype, shape, *_ in header["leaves"]]
-        flats = [_flat(t) for t in leaves]
-        views = [f.numpy().data for f in flats]  # the leaves' own memory
-        into = live_targets(state, header) if spare is not None else None
-        twins = _twins(header, leaves, into)
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        raise
+    return conns
 
-        def take(index: int) -> None:
-            lo, hi = slice_bounds(sum(sizes), index, count)
-            for leaf, a, b in _pieces(sizes, lo, hi):
-                _recv_into(conns[index], views[leaf][a:b], chunk_bytes)
-                if leaf in twins:  # while the other connections' bytes are in flight
-                    _flat(twins[leaf])[a:b].copy_(flats[leaf][a:b])
 
-        _all([functools.partial(take, i) for i in range(count)])
+def _take(conns: dict[int, socket.socket], chunk_bytes: int,
+          twins_for: Callable[[dict[str, Any], list[torch.Tensor]], dict[int, torch.Tensor]],
+          ) -> tuple[dict[str, Any], list[torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
+    """The header and every leaf, each connection's slice in its own thread, in place; the
+    twins ``twins_for(header, leaves)`` asked for are filled as the bytes arrive."""
+    count = len(conns)
+    (length,) = _INT.unpack(_recv_exact(conns[0], _INT.size))
+    header = json.loads(_recv_exact(conns[0], length))
+    leaves = [torch.empty(shape, dtype=dtype_from_name(dtype))
+              for _, dtype, shape, *_ in header["leaves"]]  # fmt: skip
+    sizes = [leaf_nbytes(dtype, shape) for _, dtype, shape, *_ in header["leaves"]]
+    flats = [_flat(t) for t in leaves]
+    views = [f.numpy().data for f in flats]  # the leaves' own memory
+    twins = twins_for(header, leaves)
+
+    def take(index: int) -> None:
+        lo, hi = slice_bounds(sum(sizes), index, count)
+        for leaf, a, b in _pieces(sizes, lo, hi):
+            _recv_into(conns[index], views[leaf][a:b], chunk_bytes)
+            if leaf in twins:  # while the other connections' bytes are in flight
+                _flat(twins[leaf])[a:b].copy_(flats[leaf][a:b])
+
+    _all([functools.partial(take, i) for i in range(count)])
+    return header, leaves, twins
+
+
+def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int,
+             spare: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:  # fmt: skip
+    """Accept ``count`` holders, take their slices in parallel, load; (step, bytes received)."""
+    conns = _accept(listener, count)
+    try:
+        into: dict[str, torch.Tensor] | None = None
+
+        def twins_for(header: dict[str, Any], leaves: list[torch.Tensor]) -> dict[int, Any]:
+            nonlocal into
+            into = live_targets(state, header) if spare is not None else None
+            return _twins(header, leaves, into)
+
+        header, leaves, twins = _take(conns, chunk_bytes, twins_for)
         step = load_leaves(state, header, leaves, into)
         if spare is not None and into is not None:
             for i, (name, *_) in enumerate(header["leaves"]):
@@ -261,7 +303,61 @@ def _receive(state: Any, listener: socket.socket, count: int, chunk_bytes: int,
                     spare[name] = leaves[i] if name in into else twins[i]
         for conn in conns.values():
             conn.sendall(b"k")
-        return step, sum(sizes)
+        return step, sum(t.numel() * t.element_size() for t in leaves)
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+# -- the same transfer for a heal in the background (:mod:`stalwart.elastic.catchup`) -----
+
+
+def open_listener() -> socket.socket:
+    """A listening socket for :func:`receive_leaves` (close it after)."""
+    return _listen()
+
+
+def gather_addresses(listener: socket.socket | None, group: Any) -> list[tuple[str, int]]:
+    """Collective on ``group``: every rank's listening (host, port), port 0 for a sender."""
+    return _gather_addresses(listener, group)
+
+
+def send_slices(header: dict[str, Any], tensors: Sequence[torch.Tensor], holder: int,
+                holders: int, addresses: Sequence[tuple[str, int]], *,
+                streams: int = STREAMS, chunk_bytes: int = CHUNK_BYTES,
+                rate_bytes_s: float = 0.0) -> None:  # fmt: skip
+    """Holder ``holder`` of ``holders``: send its slice of ``tensors`` (in ``header``'s order,
+    the same on every holder) to each receiver at ``addresses``, ``streams`` connections
+    each; holder 0 sends the header. Returns once every receiver acknowledged.
+
+    ``rate_bytes_s``: this holder's bytes a second at most, all connections together (0:
+    unpaced); a paced send spreads its copies over time, next to the holder's training.
+
+    Raises:
+        OSError: a receiver died, hung or closed its connection.
+    """
+    first, count = holder * streams, holders * streams
+    rate = rate_bytes_s / max(1, streams * len(addresses))
+    _all([functools.partial(_send, header, tensors, (first + j, count), address, chunk_bytes,
+                            rate)
+          for address in addresses for j in range(streams)])  # fmt: skip
+
+
+def receive_leaves(listener: socket.socket, holders: int, *, streams: int = STREAMS,
+                   chunk_bytes: int = CHUNK_BYTES,
+                   ) -> tuple[dict[str, Any], list[torch.Tensor]]:  # fmt: skip
+    """Take every holder's slice (:func:`send_slices`) into fresh leaves; the header and the
+    leaves, in its order, loaded into nothing (acknowledged once all bytes arrived).
+
+    Raises:
+        OSError: a holder died, hung or closed its connection.
+    """
+    conns = _accept(listener, holders * streams)
+    try:
+        header, leaves, _ = _take(conns, chunk_bytes, lambda h, leaves: {})
+        for conn in conns.values():
+            conn.sendall(b"k")
+        return header, leaves
     finally:
         for conn in conns.values():
             conn.close()

@@ -65,8 +65,14 @@ def average_(
     buffers: list[torch.Tensor],
     control: torch.Tensor,
     group: dist.ProcessGroup | None,
+    *,
+    contributors: int | None = None,
 ) -> torch.Tensor:
     """Average ``params``' gradients and ``buffers`` over ``group`` in place; sum ``control``.
+
+    ``contributors``: how many members contribute (None: all of ``group``); the others are
+    listeners (:mod:`stalwart.elastic.catchup`) that pass zeros and take the mean, which is
+    then the sum over the contributors divided by their count, the same bytes on every rank.
 
     A sharded gradient (a ``DTensor``: FSDP2 inside a replica group) is averaged by its local
     shard, over the ranks that hold the same shard in the other groups. The buffers travel on
@@ -81,7 +87,9 @@ def average_(
     """
     if group is None or group.size() == 1:
         return control
-    size = group.size()
+    if contributors is not None and not 1 <= contributors <= group.size():
+        raise ConfigError(f"contributors={contributors}: between 1 and the group's {group.size()}")
+    size = group.size() if contributors is None else contributors
     grads = [_grad_or_zeros(p) for p in params]
     tensors = [local_part(g) for g in grads] + list(buffers)
     device = device_of(group)

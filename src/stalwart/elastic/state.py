@@ -270,11 +270,8 @@ def receive_state(state: Any, src: int, group: dist.ProcessGroup, load: bool = T
 
 def copy_into(saved: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``: ``saved`` refilled when it has ``t``'s shape, dtype and device."""
-    same = saved is not None and (saved.shape, saved.dtype, saved.device) == (
-        t.shape,
-        t.dtype,
-        t.device,
-    )
+    like = (t.shape, t.dtype, t.device)
+    same = saved is not None and (saved.shape, saved.dtype, saved.device) == like
     if not same:
         return t.detach().clone()
     assert saved is not None
@@ -296,12 +293,8 @@ class BoundarySnapshot:
     digests.
     """
 
-    def __init__(
-        self,
-        state: Any = None,
-        buffers: Sequence[torch.Tensor] = (),
-        reuse: BoundarySnapshot | None = None,
-    ) -> None:
+    def __init__(self, state: Any = None, buffers: Sequence[torch.Tensor] = (),
+                 reuse: BoundarySnapshot | None = None) -> None:  # fmt: skip
         """Snapshot now; ``reuse``: the previous snapshot, whose buffer copies are refilled
         (no allocation per step) and which must not be restored afterwards."""
         self.torch_state = torch.get_rng_state()
@@ -346,6 +339,7 @@ class AgreedState:
         self.rollbacks = 0
         self._skeleton: Any = None
         self._leaves: dict[str, torch.Tensor] = {}
+        self._lent = False  # the copy's tensors went to a background sender (:meth:`lend`)
 
     def record(
         self, state: Any, step: int, spare: Mapping[str, torch.Tensor] | None = None
@@ -360,12 +354,20 @@ class AgreedState:
         if self.step is None or step > self.step:
             self.rollbacks = 0
         self.step, self._skeleton = step, flat.skeleton
-        old, spare = self._leaves, spare or {}
+        old, spare, self._lent = ({} if self._lent else self._leaves), spare or {}, False
         self._leaves = {
             n: spare[n] if n in spare and _fits(leaf.tensor, spare[n])
             else copy_into(old.get(n), leaf.tensor)
             for n, leaf in flat.leaves.items()
         }  # fmt: skip
+
+    def lend(self) -> tuple[Any, int, dict[str, torch.Tensor]]:
+        """The copy (skeleton, step, leaves) for a reader while the state trains on
+        (:mod:`stalwart.elastic.catchup`): the next :meth:`record` allocates new tensors."""
+        if self.step is None:
+            raise DistributedError("no agreed state to lend: record one first")
+        self._lent = True
+        return self._skeleton, self.step, dict(self._leaves)
 
     def keep(self, step: int) -> bool:
         """The members agreed at ``step`` on a state this member held unchanged since its
