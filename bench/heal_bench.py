@@ -220,6 +220,170 @@ def transports(a: argparse.Namespace) -> None:
         print(f"| {k} | {_cell(got[k], '.0f')} |")
 
 
+def _mean_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,
+               contributors: int | None) -> dict[str, float]:  # fmt: skip
+    """One committed step of a contributor on the default group: its share's forward and
+    backward, the mean (``contributors``: over how many), the update; seconds of each."""
+    import torch.distributed as dist
+
+    from stalwart.elastic.reduce import average_
+
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1000 * rank + step))
+    F.mse_loss(model(x)[:, :1], torch.zeros(2, 1)).backward()
+    t1 = time.perf_counter()
+    average_(list(model.parameters()), [], torch.zeros(1), dist.group.WORLD,
+             contributors=contributors)  # fmt: skip
+    t2 = time.perf_counter()
+    opt.step()
+    t3 = time.perf_counter()
+    return {"compute_s": t1 - t0, "reduce_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0}
+
+
+def background_ranks(rank: int, world_size: int, gib: float, healthy: int,
+                     most: int, warm: bool, rate: float) -> dict[str, Any]:  # fmt: skip
+    """Increment B's pieces at ``gib`` GiB (:mod:`stalwart.elastic.catchup`), 2 processes.
+
+    Both train ``healthy`` steps as 2 contributors; then rank 1 is replaced by a fresh
+    member (new model, fresh AdamW: no fault, no detection, no coordinator here). At the
+    boundary rank 0 records its agreed copy (what a parity check does) and lends it; rank 1
+    listens (zeros in, the reduced gradients kept) and replays up to 2 kept steps between
+    its steps once the copy landed; once caught up (at most ``most`` steps), rank 0 sends the
+    rest, both compare digests and train 2 more steps as 2 contributors. ``warm``: the
+    replacement warms up first (one forward and backward on zeros, as ``Job(warmup=...)``).
+    ``rate``: the lender's pace, bytes a second (0: unpaced; paced: one stream, 8 MiB chunks).
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    import stalwart
+    from stalwart.elastic.catchup import Catchup, Lender, send_rest, take_rest
+    from stalwart.elastic.state import AgreedState, digest
+
+    def fresh(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        model = _model(gib)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    group = dist.group.WORLD
+    model, opt = fresh(0)
+    steps = [_mean_step(model, opt, s, rank, None) for s in range(healthy)]
+    step = healthy
+    out: dict[str, Any] = {"healthy": steps[1:]}  # the first step is cold
+    if rank == 1:  # the replacement: a new process's state
+        del model, opt
+        model, opt = fresh(1)
+        if warm:
+            t0 = time.perf_counter()
+            F.mse_loss(model(torch.zeros(2, WIDTH))[:, :1], torch.zeros(2, 1)).backward()
+            opt.zero_grad()
+            out["warmup_s"] = time.perf_counter() - t0
+    state = stalwart.TrainingState(model=model, optimizer=opt)
+    params = list(model.parameters())
+    dist.barrier()
+    t0 = time.perf_counter()
+    landed: list[float] = []
+    if rank == 0:
+        agreed = AgreedState()
+        agreed.record(state, step)
+        t1 = time.perf_counter()
+        paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
+        lender = Lender(agreed, 0, [1], group, **paced)
+        out["boundary"] = {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
+        threading.Thread(target=lambda: (lender.transfer.wait(), landed.append(
+            time.perf_counter())), daemon=True).start()  # fmt: skip
+    else:
+        catchup = Catchup(state, opt, params, [], [1], group, **({"streams": 1} if rate else {}))
+        out["boundary"] = {"addresses_s": time.perf_counter() - t0}
+        threading.Thread(target=lambda: (catchup.transfer.wait(), landed.append(
+            time.perf_counter())), daemon=True).start()  # fmt: skip
+    lending: list[dict[str, float]] = []
+    listened = 0
+    caught = torch.zeros(1)
+    while listened < most:
+        if rank == 0:
+            lending.append(_mean_step(model, opt, step, rank, 1))
+            dist.all_reduce(caught)
+        else:
+            t1 = time.perf_counter()
+            opt.zero_grad()  # its own (thrown away) forward and backward, as a loop would
+            x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(step))
+            F.mse_loss(model(x)[:, :1], torch.zeros(2, 1)).backward()
+            catchup.reduce(torch.zeros(1), group)
+            t2 = time.perf_counter()
+            done = catchup.landed() and catchup.replay(limit=2)  # 1 kept, 2 replayed a step
+            lending.append({"listen_s": t2 - t1, "replay_s": time.perf_counter() - t2})
+            caught[0] = float(done)
+            dist.all_reduce(caught)  # stands for the ready flag in the control vector
+        step, listened = step + 1, listened + 1
+        if float(caught[0]) > 0:
+            break
+    out["lending"], out["listened"] = lending, listened
+    t1 = time.perf_counter()
+    if rank == 1 and catchup.step is None:  # not caught up within ``most``: finish here
+        catchup.replay()
+    out["finish_replay_s"] = time.perf_counter() - t1
+    out["landed_s"] = landed[0] - t0 if landed else None
+    t1 = time.perf_counter()
+    if rank == 0:
+        lender.wait()
+        send_rest(state, step, opt, params, [], 0, group)
+    else:
+        take_rest(state, opt, params, [], 0, group)
+    t2 = time.perf_counter()
+    mine = digest(state, step)
+    table: list[Any] = [None, None]
+    dist.all_gather_object(table, mine)
+    out["promote"] = {"rest_s": t2 - t1, "digests_s": time.perf_counter() - t2}
+    out["digests_equal"] = table[0] == table[1]
+    out["after"] = [_mean_step(model, opt, step + s, rank, None) for s in range(2)]
+    return out
+
+
+def background(a: argparse.Namespace) -> None:
+    """``--background``: :func:`background_ranks`, ``--runs`` times; rank 0 is the survivor."""
+    from stalwart.testing import run_ranks
+
+    rows = []
+    for i in range(a.runs):
+        rate = a.rate_mb_s * 1e6
+        got = run_ranks(background_ranks, 2, a.gib, 4, 12, a.warmup, rate, timeout_s=900)
+        surv, new = got
+        healthy = statistics.median(s["step_s"] for s in surv["healthy"])
+        lend = [s["step_s"] for s in surv["lending"]]
+        row = {
+            "run": i, "digests_equal": surv["digests_equal"] and new["digests_equal"],
+            "healthy_step_s": healthy, "copy_s": surv["boundary"]["copy_s"],
+            "addresses_s": surv["boundary"]["addresses_s"],
+            "first_lending_step_s": lend[0], "max_lending_step_s": max(lend),
+            "median_lending_step_s": statistics.median(lend),
+            "max_over_healthy": max(lend) / healthy,
+            "boundary_and_first_over_healthy": (surv["boundary"]["copy_s"]
+                                                + surv["boundary"]["addresses_s"]
+                                                + lend[0]) / healthy,
+            "landed_s": new["landed_s"], "listened_steps": new["listened"],
+            "replay_s": sum(s["replay_s"] for s in new["lending"]),
+            "finish_replay_s": new["finish_replay_s"], "rest_s": surv["promote"]["rest_s"],
+            "digests_s": surv["promote"]["digests_s"],
+            "after_step_s": statistics.median(s["step_s"] for s in surv["after"]),
+            "survivor_lending": surv["lending"], "listener": new["lending"],
+            "warmup_s": new.get("warmup_s"),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    skip = ("run", "digests_equal", "survivor_lending", "listener", "warmup_s")
+    col = {k: [r[k] for r in rows] for k in rows[0] if k not in skip}
+    print(f"\n{a.runs} runs, {a.gib} GiB AdamW state per member, 2 processes; digests equal "
+          f"in {sum(r['digests_equal'] for r in rows)} of {a.runs}")  # fmt: skip
+    print("\n| measure | median (range) |\n|---|---|")
+    for k, v in col.items():
+        print(f"| {k} | {_cell(v)} |")
+
+
 def _gaps(steps: list[dict[str, Any]]) -> dict[int, float]:
     """Seconds between a commit and the one before it, by step."""
     return {b["step"]: b["t"] - a["t"] for a, b in itertools.pairwise(steps)}
@@ -302,6 +466,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
     p.add_argument("--transports", action="store_true", help="heal vs torchft's HTTPTransport")
+    p.add_argument("--background", action="store_true",
+                   help="increment B's pieces: lend, listen, replay (catchup.py)")  # fmt: skip
+    p.add_argument("--rate-mb-s", type=float, default=0.0, help="--background: pace, MB/s")
     p.add_argument("--gib", type=float, default=4.0, help="AdamW state per member, GiB")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=3)
@@ -317,6 +484,9 @@ def main() -> None:
         return
     if a.transports:
         transports(a)
+        return
+    if a.background:
+        background(a)
         return
     rows = []
     for i in range(a.runs):
