@@ -21,12 +21,25 @@ and every process's start time (their spread, over their mean, is the model's
 ``start_factors``): 2 members: kill, hang, all, kill, hang, all, all, all (14 s apart, each
 rank struck), then twice a kill and 1 s later a hang of the survivor (the last live holder
 lost while a replacement starts, measured apart and set beside the model's cost for it);
-3 members: a kill and a hang of each rank, then an all-holder loss. The save's commit lag and
-a load are timed in this process. ``--calibration FILE`` reuses a calibration (the probe and
+3 members: a kill and a hang of each rank, then four all-holder losses. The save's commit lag
+and a load are timed in this process. ``--calibration FILE`` reuses a calibration (the probe and
 fault runs beside it are read again), ``--refit-faults`` runs the fault runs again,
 ``--rescore`` evaluates the model again for the runs in ``--out/runs.json`` (and writes
 ``runs-rescored.json``); a cut-short validation goes on from its ``runs.json``;
 ``--report a.json,b.json`` prints the tables of several sweeps together.
+
+**Quiet measurement**: each ``stalwart run`` (probe, calibration or scored run) holds the
+box's exclusive quiet lock (``flock -x /tmp/quiet.lock``; ``PLAN_VALIDATE_LOCK``, empty: none)
+for itself alone, released between runs so other work goes in between; each row records the
+box's load average (``uptime``) as its run ended.
+
+**Scored twice**: the rate-level prediction above, and the run's own fault trace replayed
+(``trace``): every fault the run took, at the time it was taken on the job's clock, its kind,
+and whether the job had every member then, replayed in the same simulation with the same
+calibrated costs (``simulate(schedule=...)``). Most of one run's spread is *when* its faults
+fall (against saves, heals and process starts), which a rate cannot know; the replay keeps
+only what the model is meant to predict, the cost of each fault. Its replications differ in
+the process starts drawn from the calibration's.
 
 **Faults on a starting process**: the chaos schedule acts at step boundaries, so it cannot
 strike a process before its first one: a fault due while the job restarts strikes nobody, and
@@ -80,6 +93,7 @@ SAVE_EVERY = 5  # steps between saves in the probe of the save's cost
 STALL_EVERY = 10  # steps between saves in the probe of a stalled save's cost
 STEPS = 200
 HORIZON_S = 600.0
+QUIET_LOCK = os.environ.get("PLAN_VALIDATE_LOCK", "/tmp/quiet.lock")  # "": no lock
 SAVE_STALL_S = 0.4  # the interval configurations' save: a noticeable share of the interval
 
 
@@ -153,17 +167,22 @@ def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ..
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     schedule = KillSchedule(timed=timed, clock=str(tmp / "clock"), members=members)
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(members), "--max-restarts",
-           "200", "--events", str(tmp / "events"), "--timeout", str(TIMEOUT_S), str(WORKER),
+    # each run alone on the box: the exclusive quiet lock for this run only, released after
+    # it so others' tests go between runs (the lock's wait is outside the job's clock)
+    lock = ["flock", "-x", QUIET_LOCK] if QUIET_LOCK else []
+    cmd = [*lock, sys.executable, "-m", "stalwart", "run", "--nproc", str(members),
+           "--max-restarts", "200", "--events", str(tmp / "events"), "--timeout",
+           str(TIMEOUT_S), str(WORKER),
            "--steps", str(steps), "--batch-s", str(BATCH_S), "--members", str(members),
            "--ckpt", str(tmp / "ckpt"),
            "--ckpt-every", str(every), "--save-stall-s", str(stall_s)]  # fmt: skip
     started = time.time()
-    done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=1800)
+    load = os.getloadavg()  # the box's load as the run ends (uptime's three figures)
     if done.returncode != 0:
         raise RuntimeError(f"stalwart run failed ({done.returncode}): {done.stderr[-3000:]}")
     shutil.rmtree(tmp / "ckpt", ignore_errors=True)  # the events stay, for a later look
-    return {"wall_s": time.time() - started,
+    return {"wall_s": time.time() - started, "uptime": list(load),
             **read_run(tmp, members, steps, every, stall_s > 0)}  # fmt: skip
 
 
@@ -345,9 +364,9 @@ def _fault_runs() -> dict[int, tuple[tuple[Any, ...], int]]:
     for t0, slot in ((118.0, 0.0), (136.0, 0.75)):  # kill, then the survivor (rank 0 of 1) hangs
         timed2 += [Timed(t0, "kill", slot=slot), Timed(t0 + 1.0, "stop", slot=0.0)]
     three = [("kill", 0.0), ("kill", 0.4), ("kill", 0.8), ("stop", 0.0), ("stop", 0.4),
-             ("stop", 0.8), ("all", 0.0)]  # fmt: skip
+             ("stop", 0.8), ("all", 0.0), ("all", 0.0), ("all", 0.0), ("all", 0.0)]  # fmt: skip
     timed3 = [Timed(3.0 + 14.0 * i, k, slot=s) for i, (k, s) in enumerate(three)]
-    return {2: (tuple(timed2), 1050), 3: (tuple(timed3), 720)}
+    return {2: (tuple(timed2), 1050), 3: (tuple(timed3), 1050)}
 
 
 FAULT_RUNS = _fault_runs()
@@ -429,6 +448,36 @@ def predict(cal: dict[str, Any], members: int, rates: dict[str, float], every: i
                     strike_starting=False, start_factors=factors).ettr  # fmt: skip
 
 
+_TRACE_KIND = {"kill": "crash", "stop": "hang", "all": "rack"}
+
+
+def trace_of(run: dict[str, Any], members: int, window_s: float) -> list[Any]:
+    """The run's faults as they happened, for the model to replay (``simulate(schedule=...)``):
+    every fault recorded in the window that struck a running process (a kill or hang of a rank
+    past the live ones struck the member still starting: nobody), at the time it was taken on
+    the job's clock, with whether the job had every member then (``TracedFault.whole``)."""
+    from stalwart.plan.trace import TracedFault
+
+    return [TracedFault(c["t"], _TRACE_KIND[c["kind"]], whole=c["size"] == members)
+            for c in run["claims"] if 0 <= c["t"] <= window_s
+            and (c["kind"] == "all" or c["rank"] < c["size"])]  # fmt: skip
+
+
+def predict_trace(cal: dict[str, Any], members: int, trace: list[Any], window_s: float,
+                  every: int, step_s: float, stall_s: float = 0.0) -> Any:  # fmt: skip
+    """The simulated ETTR of the run's own fault trace over its window (``SimResult``: its
+    replications differ only in the process starts drawn from the calibration's); a fault
+    the run took struck a running process, so it strikes in the model too
+    (``strike_starting``)."""
+    from stalwart.plan import simulate
+
+    inputs = inputs_for(cal, members, {}, every, step_s, stall_s)
+    return simulate(inputs, "stalwart-no-memory", {"remote": inputs.tiers.remote.interval_s},
+                    replications=64, seed=1, strike_starting=True,
+                    start_factors=start_factors(cal, members), schedule=trace,
+                    horizon_s=window_s)  # fmt: skip
+
+
 def recommended_steps(cal: dict[str, Any], c: Config) -> int:
     from stalwart.plan.model import recommend_intervals
 
@@ -453,7 +502,8 @@ def steps_for(cal: dict[str, Any], c: Config) -> int:
 def score(cal: dict[str, Any], r: dict[str, Any], run: dict[str, Any]) -> None:
     """The model's figures for run row ``r``, in place: at the schedule's rate (``nominal``),
     at the run's realised rates (the figure scored), the same with every start at the mean
-    (``mean_start``) or shifted to the run's own mean start (``own_start``), and where the
+    (``mean_start``) or shifted to the run's own mean start (``own_start``), the run's own
+    fault trace replayed (``trace``, with the 5-95 % range the starts alone leave), and where the
     measured goodput falls among 400 modelled runs of the same window (``percentile``)."""
     n, every, stall, step_s = r["members"], r["every"], r.get("save_stall_s", 0.0), r["step_s"]
     nominal = {k: r["rate_per_s"] / len(r["kinds"]) for k in r["kinds"]}
@@ -463,6 +513,12 @@ def score(cal: dict[str, Any], r: dict[str, Any], run: dict[str, Any]) -> None:
     r["model_realised"] = predict(cal, n, r["realised"], every, step_s, stall)
     r["model_mean_start"] = predict(cal, n, r["realised"], every, step_s, stall, spread=False)
     r["model_own_start"] = predict(cal, n, r["realised"], every, step_s, stall, shift)
+    trace = trace_of(run, n, r["window_s"])
+    replay = predict_trace(cal, n, trace, r["window_s"], every, step_s, stall)
+    r["trace"] = [[f.t_s, f.kind, f.whole] for f in trace]
+    r["model_trace"] = replay.ettr
+    q = statistics.quantiles(replay.replications, n=20)
+    r["model_trace_p05"], r["model_trace_p95"] = q[0], q[-1]
     runs = predict(cal, n, nominal, every, step_s, stall, window_s=r["window_s"])
     r["percentile"] = sum(x < r["measured"] for x in runs) / len(runs)
     q = statistics.quantiles(runs, n=20)
@@ -510,13 +566,14 @@ def validate(cal: dict[str, Any], out: Path, seeds: int, interval_seeds: int, on
                    "save_stall_s": stall,
                    "measured": goodput, "step_s": step_s, "final_step": run["final_step"],
                    "steps": c.steps, "wall_s": run["wall_s"],
-                   "load": os.getloadavg()[0]}  # fmt: skip
+                   "load": run["uptime"][0], "uptime": run["uptime"]}  # fmt: skip
             score(cal, row, run)
             rows.append(row)
             print(f"{c.name:15} seed {seed} every {every:3d} step {step_s * 1e3:.1f} ms: "
                   f"{len(due)} faults ({len(struck)} struck a running process; expected "
                   f"{row['expected_faults']:.1f}) measured {goodput:.1%}, model "
-                  f"{row['model_realised']:.1%} (realised) {row['model_nominal']:.1%} (nominal)"
+                  f"{row['model_realised']:.1%} (realised) {row['model_nominal']:.1%} (nominal) "
+                  f"{row['model_trace']:.1%} (trace)"
                   f"  [{run['wall_s']:.0f} s, load {row['load']:.2f}]", flush=True)  # fmt: skip
             (out / "runs.json").write_text(json.dumps(rows, indent=1))
     return rows
@@ -578,6 +635,62 @@ def report(rows: list[dict[str, Any]]) -> None:
               f"percentile {statistics.median(pct):.0%}")  # fmt: skip
 
 
+def _pp(x: float) -> str:
+    return f"{x * 100:+.1f}"
+
+
+def report_trace(rows: list[dict[str, Any]]) -> None:
+    """The table scored: per configuration, measured goodput beside the model with each run's
+    own fault trace replayed (``model_trace``) and, for comparison, the rate-level model at the
+    run's realised rates (``model_realised``); every run's difference (measured - model)."""
+    rows = [r for r in rows if "model_trace" in r]
+    if not rows:
+        return
+    print("\n| config | members | rate | interval (steps) | seeds | faults struck / run | load "
+          "(1-min) | measured goodput (median, range) | trace-replayed model (median, range) | "
+          "diff per run, trace (pp) | mean diff, trace | rate-level model (median, range) | "
+          "mean diff, rate |")  # fmt: skip
+    print("|---|---:|---|---:|---|---|---|---|---|---|---:|---|---:|")
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        r0 = rs[0]
+        stall = f", save {r0['save_stall_s']:g} s" if r0.get("save_stall_s") else ""
+        cells = []
+        for key in ("measured", "model_trace", "model_realised"):
+            got = [r[key] for r in rs]
+            cells.append(f"{statistics.median(got):.1%} ({min(got):.1%}-{max(got):.1%})")
+        d_trace = [r["measured"] - r["model_trace"] for r in rs]
+        d_rate = [r["measured"] - r["model_realised"] for r in rs]
+        loads = [r["load"] for r in rs]
+        print(f"| {name} | {r0['members']} | 1/{1 / r0['rate_per_s']:.0f} s "
+              f"({'+'.join(r0['kinds'])}{stall}) | {r0['every']} | "
+              f"{','.join(str(r['seed']) for r in rs)} | "
+              f"{'/'.join(str(len(r['trace'])) for r in rs)} | "
+              f"{min(loads):.1f}-{max(loads):.1f} | {cells[0]} | {cells[1]} | "
+              f"{' / '.join(_pp(d) for d in d_trace)} | {_pp(statistics.fmean(d_trace))} pp | "
+              f"{cells[2]} | {_pp(statistics.fmean(d_rate))} pp |")  # fmt: skip
+    for key, label in (("model_trace", "trace-replayed"), ("model_realised", "rate-level")):
+        diffs = [r["measured"] - r[key] for r in rows]
+        means: dict[str, list[float]] = {}
+        for r in rows:
+            means.setdefault(r["config"], []).append(r["measured"] - r[key])
+        inside = sum(abs(statistics.fmean(d)) <= 0.05 for d in means.values())
+        print(
+            f"\n{label}: runs within +-5 pp: {sum(abs(d) <= 0.05 for d in diffs)} of "
+            f"{len(diffs)}; median |diff| {statistics.median(abs(d) for d in diffs) * 100:.1f}"
+            f" pp, mean diff {_pp(statistics.fmean(diffs))} pp; configuration means within "
+            f"+-5 pp: {inside} of {len(means)}; every run of a configuration within +-5 pp: "
+            f"{sum(all(abs(x) <= 0.05 for x in d) for d in means.values())} of {len(means)}"
+        )
+    inside = sum(r["model_trace_p05"] - 0.005 <= r["measured"] <= r["model_trace_p95"] + 0.005
+                 for r in rows)  # fmt: skip
+    width = statistics.median(r["model_trace_p95"] - r["model_trace_p05"] for r in rows)
+    print(
+        f"runs inside the trace replay's 5-95 % range (the process starts alone, +-0.5 pp): "
+        f"{inside} of {len(rows)}; that range's median width {width * 100:.1f} pp"
+    )
+
+
 def report_overlaps(cal: dict[str, Any]) -> None:
     """The hang of the last live member while its partner's replacement starts, measured in
     the calibration, beside the model's cost for it (max(hang detection, the replacement's
@@ -607,8 +720,12 @@ def report_intervals(rows: list[dict[str, Any]]) -> None:
         for s in seeds:
             cells = [f"{got[n, s]['measured']:.1%}" for n in trio]
             model = [f"{got[n, s]['model_realised']:.1%}" for n in trio]
-            print(f"  seed {s}: measured {' / '.join(cells)}; model (realised) "
-                  f"{' / '.join(model)}")  # fmt: skip
+            trace = [f"{got[n, s].get('model_trace', math.nan):.1%}" for n in trio]
+            loads = "/".join(f"{got[n, s]['load']:.1f}" for n in trio)
+            print(
+                f"  seed {s}: measured {' / '.join(cells)}; model (realised) "
+                f"{' / '.join(model)}; model (trace) {' / '.join(trace)}; load {loads}"
+            )
         med = [statistics.median(got[n, s]["measured"] for s in seeds) for n in trio]
         lo = [min(got[n, s]["measured"] for s in seeds) for n in trio]
         hi = [max(got[n, s]["measured"] for s in seeds) for n in trio]
@@ -623,9 +740,13 @@ def report_intervals(rows: list[dict[str, Any]]) -> None:
             se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
             m = [got[c.name, s]["model_realised"] - got[other, s]["model_realised"]
                  for s in seeds]  # fmt: skip
+            mt = [got[c.name, s].get("model_trace", math.nan)
+                  - got[other, s].get("model_trace", math.nan) for s in seeds]  # fmt: skip
             print(
                 f"  1x - {label}, paired by seed: {statistics.fmean(d) * 100:+.1f} pp (standard "
-                f"error {se * 100:.1f} pp); the model: {statistics.fmean(m) * 100:+.1f} pp"
+                f"error {se * 100:.1f} pp, {sum(x > 0 for x in d)} of {len(d)} seeds > 0); the "
+                f"model: {statistics.fmean(m) * 100:+.1f} pp (rate), "
+                f"{statistics.fmean(mt) * 100:+.1f} pp (trace)"
             )
 
 
@@ -682,6 +803,7 @@ def main() -> None:
     if a.report:
         rows = [r for f in a.report.split(",") for r in json.loads(Path(f).read_text())]
         report(rows)
+        report_trace(rows)
         report_intervals(rows)
         return
     a.out.mkdir(parents=True, exist_ok=True)
@@ -711,6 +833,7 @@ def main() -> None:
         only = {s for s in a.only.split(",") if s}
         rows = validate(cal, a.out, a.seeds, a.interval_seeds, only, a.first_seed, a.steps)
     report(rows)
+    report_trace(rows)
     report_intervals(rows)
 
 

@@ -23,7 +23,7 @@ from stalwart.testing.poisson import Timed, TimedFaults, read_claims
 NO_MEMORY = "stalwart-no-memory"
 
 
-def _two_replicas(**costs: float) -> PlanInputs:
+def two_replicas(**costs: float) -> PlanInputs:
     """Two one-rank replicas, one per node and rack of their own; a remote tier every 10 steps."""
     return PlanInputs().replace(**{
         "job.accelerators": 2, "job.group_size": 1, "job.state_gb": 1.0, "job.step_s": 1.0,
@@ -40,7 +40,7 @@ def _two_replicas(**costs: float) -> PlanInputs:
 
 
 def _run(strike_starting: bool) -> tuple[_Run, Layout]:
-    inputs = _two_replicas()
+    inputs = two_replicas()
     return _Run(inputs, NO_MEMORY, {"remote": 10}, strike_starting), Layout.of(inputs)
 
 
@@ -83,14 +83,17 @@ def test_a_replacement_starting_resumes_once_it_is_up_and_the_hang_is_found() ->
     run.failure(100.5, lay.loss(Kind.HANG, 1))  # the last live holder hangs: found at 103.0
     assert run.taken["remote"] == 1
     left = 104.1 - 100.5  # the replacement's start left: longer than the hang's detection
-    debt = 4.0 / 2  # the hung member's replacement heals from it afterwards
-    assert run.seg.w0 == pytest.approx(100.5 + max(2.5, left) + 0.5 + debt)
+    resumed = 100.5 + max(2.5, left) + 0.5  # 104.6
+    # the hung member's replacement, launched at the hang's detection (103.0), is up at 107.0:
+    # half the job is out for the 2.4 s left of its heal once the job resumed
+    debt = (103.0 + 4.0 - resumed) / 2
+    assert run.seg.w0 == pytest.approx(resumed + debt)
 
 
 def test_sparing_starting_processes_only_removes_failures() -> None:
     """The same seeded arrivals either way; sparing the starting processes drops some of them and
     never lowers the ETTR here (every failure costs)."""
-    inputs = _two_replicas().replace(**{"fleet.rack_loss_per_hour": 90.0})
+    inputs = two_replicas().replace(**{"fleet.rack_loss_per_hour": 90.0})
     both = [simulate(inputs, NO_MEMORY, {"remote": 10.0}, failures=400, replications=4, seed=5,
                      strike_starting=s) for s in (True, False)]  # fmt: skip
     struck, spared = both
@@ -117,7 +120,7 @@ def test_a_process_ignores_unclaimed_faults_timed_before_its_first_boundary(
 def test_a_start_factor_scales_every_heal_and_restart_start() -> None:
     """Every start drawn at twice the mean is the model with a start twice as long (the same
     failures: the factors have their own random stream); factors of one change nothing."""
-    inputs = _two_replicas().replace(**{"fleet.rack_loss_per_hour": 90.0})
+    inputs = two_replicas().replace(**{"fleet.rack_loss_per_hour": 90.0})
     longer = inputs.replace(**{"costs.heal_s": 8.0})
     args = {"failures": 400, "replications": 4, "seed": 5, "strike_starting": False}
     doubled = simulate(inputs, NO_MEMORY, {"remote": 10.0}, start_factors=[2.0], **args)

@@ -17,7 +17,8 @@ corruption. Between events, progress, snapshot pauses and commits follow in clos
 - failures during recovery: a failure while the job rolls back restarts the rollback (from the
   same or an older copy), as in Daly's model; a failure that takes the last holder of a shard
   while a replacement is starting for a heal rolls back with that replacement's head start (it
-  resumes the job from the tier once started; the groups lost now heal from it afterwards);
+  resumes the job from the tier once started; the groups lost now heal from it afterwards, for
+  what is left of their heal then, their replacements launched at the loss's detection);
 - silent data corruption, found at the next digest check (every ``verify_every_steps``) and
   rolled back to the newest copy taken before it (checkpoint-restart finds it at once).
 
@@ -33,6 +34,10 @@ start (``RungCosts.start_s``) is the mean times a factor drawn from these (measu
 their mean, say; ``bench/plan_validate.py`` gives its calibration's). A long start makes an
 overlapping failure likelier, so the spread moves the mean too. Empty (the default): every
 start takes the mean.
+
+``schedule`` replays a fault trace (``plan/trace.py``) instead of drawing failures, over
+``horizon_s``: every replication replays the same faults and differs only in its start factors,
+so the mean is the model's prediction for that measured run; the inputs' rates play no part.
 
 Every replication is seeded from ``seed`` (numpy's SeedSequence), so a result is reproducible;
 the spread of the replications gives the confidence interval of the ETTR.
@@ -53,6 +58,7 @@ from stalwart.plan.config import PlanInputs
 from stalwart.plan.inputs import Strategy
 from stalwart.plan.ladder import TIERS, Kind, Layout, Loss, RungCosts, rates_per_s, rungs
 from stalwart.plan.timeline import Clock, Segment, Snapshot
+from stalwart.plan.trace import TracedFault
 
 __all__ = ["SimResult", "simulate", "t_quantile"]
 
@@ -154,6 +160,13 @@ class _Run:
         healing = {r for end, h in self.heals if end > t for r in self.lay.ranks(h)}
         return bool(ranks) and ranks <= healing
 
+    def pick_unit(self, t: float, kind: Kind, starting: bool) -> int:
+        """The first unit of ``kind`` whose processes are (``starting``) or are not starting at
+        ``t``; 0 if there is none."""
+        units = range(self.lay.units(kind))
+        return next((u for u in units if self._starting(t, self.lay.loss(kind, u)) is starting),
+                    0)  # fmt: skip
+
     def failure(self, t: float, loss: Loss) -> bool:
         """Take a failure at ``t``; False when it struck nothing (``strike_starting``)."""
         if not self.strike_starting and self._starting(t, loss):
@@ -215,8 +228,11 @@ class _Run:
             # the replacement resumes once it is up and the lost member is found (side by
             # side: a hang is found while the replacement starts), then loads the tier
             started = max(c.detect_s[kind], left_s) + c.restore_s[tier] - c.start_s
-            if started < stall:  # resumed by the replacement; the groups lost now heal after
-                stall = started + heal * self.lay.groups_out(loss) / self.lay.replicas
+            if started < stall:  # resumed by the replacement; the groups lost now heal after,
+                # for what is left of their heal then (launched at the loss's detection, the
+                # replacement may be up by the time the job resumes: it joins at once)
+                left = max(c.detect_s[kind] + heal - started, 0.0)
+                stall = started + left * self.lay.groups_out(loss) / self.lay.replicas
         self.lost_steps += p - x
         self.taken[tier] += 1
         self.rolling_back = True
@@ -249,15 +265,19 @@ class _Run:
 
 def _replicate(inputs: PlanInputs, strategy: Strategy, every: dict[str, int], horizon_s: float,
                seed: np.random.SeedSequence, strike_starting: bool = True,
-               start_factors: Sequence[float] = ()) -> tuple[float, int, _Run]:  # fmt: skip
+               start_factors: Sequence[float] = (), schedule: Sequence[TracedFault] | None = None
+               ) -> tuple[float, int, _Run]:  # fmt: skip
     rng = np.random.default_rng(seed)  # the failures: the same with or without start factors
     starts = np.random.default_rng(seed.spawn(1)[0]) if start_factors else None
     run = _Run(inputs, strategy, every, strike_starting, start_factors, starts)
     lay = Layout.of(inputs)
     rates = rates_per_s(inputs)
-    total = sum(rates.values())
+    total = sum(rates.values()) if schedule is None else 0.0
     probs = np.array([rates[k] / total for k in _KINDS]) if total > 0 else None
+    trace = sorted(schedule or (), key=lambda f: f.t_s)
     t_fail = rng.exponential(1.0 / total) if total > 0 else math.inf
+    if trace:
+        t_fail = trace[0].t_s
     failures = 0
     while True:
         t_found, corrupted = run.next_detection()
@@ -265,7 +285,15 @@ def _replicate(inputs: PlanInputs, strategy: Strategy, every: dict[str, int], ho
         if t >= horizon_s:
             break
         run.settle(t)
-        if t_fail <= t_found:
+        if t_fail <= t_found and trace:
+            fault = trace.pop(0)
+            kind = Kind(fault.kind)
+            unit = fault.unit
+            if unit is None:
+                unit = run.pick_unit(t, kind, starting=fault.whole)
+            failures += run.failure(t, lay.loss(kind, unit))
+            t_fail = trace[0].t_s if trace else math.inf
+        elif t_fail <= t_found:
             kind = _KINDS[int(rng.choice(len(_KINDS), p=probs))]
             failures += run.failure(t, lay.loss(kind, int(rng.integers(lay.units(kind)))))
             t_fail = t + rng.exponential(1.0 / total)
@@ -282,6 +310,33 @@ def steps_between(inputs: PlanInputs, intervals: dict[str, float]) -> dict[str, 
     return {t: max(1, round(s / step)) for t, s in intervals.items()}
 
 
+def _steps_and_horizon(
+    inputs: PlanInputs,
+    strategy: Strategy,
+    intervals: dict[str, float],
+    failures: int,
+    replications: int,
+    schedule: Sequence[TracedFault] | None,
+    horizon_s: float | None,
+) -> tuple[dict[str, int], float]:
+    """``simulate``'s arguments checked: the steps between snapshots of each tier it uses,
+    and the seconds each replication runs."""
+    need = [t for t in TIERS if t in rungs(strategy, inputs)]
+    missing = [t for t in need if not (intervals.get(t, 0) > 0)]
+    if missing:
+        raise ConfigError(f"simulate({strategy.value}): give a positive interval for {missing}")
+    if replications < 2 or failures < replications:
+        raise ConfigError("simulate: replications must be >= 2 and failures >= replications")
+    every = steps_between(inputs, {t: intervals[t] for t in need})
+    if schedule is not None:
+        if not (horizon_s is not None and horizon_s > 0):
+            raise ConfigError("simulate(schedule=...): give the trace's horizon_s (> 0)")
+        return every, horizon_s
+    total = sum(rates_per_s(inputs).values())
+    longest = max(every.values()) * inputs.job.step_s
+    return every, failures / total / replications if total > 0 else 100.0 * longest
+
+
 def simulate(
     inputs: PlanInputs,
     strategy: Strategy | str,
@@ -292,6 +347,8 @@ def simulate(
     seed: int = 0,
     strike_starting: bool = True,
     start_factors: Sequence[float] = (),
+    schedule: Sequence[TracedFault] | None = None,
+    horizon_s: float | None = None,
 ) -> SimResult:
     """Simulate ``strategy`` with the given snapshot intervals.
 
@@ -308,25 +365,22 @@ def simulate(
             docstring; False: such a failure does nothing and is not counted).
         start_factors: factors on the mean start of a process, one drawn per heal and
             rollback (module docstring); empty: every start takes the mean.
+        schedule: a fault trace to replay in every replication instead of drawn failures
+            (module docstring); ``failures`` and the inputs' rates are then unused.
+        horizon_s: with ``schedule``, the seconds each replication runs (required).
 
     Raises:
-        ConfigError: an interval is missing or not positive, or too few failures/replications.
+        ConfigError: an interval is missing or not positive, too few failures/replications,
+            or a schedule without a positive ``horizon_s``.
     """
     strategy = Strategy(strategy)
-    need = [t for t in TIERS if t in rungs(strategy, inputs)]
-    missing = [t for t in need if not (intervals.get(t, 0) > 0)]
-    if missing:
-        raise ConfigError(f"simulate({strategy.value}): give a positive interval for {missing}")
-    if replications < 2 or failures < replications:
-        raise ConfigError("simulate: replications must be >= 2 and failures >= replications")
-    every = steps_between(inputs, {t: intervals[t] for t in need})
-    total = sum(rates_per_s(inputs).values())
-    longest = max(every.values()) * inputs.job.step_s
-    per_run = failures / total / replications if total > 0 else 100.0 * longest
+    every, per_run = _steps_and_horizon(
+        inputs, strategy, intervals, failures, replications, schedule, horizon_s
+    )
     results, n, lost, down, taken = [], 0, 0.0, 0.0, Counter[str]()
     for child in np.random.SeedSequence(seed).spawn(replications):
         ettr, count, run = _replicate(
-            inputs, strategy, every, per_run, child, strike_starting, start_factors
+            inputs, strategy, every, per_run, child, strike_starting, start_factors, schedule
         )
         results.append(ettr)
         n, lost, down = n + count, lost + run.lost_steps * run.step_s, down + run.down_s
