@@ -343,14 +343,18 @@ def calibrate(out: Path, probes: dict[str, Any] | None = None) -> dict[str, Any]
     (out / "calibration.json").write_text(json.dumps(cal, indent=1))  # the probes, kept
     cal["faults"], cal["fault_samples"] = {}, {}
     for n, (timed, steps) in FAULT_RUNS.items():
-        run = launch(out / f"faults-{n}", n, steps, 20, timed)
-        costs = fault_costs(run, cal["step_s"][n], n)
-        cal["faults"][n] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
-        cal["faults"][n]["process_start_s"] = process_start_s(run)
-        costs["process_start_s"] = process_starts(run)
-        cal["fault_samples"][n] = costs
-        print(f"fault costs, {n} members (means):", json.dumps(cal["faults"][n]), flush=True)
+        _fit_faults(cal, n, launch(out / f"faults-{n}", n, steps, 20, timed))
     return cal
+
+
+def _fit_faults(cal: dict[str, Any], n: int, run: dict[str, Any]) -> None:
+    """The fault costs of ``n`` members, from one fixed-time fault run, into ``cal``."""
+    costs = fault_costs(run, cal["step_s"][n], n)
+    cal["faults"][n] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
+    cal["faults"][n]["process_start_s"] = process_start_s(run)
+    costs["process_start_s"] = process_starts(run)
+    cal["fault_samples"][n] = costs
+    print(f"fault costs, {n} members (means):", json.dumps(cal["faults"][n]), flush=True)
 
 
 def _fault_runs() -> dict[int, tuple[tuple[Any, ...], int]]:
@@ -765,14 +769,8 @@ def _load_calibration(path: Path, refit: bool) -> dict[str, Any]:
         ]
     for n, (_, steps) in FAULT_RUNS.items():
         faults = path.parent / f"faults-{n}"
-        if faults.exists() and not refit:  # read again, as this version reads them
-            run = read_run(faults, n, steps, 20)
-            costs = fault_costs(run, cal["step_s"][n], n)
-            cal["faults"][n] = {k: statistics.fmean(v) if v else 0.0 for k, v in costs.items()}
-            cal["faults"][n]["process_start_s"] = process_start_s(run)
-            costs["process_start_s"] = process_starts(run)
-            cal["fault_samples"][n] = costs
-            print(f"fault costs, {n} members (means):", json.dumps(cal["faults"][n]), flush=True)
+        if faults.exists() and not refit:
+            _fit_faults(cal, n, read_run(faults, n, steps, 20))  # as this version reads it
     return cal
 
 

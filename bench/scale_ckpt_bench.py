@@ -334,29 +334,24 @@ def async_saves(rank: int, world: int, base: str, layers: int, dim: int, a: Any)
     model, opt = _build(layers, dim)
     where = Path(base) / f"async-{a.contender}-r{a.round}"
     start, wait, close, clear = _async_save(a.contender, model, opt, where, a.cap_mib << 20)
-    base_rss, peak, stop = _rss(), [0], threading.Event()
+    times: list[float] = []
 
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            stop.wait(0.005)
+    def saves() -> None:  # the warm-up and the timed save, sampled together
+        wait(start(1, where / "warm"))
+        clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = start(2, where / "timed")
+        times.append(time.perf_counter() - t0)
+        wait(handle)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
 
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    wait(start(1, where / "warm"))
-    clear()
-    dist.barrier()
-    t0 = time.perf_counter()
-    handle = start(2, where / "timed")
-    blocked = time.perf_counter() - t0
-    wait(handle)
-    dist.barrier()
-    total = time.perf_counter() - t0
-    stop.set()
-    th.join()
+    rise = _peak(saves)
+    blocked, total = times
     close()
     _check(model, opt)  # the state was not changed by its saves
-    figures = torch.tensor([blocked, total, float(max(peak[0], _rss()) - base_rss)],
+    figures = torch.tensor([blocked, total, float(rise)],
                            dtype=torch.float64)  # fmt: skip
     out = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(out, figures)
