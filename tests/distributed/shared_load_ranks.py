@@ -6,6 +6,8 @@ replicated state from a seed, so each knows what a load must give back.
 
 from __future__ import annotations
 
+import resource
+import signal
 from typing import Any
 
 import torch
@@ -65,6 +67,23 @@ def save_then_load(
     opts = CheckpointOptions(chunk_bytes=4096)
     with Checkpointer(root, options=opts, storage_options=storage_options) as ck:
         ck.save(1, replicated(1))
+        state = _zeros()
+        ck.load(state)
+        _same(state, replicated(1))
+        assert ck.last_load is not None
+        return ck.last_load.bytes_read
+
+
+def save_then_load_capped(rank: int, world: int, root: str) -> int:
+    """``save_then_load`` with shared reads forced, and rank 1 unable to make a file past 8 KiB
+    once saved (``RLIMIT_FSIZE``; ``SIGXFSZ`` ignored, so the call fails with ``EFBIG``)."""
+    shared_read.PIECE_BYTES = PIECE_BYTES
+    shared_read.SHARED_READS = True
+    with Checkpointer(root, options=CheckpointOptions(chunk_bytes=4096)) as ck:
+        ck.save(1, replicated(1))
+        if rank == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, resource.RLIM_INFINITY))
         state = _zeros()
         ck.load(state)
         _same(state, replicated(1))

@@ -79,6 +79,18 @@ def test_local_root_reads_rank_by_rank_by_default(tmp_path: Path) -> None:
     assert read == [_unique_bytes(root, 1)] * 2
 
 
+def test_no_room_in_shm_on_one_rank_sends_every_rank_back_to_reading_alone(
+    tmp_path: Path,
+) -> None:
+    """Shared reads on one host, and rank 1 may not make files past a few KiB
+    (``RLIMIT_FSIZE``, enforced by the kernel): its /dev/shm segment cannot be made, and every
+    rank reads everything itself, values exact."""
+    root = tmp_path / "ckpt"
+    read = run_ranks(ranks.save_then_load_capped, 2, str(root), timeout_s=120)
+    assert read == [_unique_bytes(root, 1)] * 2
+    assert not list(Path("/dev/shm").glob("stalwart-load-*"))
+
+
 def test_flipped_bit_in_a_shared_box_is_named_on_every_rank(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     run_ranks(ranks.save_versions, 2, str(root), timeout_s=120)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stalwart.storage.direct_io import AlignedBufferPool, write_stream
+from stalwart.storage.direct_io import AlignedBufferPool, map_range, write_stream
 
 BS = 64 * 1024
 
@@ -44,3 +44,34 @@ def test_buffers_are_reused() -> None:
     a = pool.get()
     pool.put(a)
     assert pool.get() is a
+
+
+@pytest.mark.parametrize(("offset", "length"), [(0, 10), (4095, 3), (5000, 9000), (12000, 999)])
+def test_mapped_ranges_are_the_files_bytes_and_stop_at_its_end(
+    tmp_path: Path, offset: int, length: int
+) -> None:
+    data = np.random.default_rng(0).integers(0, 256, 12345, dtype=np.uint8).tobytes()
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        view, release = map_range(fd, offset, length)
+        assert view.readonly and bytes(view) == data[offset : offset + length]
+        release()
+        empty, release = map_range(fd, len(data), 10)  # at the end: nothing, nothing mapped
+        assert len(empty) == 0
+        release()
+    finally:
+        os.close(fd)
+
+
+def test_what_cannot_be_mapped_is_an_oserror_so_the_store_reads_it_instead(
+    tmp_path: Path,
+) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: the kernel refuses to map it
+    try:
+        if os.fstat(fd).st_size == 0:  # a filesystem whose folders have no size
+            pytest.skip("this filesystem gives folders no size; nothing would be mapped")
+        with pytest.raises(OSError):
+            map_range(fd, 0, 10)
+    finally:
+        os.close(fd)

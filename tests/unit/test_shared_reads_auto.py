@@ -78,6 +78,7 @@ def _boxes(tmp_path: Path) -> list[Box]:
         (True, True, True),
     ],
 )
+@pytest.mark.parametrize("shm", [True, False])
 def test_the_plan_follows_the_store_unless_forced(
     tmp_path: Path,
     s3_store: Storage,
@@ -85,8 +86,10 @@ def test_the_plan_follows_the_store_unless_forced(
     forced: bool | None,
     remote: bool,
     shares: bool,
+    shm: bool,
 ) -> None:
     monkeypatch.setattr(shared_read, "SHARED_READS", forced)
+    monkeypatch.setattr(shared_read, "SHM_READS", shm)
     store = s3_store if remote else LocalStorage(str(tmp_path))
     g = Group(None, 0, 1)
     boxes = _boxes(tmp_path)
@@ -94,5 +97,6 @@ def test_the_plan_follows_the_store_unless_forced(
     assert (plan is not None) == shares
     if plan is not None:
         assert [r for r, _ in plan.pieces] == [0]  # the one box, read by the one rank
+        assert (plan.shm is not None) == shm  # one host: through /dev/shm unless told not to
     # A rank that learns nothing of the store never shares unless forced.
     assert (shared_read.plan_shared(g, boxes) is not None) == (forced is True)

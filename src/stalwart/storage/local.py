@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -36,6 +37,7 @@ from stalwart.storage.direct_io import (
     ALIGN,
     AlignedBufferPool,
     ReadBufferPool,
+    map_range,
     read_range,
     write_stream,
 )
@@ -186,25 +188,33 @@ class LocalStorage:
     def read_view(self, key: str, offset: int, length: int) -> Iterator[memoryview]:
         """Bytes ``[offset, offset + length)`` of ``key`` as a read-only view for the ``with``.
 
-        One read into a reused page-aligned buffer (no allocation per read), so the caller
-        can check the bytes before copying them where they belong. Buffered, not O_DIRECT:
-        with the kernel's read-ahead that measured 1.6x faster (see ``direct_io``). The view
-        is shorter than ``length`` when the object ends first.
+        The file's pages mapped from the page cache (``direct_io.map_range``: no copy, so the
+        caller checks the bytes before copying them where they belong); where the filesystem
+        cannot map, one read into a reused page-aligned buffer. Buffered, not O_DIRECT: with
+        the kernel's read-ahead that measured 1.6x faster (see ``direct_io``). The view is
+        shorter than ``length`` when the object ends first. Objects are replaced by rename,
+        never rewritten in place, so a mapped one does not change under the reader.
         """
         if offset < 0 or length < 0:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
-        buf = self._read_buffers.get(length + 2 * ALIGN)
+        fd = self._open_read(key)
         try:
-            fd = self._open_read(key)
             try:
-                view = read_range(fd, False, offset, length, buf)
-            except OSError as e:
-                raise translate_os_error(e, os.path.join(self.root, key), "read") from e
-            finally:
-                _close_quietly(fd)
-            yield view.toreadonly()
+                view, release = map_range(fd, offset, length)
+            except OSError:  # a filesystem that cannot map: read into a buffer
+                buf = self._read_buffers.get(length + 2 * ALIGN)
+                release = functools.partial(self._read_buffers.put, buf)
+                try:
+                    view = read_range(fd, False, offset, length, buf).toreadonly()
+                except OSError as e:
+                    release()
+                    raise translate_os_error(e, os.path.join(self.root, key), "read") from e
         finally:
-            self._read_buffers.put(buf)
+            _close_quietly(fd)
+        try:
+            yield view
+        finally:
+            release()
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         """Read ``length`` bytes at ``offset`` (to the end when ``None``)."""

@@ -8,55 +8,42 @@ leading-dimension rows that overlap are read. A load is planned first, then read
    the destination tensor when the overlap spans whole rows of both the saved shard and the
    box, else a slice of a temporary the overlapping sub-box is copied out of afterwards).
    A chunk shared by several tensors (same content) is read once.
-2. **Read.** Chunks adjacent in a pack are merged into spans of up to ``SPAN_BYTES``, read
-   in pack order by the I/O pool, which hands each span to a second pool for hashing and
-   copying and reads on: the disk never waits for the hash. A store with ``read_view``
-   (``LocalStorage``) reads each span into a reused buffer, no allocation per read.
-3. **Verify, then copy.** Each chunk's BLAKE3 hash (which releases the GIL) is checked
-   where it was read; only then are its bytes copied into the destination. A damaged chunk
-   never lands in a caller's tensor, and a failed load waits for every read in flight
-   before it raises, so nothing is written into the tensors after it returns.
+2. **Read, verify, then copy** (``spans.py``): chunks adjacent in a pack are read together,
+   one pool reading ahead while another hashes; each chunk's bytes land only once its hash
+   matched. A failed load waits for every read in flight before it raises, so nothing is
+   written into the tensors after it returns.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from stalwart.checkpoint.durable.manifest import ChunkRef, TensorEntry
-from stalwart.checkpoint.durable.persist import chunk_hash, tensor_bytes
-from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
-from stalwart.storage.base import ReadsLeaveHost, ReadsViews, Storage
+from stalwart.checkpoint.durable.persist import tensor_bytes
+from stalwart.checkpoint.durable.spans import (
+    SPAN_BYTES,
+    Landing,
+    Need,
+    Pipeline,
+    chunk_what,
+    merge_spans,
+    read_span,
+    verify_chunk,
+)
+from stalwart.errors import CorruptCheckpointError
+from stalwart.storage.base import Storage
 from stalwart.tree import dtype_from_name
 
 __all__ = ["SPAN_BYTES", "Box", "ReadStats", "read_box", "read_boxes", "verify_chunk"]
 
-READ_AHEAD_SPANS = 8
-"""Spans read but not yet verified, at most, from a store whose reads leave the host (each
-holds a buffer of about ``SPAN_BYTES``): deep enough to hide a remote read's latency."""
 
-LOCAL_READ_AHEAD_SPANS = 2
-"""The same bound for stores on this host (``ReadsLeaveHost`` false or absent).
-
-Reads from the page cache do not wait, and fewer buffers stay in the CPU's cache between
-the read, the hash and the copy: 1 GB replicated on 4 ranks, cold cache, 2 cores, loaded in
-1.12 s at 2 against 1.30-1.40 s at 8 (0.53 CPU-s a rank against 0.63); one process, warm,
-interleaved: 0.307 s at 2, 0.311 at 4, 0.348 at 8, 0.498 at 1 (no overlap of read and hash).
-"""
-
-SPAN_BYTES = 4 << 20
-"""Adjacent chunks of one pack are read together, up to this many bytes per read.
-
-Measured on a virtio disk with 8 MiB kernel read-ahead (4 threads, buffered): 4 MiB reads
-ran at 1.6x ``dd iflag=direct``, 8-16 MiB ones at 1.35x; a larger chunk is one read.
-"""
+Copies = list[Callable[[], None]]
+"""Copies to run once every read landed (a box assembled from part-rows of saved shards)."""
 
 
 @dataclass
@@ -77,168 +64,13 @@ class Box:
     dest: torch.Tensor
 
 
-@dataclass
-class _Need:
-    """One chunk to read and verify, and the ``(dest, a, b)`` its raw bytes ``[a, b)`` fill."""
-
-    ref: ChunkRef
-    what: str
-    sinks: list[tuple[memoryview, int, int]] = field(default_factory=list)
-
-
 def _describe(where: str, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
     return f"{where}: tensor {fqn!r}, shard at offsets {list(offsets)} sizes {list(sizes)}"
 
 
-def _chunk_what(prefix: str, c: ChunkRef) -> str:
-    return f"{prefix}, chunk {c.hash[:16]}… in {c.pack} at byte {c.offset}"
-
-
-def verify_chunk(storage: Storage, c: ChunkRef, what: str, out: memoryview | None = None) -> int:
-    """Read chunk ``c``, check its hash and length; return the stored bytes read.
-
-    With ``out`` (``c.nbytes`` long), the verified raw bytes are copied there.
-
-    Raises:
-        CorruptCheckpointError: missing pack, truncated data, or a hash mismatch.
-    """
-    need = _Need(c, what)
-    if out is not None:
-        need.sinks.append((out, 0, c.nbytes))
-    return _read_span(storage, c.pack, c.offset, c.offset + c.length, [need])
-
-
-def _check_and_copy(stored_all: memoryview, start: int, needs: list[_Need]) -> None:
-    """Verify each chunk of a span read at pack offset ``start``, then copy it to its sinks."""
-    for need in needs:
-        c, what = need.ref, need.what
-        stored = stored_all[c.offset - start : c.offset - start + c.length]
-        if len(stored) != c.length:
-            raise CorruptCheckpointError(
-                f"{what}: truncated (read {len(stored)} of {c.length} bytes); load an earlier "
-                "step or use fallback=True",
-                damaged=[what],
-            )
-        raw = stored
-        if c.codec == "zstd":
-            import zstandard
-
-            try:
-                raw = memoryview(
-                    zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=c.nbytes)
-                )
-            except zstandard.ZstdError as e:
-                raise CorruptCheckpointError(f"{what}: cannot decompress ({e})", [what]) from e
-        if len(raw) != c.nbytes or chunk_hash(raw) != c.hash:
-            raise CorruptCheckpointError(
-                f"{what}: content does not match its hash (bit rot or tampering); "
-                "load an earlier step or use fallback=True",
-                damaged=[what],
-            )
-        src = np.frombuffer(raw, np.uint8)
-        for dest, a, b in need.sinks:  # verified: now, and only now, it may land
-            # numpy copies without the GIL (a memoryview slice copy holds it), so readers
-            # keep issuing reads while a span is copied.
-            np.copyto(np.frombuffer(dest, np.uint8), src[a:b])
-
-
-def _open_span(
-    storage: Storage, pack: str, start: int, end: int, what: str
-) -> tuple[memoryview, Callable[[], object]]:
-    """Read pack bytes ``[start, end)``; return them and the function that frees them."""
-    if end == start:
-        return memoryview(b""), lambda: None
-    try:
-        if isinstance(storage, ReadsViews):
-            stack = ExitStack()
-            try:
-                view = storage.read_view(pack, start, end - start)
-                return stack.enter_context(view), stack.close
-            except BaseException:
-                stack.close()
-                raise
-        buf = memoryview(bytearray(end - start))
-        return buf[: storage.read_into(pack, start, buf)], lambda: None
-    except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"{what}: pack file is missing; the checkpoint is incomplete — load an earlier "
-            "step or use fallback=True",
-            damaged=[what],
-        ) from e
-
-
-def _read_span(storage: Storage, pack: str, start: int, end: int, needs: list[_Need]) -> int:
-    """Read pack bytes ``[start, end)`` holding ``needs``' chunks; verify and place each."""
-    view, release = _open_span(storage, pack, start, end, needs[0].what)
-    try:
-        _check_and_copy(view, start, needs)
-    finally:
-        release()
-    return end - start
-
-
-class _Pipeline:
-    """Reads spans on one pool and verifies them on another, so the disk never waits.
-
-    When the same threads read and then hash, they fall into step: all read, then all
-    hash while the disk idles. Here a reader hands its span to the verify pool and goes on
-    to the next read at once; ``READ_AHEAD_SPANS`` (``LOCAL_READ_AHEAD_SPANS`` on this
-    host) bounds the spans read but not yet verified (and so the buffers held).
-    """
-
-    def __init__(self, storage: Storage, verify_pool: ThreadPoolExecutor) -> None:
-        self.storage = storage
-        self.verify_pool = verify_pool
-        remote = isinstance(storage, ReadsLeaveHost) and storage.reads_leave_host
-        self.slots = threading.BoundedSemaphore(
-            READ_AHEAD_SPANS if remote else LOCAL_READ_AHEAD_SPANS
-        )
-        self.verifies: list[Future[None]] = []
-        self.failed = False  # a verify failed: the load will raise, skip the reads left
-
-    def read(self, pack: str, start: int, end: int, needs: list[_Need]) -> int:
-        self.slots.acquire()
-        if self.failed:
-            self.slots.release()
-            return 0
-        try:
-            view, release = _open_span(self.storage, pack, start, end, needs[0].what)
-        except BaseException:
-            self.slots.release()
-            raise
-
-        def verify() -> None:
-            try:
-                _check_and_copy(view, start, needs)
-            except BaseException:
-                self.failed = True
-                raise
-            finally:
-                release()
-                self.slots.release()
-
-        self.verifies.append(self.verify_pool.submit(verify))
-        return end - start
-
-
-def _spans(needs: Iterable[_Need]) -> list[tuple[str, int, int, list[_Need]]]:
-    """Merge chunks adjacent in a pack into spans of at most ``SPAN_BYTES`` (pack order)."""
-    spans: list[tuple[str, int, int, list[_Need]]] = []
-    for need in sorted(needs, key=lambda n: (n.ref.pack, n.ref.offset)):
-        c = need.ref
-        if spans:
-            pack, start, end, group = spans[-1]
-            if pack == c.pack and end == c.offset and end + c.length - start <= SPAN_BYTES:
-                spans[-1] = (pack, start, end + c.length, [*group, need])
-                continue
-        spans.append((c.pack, c.offset, c.offset + c.length, [need]))
-    return spans
-
-
-def _plan_box(
-    box: Box, where: str, needs: dict[ChunkRef, _Need], after: list[Callable[[], None]]
-) -> None:
-    """Add the chunk reads that fill ``box`` to ``needs``; copies to run after to ``after``.
+def _plan_box(box: Box, where: str, needs: dict[ChunkRef, Need], after: Copies, tag: int) -> None:
+    """Add the chunk reads that fill ``box`` (``tag``: its index) to ``needs``; copies to run
+    after to ``after``.
 
     Raises:
         CorruptCheckpointError: the shards do not cover the box.
@@ -261,7 +93,8 @@ def _plan_box(
             if ce > lo and cs < hi:
                 # Keyed by the whole reference: two references to one pack offset with
                 # different hashes (a damaged manifest) must each be verified.
-                need = needs.setdefault(c, _Need(c, _chunk_what(prefix, c)))
+                need = needs.setdefault(c, Need(c, chunk_what(prefix, c)))
+                need.boxes.add(tag)
                 a, b = max(lo, cs), min(hi, ce)
                 need.sinks.append((out[a - lo : b - lo], a - cs, b - cs))
             cs = ce
@@ -313,28 +146,36 @@ def read_boxes(
     pool: ThreadPoolExecutor,
     where: str,
     verify_pool: ThreadPoolExecutor | None = None,
+    landed: Callable[[int], None] | None = None,
 ) -> ReadStats:
     """Fill every box's ``dest`` with its data, each chunk verified before it lands.
 
     Reads run on ``pool`` and, given ``verify_pool`` (another pool), hashing and copying
     there while the next spans are read; without it each read is verified by its reader.
     Call from outside both pools. On failure, work in flight finishes (queued reads are
-    dropped) before the first error is raised.
+    dropped) before the first error is raised. ``landed(i)`` is called (from whichever
+    thread finished it) as soon as box ``i`` (in ``boxes``' order) holds all its bytes.
 
     Raises:
         CorruptCheckpointError: the shards do not cover a box, or a chunk is damaged.
     """
-    needs: dict[ChunkRef, _Need] = {}
-    after: list[Callable[[], None]] = []
-    for box in boxes:
-        _plan_box(box, where, needs, after)
+    needs: dict[ChunkRef, Need] = {}
+    after: Copies = []
+    late: set[int] = set()  # boxes assembled by a copy after the reads: landed at the end
+    for i, box in enumerate(boxes):
+        copies = len(after)
+        _plan_box(box, where, needs, after, i)
+        if len(after) > copies:
+            late.add(i)
+    if landed is not None:
+        Landing(needs.values(), late, landed)
     stats = ReadStats()
-    pipe = _Pipeline(storage, verify_pool) if verify_pool is not None else None
-    spans = _spans(needs.values())
+    pipe = Pipeline(storage, verify_pool) if verify_pool is not None else None
+    spans = merge_spans(needs.values())
     if pipe is not None:
         futures = [pool.submit(pipe.read, *span) for span in spans]
     else:
-        futures = [pool.submit(_read_span, storage, *span) for span in spans]
+        futures = [pool.submit(read_span, storage, *span) for span in spans]
     try:
         for f in futures:
             stats.bytes_read += f.result()
@@ -353,6 +194,9 @@ def read_boxes(
     with torch.no_grad():
         for copy in after:
             copy()
+    if landed is not None:
+        for i in sorted(late):
+            landed(i)
     return stats
 
 

@@ -1,39 +1,39 @@
-"""Boxes every rank loads alike are read once by the group, then broadcast.
+"""Boxes every rank loads alike are read once by the group, then shared.
 
 A replicated tensor (DDP, a ``Replicate`` DTensor, a tensor the state lacks) is the same box
 on every rank. Read rank by rank it costs the node its bytes once per rank: reads, hashes
 and copies all multiplied by the world size. Here the ranks agree (one ``all_gather`` of box
 keys) which boxes they all want; those are cut into pieces of at most ``PIECE_BYTES`` rows,
 each piece given to one rank (the least loaded, counting the boxes only it reads). A rank
-reads and verifies its pieces and its own boxes with the usual pipeline (``read_boxes``:
-every chunk's hash checked before its bytes land); then every rank learns every rank's
-outcome (a second ``all_gather``) and, only if all succeeded, each piece reaches the other
-ranks: on one host through a file per reader in ``/dev/shm`` (written after verification,
-read straight into place, removed once every rank met again), else broadcast from its
-reader over the process group (small pieces coalesced per reader).
+reads and verifies its pieces with the usual pipeline (``read_boxes``: every chunk's hash
+checked before its bytes land), and the pieces reach the other ranks:
 
-Every chunk is still verified before it lands, by the rank that read it; a damaged chunk
-makes its reader raise ``CorruptCheckpointError`` naming tensor, shard and chunk, and the
-other ranks ``PeerDamageError`` (a ``DistributedError`` carrying the same message), which
-a fallback load treats as damage: every rank moves on to an older step together.
-Groups whose backend cannot move CPU tensors (NCCL alone) read rank by rank.
+* **one host**: through ``/dev/shm`` as each lands (``shm_stream.py``): the reader lands its
+  verified chunks in its segment, every rank copies each piece out as soon as it is ready,
+  while the disk still reads; each byte of the host is read and hashed once;
+* **several hosts**: broadcast from its reader over the process group once every rank's
+  reads succeeded (small pieces coalesced per reader).
 
-When: by the store (``SHARED_READS = None``, the default). Where every rank's read leaves
-the host (an object store, any fsspec URL but ``memory://``: ``reads_leave_host``), the
-group shares; on a local disk the page cache already reads each byte once per host and
-handing pieces over costs a pass, so each rank reads alone. The ranks agree in
-``plan_shared``'s one ``all_gather``: if any rank's store stays on its host, all read alone.
+Then every rank learns every rank's outcome (an ``all_gather``). A damaged chunk makes its
+reader raise ``CorruptCheckpointError`` naming tensor, shard and chunk, and the other ranks
+``PeerDamageError`` (a ``DistributedError`` carrying the same message), which a fallback
+load treats as damage: every rank moves on to an older step together. Groups whose backend
+cannot move CPU tensors (NCCL alone) read rank by rank.
 
-Collective order: ``plan_shared`` (or ``withdraw`` on a rank that failed before it) then
-``share_pieces``, on every rank of the group.
+When: ``SHARED_READS = None`` (the default) shares where it pays: ranks of one host (the
+hash and the copies are the cost there, the page cache already reads each byte once), and
+ranks whose reads leave the host (an object store: ``reads_leave_host``); ranks of several
+hosts reading disks of their own read alone. Collective order: ``plan_shared`` (or
+``withdraw`` on a rank that failed before it), then the exchange, on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import logging
 import os
 import socket
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpoint.collective import Group
-from stalwart.checkpoint.durable.persist import tensor_bytes
 from stalwart.checkpoint.durable.reshard import Box, ReadStats, read_boxes
+from stalwart.checkpoint.durable.shm_stream import Segment, copy_out
 from stalwart.errors import CorruptCheckpointError, DistributedError, StepRetiredError
 from stalwart.storage.base import ReadsLeaveHost, Storage
 
@@ -62,19 +62,17 @@ __all__ = [
     "withdraw",
 ]
 
+log = logging.getLogger(__name__)
+
 PIECE_BYTES = 32 << 20
 """Shared boxes are cut into pieces of at most this many bytes (whole leading rows)."""
 
 SHARED_READS: bool | None = None
 """Whether boxes every rank loads alike are read once by the group and shared.
 
-None (default): decided by the store, on every load. Shared where reads leave the host
-(``reads_leave_host``: S3 and other fsspec URLs), where each rank's read reaches the store
-(``bench/remote_load_bench.py``); alone on local disks and in memory, where the page cache
-already reads each byte once per host and handing pieces between ranks costs a pass
-(``bench/dist_load_bench.py``: DDP load 1.29 s each rank alone against 1.69 s shared,
-2 ranks, 1.06 GB, cold cache). True or False: forced, whatever the store; every rank
-must set the same value."""
+None (default): where it pays, on every load (``plan_shared``): ranks of one host, or
+reads that leave the host (``bench/scale_ckpt_bench.py``, ``bench/remote_load_bench.py``).
+True or False: forced, whatever the store; every rank must set the same value."""
 
 SHM_READS = True
 """Ranks of one host pass pieces through files in ``SHM_DIR`` (False: the process group)."""
@@ -87,26 +85,28 @@ SMALL_BYTES = 1 << 20
 
 @dataclass
 class SharedPlan:
-    """What this rank reads (``mine``) and the shared pieces, each with its reader."""
+    """What this rank reads alone (``alone``) and the shared pieces, each with its reader."""
 
-    mine: list[Box] = field(default_factory=list)
+    alone: list[Box] = field(default_factory=list)
     pieces: list[tuple[int, Box]] = field(default_factory=list)
     shm: str | None = None  # all ranks on one host: pieces go through files with this prefix
+    rank: int = 0
+
+    @property
+    def mine(self) -> list[Box]:
+        """Every box this rank reads: its own, then the pieces it reads for the group."""
+        return [*self.alone, *(p for r, p in self.pieces if r == self.rank)]
 
 
 def reads_leave_host(store: Storage) -> bool:
-    """True when reading ``store`` fetches bytes from another machine, for every rank anew.
-
-    The store says so (``ReadsLeaveHost``: fsspec stores but ``memory://``, and wrappers that
-    pass on what they wrap); a store that says nothing counts as local, and its ranks read
-    alone unless ``SHARED_READS`` forces sharing.
-    """
+    """True when reading ``store`` fetches bytes from another machine, for every rank anew:
+    the store says so (``ReadsLeaveHost``); one that says nothing counts as local."""
     return isinstance(store, ReadsLeaveHost) and store.reads_leave_host
 
 
 def can_share(g: Group) -> bool:
     """True when ``g`` may share reads: several ranks, a backend that broadcasts CPU tensors,
-    and ``SHARED_READS`` not False (None: ``plan_shared`` then asks the store)."""
+    and ``SHARED_READS`` not False (None: ``plan_shared`` then decides)."""
     if g.world <= 1 or SHARED_READS is False:
         return False
     try:
@@ -177,7 +177,9 @@ def plan_shared(g: Group, boxes: list[Box], store: Storage | None = None) -> Sha
     """
     share = reads_leave_host(store) if SHARED_READS is None and store is not None else SHARED_READS
     keys = [(_key(b), _nbytes(b)) for b in boxes] if share else None
-    gathered = g.all_gather((socket.gethostname(), uuid.uuid4().hex, keys))
+    gathered = g.all_gather(
+        (socket.gethostname(), uuid.uuid4().hex, keys, SHM_READS and os.path.isdir(SHM_DIR))
+    )
     every = [x[2] for x in gathered if x is not None and x[2] is not None]
     if len(every) < g.world:
         return None
@@ -186,7 +188,7 @@ def plan_shared(g: Group, boxes: list[Box], store: Storage | None = None) -> Sha
         return None  # nothing to share: each rank reads its own (sharded loads)
     load = [sum(n for k, n in ks if k not in common) for ks in every]
     by_key = {_key(b): b for b in boxes}
-    plan = SharedPlan(mine=[b for b in boxes if _key(b) not in common])
+    plan = SharedPlan(alone=[b for b in boxes if _key(b) not in common], rank=g.rank)
     pieces = [p for k in sorted(common) for p in _pieces(by_key[k])]
     # Largest first to the least loaded rank: the same answer on every rank.
     order = sorted(range(len(pieces)), key=lambda i: (-_nbytes(pieces[i]), i))
@@ -196,9 +198,7 @@ def plan_shared(g: Group, boxes: list[Box], store: Storage | None = None) -> Sha
         owner[i] = r
         load[r] += _nbytes(pieces[i])
     plan.pieces = [(owner[i], p) for i, p in enumerate(pieces)]
-    plan.mine += [p for r, p in plan.pieces if r == g.rank]
-    one_host = len({h for h, _, _ in gathered}) == 1
-    if SHM_READS and one_host and os.path.isdir(SHM_DIR):
+    if all(x[3] for x in gathered) and len({x[0] for x in gathered}) == 1:
         plan.shm = os.path.join(SHM_DIR, f"stalwart-load-{gathered[0][1]}")
     return plan
 
@@ -235,23 +235,26 @@ def share_pieces(g: Group, plan: SharedPlan, err: BaseException | None) -> None:
     Raises:
         ``err`` on the rank that failed; on the others, the same kind of error naming it.
     """
-    mine = f"{plan.shm}-{g.rank}" if plan.shm is not None else None
-    try:
-        if mine is not None and err is None:
-            err = _publish(mine, [p for r, p in plan.pieces if r == g.rank])
-        outcomes = g.all_gather(_outcome(err))
-        if err is not None:
-            raise err
-        for r, out in enumerate(outcomes):
-            if out is not None:
-                _raise_remote(r, *out)
-        if plan.shm is not None:
-            return _take_published(g, plan, plan.shm)
-    finally:
-        if mine is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(mine)  # after every rank read it (or none will)
+    _settle(g, err)
     _broadcast(g, plan)
+
+
+def _settle(g: Group, err: BaseException | None, why: tuple[bool, str] | None = None) -> None:
+    """Every rank learns every rank's outcome; raise here if any failed.
+
+    ``why``: this rank's copies out of ``/dev/shm`` stopped (``shm_stream.copy_out``); its
+    own failure counts as an outcome, a peer's is explained by that peer's outcome.
+    """
+    own = why is not None and why[0] and err is None
+    outcome = _outcome(err) or (("DistributedError", why[1], []) if own and why else None)
+    outcomes = g.all_gather(outcome)
+    if err is not None:
+        raise err
+    for r, out in enumerate(outcomes):
+        if out is not None:
+            _raise_remote(r, *out)
+    if why is not None:
+        raise DistributedError(f"sharing loaded tensors through {SHM_DIR} failed: {why[1]}")
 
 
 def _broadcast(g: Group, plan: SharedPlan) -> None:
@@ -282,49 +285,6 @@ def _broadcast(g: Group, plan: SharedPlan) -> None:
         ) from e
 
 
-def _publish(path: str, pieces: list[Box]) -> OSError | None:
-    """Write this rank's verified pieces, in plan order, to ``path``; the error if it failed."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        try:
-            for p in pieces:
-                view = tensor_bytes(p.dest)
-                while view:
-                    view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-    except OSError as e:
-        return e
-    return None
-
-
-def _take_published(g: Group, plan: SharedPlan, prefix: str) -> None:
-    """Read the other ranks' pieces from their files into place; then all ranks meet."""
-    problem = None
-    try:
-        for r in range(g.world):
-            if r == g.rank:
-                continue
-            with open(f"{prefix}-{r}", "rb", buffering=0) as f:
-                for owner, p in plan.pieces:
-                    if owner != r:
-                        continue
-                    view = tensor_bytes(p.dest)
-                    while view:
-                        n = f.readinto(view)
-                        if not n:
-                            raise OSError(f"{prefix}-{r} ends early")
-                        view = view[n:]
-    except OSError as e:
-        problem = f"{type(e).__name__}: {e}"
-    failed = [(r, m) for r, m in enumerate(g.all_gather(problem)) if m is not None]
-    if failed:
-        raise DistributedError(
-            f"sharing loaded tensors through {SHM_DIR} failed on rank {failed[0][0]} "
-            f"({failed[0][1]}); free space there or set shared_read.SHM_READS = False"
-        )
-
-
 def read_shared(
     storage: Storage,
     boxes: list[Box],
@@ -334,13 +294,15 @@ def read_shared(
     where: str,
     verify_pool: ThreadPoolExecutor | None = None,
 ) -> ReadStats:
-    """``read_boxes`` for the group: boxes every rank wants read once and broadcast.
+    """``read_boxes`` for the group: boxes every rank wants read once and shared.
 
     Collective (every rank of ``g`` calls it, or ``withdraw``). Returns this rank's reads.
     """
     plan = plan_shared(g, boxes, storage)
-    if plan is None:  # alone: a rank withdrew (it raises), a local store, nothing in common
+    if plan is None:  # alone: a rank withdrew (it raises), no gain, nothing in common
         return read_boxes(storage, boxes, pool=pool, where=where, verify_pool=verify_pool)
+    if plan.shm is not None:
+        return _read_streamed(storage, g, plan, pool, where, verify_pool)
     stats, err = ReadStats(), None
     try:
         stats = read_boxes(storage, plan.mine, pool=pool, where=where, verify_pool=verify_pool)
@@ -348,3 +310,88 @@ def read_shared(
         err = e
     share_pieces(g, plan, err)
     return stats
+
+
+def _read_streamed(
+    storage: Storage,
+    g: Group,
+    plan: SharedPlan,
+    pool: ThreadPoolExecutor,
+    where: str,
+    verify_pool: ThreadPoolExecutor | None,
+) -> ReadStats:
+    """One host: each reader lands its pieces in its ``/dev/shm`` segment and every rank
+    copies each out as it turns ready (``shm_stream``); a segment that cannot be made (no
+    room) sends every rank back to reading alone."""
+    sizes: list[list[int]] = [[] for _ in range(g.world)]
+    wanted: list[tuple[int, int, torch.Tensor]] = []
+    for r, p in plan.pieces:
+        if r != g.rank:  # its own pieces land in place, as in a load alone
+            wanted.append((r, len(sizes[r]), p.dest))
+        sizes[r].append(_nbytes(p))
+    segs: dict[int, Segment] = {}
+    problem = None
+    try:
+        if sizes[g.rank]:
+            segs[g.rank] = Segment.create(f"{plan.shm}-{g.rank}", sizes[g.rank])
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e}"
+    problems = [m for m in g.all_gather(problem) if m is not None]
+    if problems:
+        _close(segs, g.rank)
+        log.warning("no room to share loaded pieces in %s (%s): each rank reads alone",
+                    SHM_DIR, problems[0])  # fmt: skip
+        every = [*plan.alone, *(p for _, p in plan.pieces)]
+        return read_boxes(storage, every, pool=pool, where=where, verify_pool=verify_pool)
+    stats, err, why = ReadStats(), None, None
+    stop = threading.Event()
+    try:
+        for r in range(g.world):
+            if r != g.rank and sizes[r]:
+                segs[r] = Segment.open(f"{plan.shm}-{r}", sizes[r])
+        with ThreadPoolExecutor(1, thread_name_prefix="stalwart-shm") as copier:
+            copies = copier.submit(copy_out, segs, wanted, stop)
+            try:
+                stats = _read_into_segment(storage, plan, segs.get(g.rank), pool, where,
+                                           verify_pool)  # fmt: skip
+            except Exception as e:  # carried to every rank by _settle
+                err = e
+                stop.set()
+                if g.rank in segs:
+                    segs[g.rank].abort()
+            why = copies.result()
+    except OSError as e:
+        err = err or e
+        if g.rank in segs:
+            segs[g.rank].abort()
+    try:
+        _settle(g, err, why)
+    finally:
+        _close(segs, g.rank)  # after every rank met: nobody maps them any more
+    return stats
+
+
+def _read_into_segment(
+    storage: Storage,
+    plan: SharedPlan,
+    seg: Segment | None,
+    pool: ThreadPoolExecutor,
+    where: str,
+    verify_pool: ThreadPoolExecutor | None,
+) -> ReadStats:
+    """Read this rank's boxes and pieces into place, putting each piece in its segment as
+    its last chunk lands."""
+    mine = [p for r, p in plan.pieces if r == plan.rank]
+    n = len(mine)
+
+    def landed(i: int) -> None:
+        if i < n and seg is not None:
+            seg.put(i, mine[i].dest)
+
+    return read_boxes(storage, [*mine, *plan.alone], pool=pool, where=where,
+                      verify_pool=verify_pool, landed=landed)  # fmt: skip
+
+
+def _close(segs: dict[int, Segment], rank: int) -> None:
+    for r, seg in segs.items():
+        seg.close(unlink=r == rank)

@@ -1,0 +1,241 @@
+"""Reading spans of pack files, each chunk verified before its bytes land.
+
+Chunks adjacent in a pack are merged into spans of up to ``SPAN_BYTES``, read in pack order
+by an I/O pool, which hands each span to a second pool for hashing and copying and reads on:
+the disk never waits for the hash (``Pipeline``). A store with ``read_view``
+(``LocalStorage``) reads each span into a reused buffer, no allocation per read. Each chunk's
+BLAKE3 hash (which releases the GIL) is checked where it was read; only then are its bytes
+copied to their sinks, so a damaged chunk never lands in a caller's tensor. What to read and
+where it goes is planned in ``reshard.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stalwart.checkpoint.durable.manifest import ChunkRef
+from stalwart.checkpoint.durable.persist import chunk_hash
+from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
+from stalwart.storage.base import ReadsLeaveHost, ReadsViews, Storage
+
+__all__ = [
+    "LOCAL_READ_AHEAD_SPANS",
+    "READ_AHEAD_SPANS",
+    "SPAN_BYTES",
+    "Landing",
+    "Need",
+    "Pipeline",
+    "chunk_what",
+    "merge_spans",
+    "read_span",
+    "verify_chunk",
+]
+
+READ_AHEAD_SPANS = 8
+"""Spans read but not yet verified, at most, from a store whose reads leave the host (each
+holds a buffer of about ``SPAN_BYTES``): deep enough to hide a remote read's latency."""
+
+LOCAL_READ_AHEAD_SPANS = 2
+"""The same bound for stores on this host (``ReadsLeaveHost`` false or absent).
+
+Reads from the page cache do not wait, and fewer buffers stay in the CPU's cache between
+the read, the hash and the copy: 1 GB replicated on 4 ranks, cold cache, 2 cores, loaded in
+1.12 s at 2 against 1.30-1.40 s at 8 (0.53 CPU-s a rank against 0.63); one process, warm,
+interleaved: 0.307 s at 2, 0.311 at 4, 0.348 at 8, 0.498 at 1 (no overlap of read and hash).
+"""
+
+SPAN_BYTES = 4 << 20
+"""Adjacent chunks of one pack are read together, up to this many bytes per read.
+
+Measured on a virtio disk with 8 MiB kernel read-ahead (4 threads, buffered): 4 MiB reads
+ran at 1.6x ``dd iflag=direct``, 8-16 MiB ones at 1.35x; a larger chunk is one read.
+"""
+
+
+@dataclass
+class Need:
+    """One chunk to read and verify, and the ``(dest, a, b)`` its raw bytes ``[a, b)`` fill."""
+
+    ref: ChunkRef
+    what: str
+    sinks: list[tuple[memoryview, int, int]] = field(default_factory=list)
+    boxes: set[int] = field(default_factory=set)  # the boxes it fills (read_boxes' order)
+    landed: Callable[[Need], None] | None = None  # called once its bytes are in every sink
+
+
+def chunk_what(prefix: str, c: ChunkRef) -> str:
+    """How errors name chunk ``c`` of the shard ``prefix`` describes."""
+    return f"{prefix}, chunk {c.hash[:16]}… in {c.pack} at byte {c.offset}"
+
+
+def verify_chunk(storage: Storage, c: ChunkRef, what: str, out: memoryview | None = None) -> int:
+    """Read chunk ``c``, check its hash and length; return the stored bytes read.
+
+    With ``out`` (``c.nbytes`` long), the verified raw bytes are copied there.
+
+    Raises:
+        CorruptCheckpointError: missing pack, truncated data, or a hash mismatch.
+    """
+    need = Need(c, what)
+    if out is not None:
+        need.sinks.append((out, 0, c.nbytes))
+    return read_span(storage, c.pack, c.offset, c.offset + c.length, [need])
+
+
+def check_and_copy(stored_all: memoryview, start: int, needs: list[Need]) -> None:
+    """Verify each chunk of a span read at pack offset ``start``, then copy it to its sinks."""
+    for need in needs:
+        c, what = need.ref, need.what
+        stored = stored_all[c.offset - start : c.offset - start + c.length]
+        if len(stored) != c.length:
+            raise CorruptCheckpointError(
+                f"{what}: truncated (read {len(stored)} of {c.length} bytes); load an earlier "
+                "step or use fallback=True",
+                damaged=[what],
+            )
+        raw = stored
+        if c.codec == "zstd":
+            import zstandard
+
+            try:
+                raw = memoryview(
+                    zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=c.nbytes)
+                )
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpointError(f"{what}: cannot decompress ({e})", [what]) from e
+        if len(raw) != c.nbytes or chunk_hash(raw) != c.hash:
+            raise CorruptCheckpointError(
+                f"{what}: content does not match its hash (bit rot or tampering); "
+                "load an earlier step or use fallback=True",
+                damaged=[what],
+            )
+        src = np.frombuffer(raw, np.uint8)
+        for dest, a, b in need.sinks:  # verified: now, and only now, it may land
+            # numpy copies without the GIL (a memoryview slice copy holds it), so readers
+            # keep issuing reads while a span is copied.
+            np.copyto(np.frombuffer(dest, np.uint8), src[a:b])
+        if need.landed is not None:
+            need.landed(need)
+
+
+def open_span(
+    storage: Storage, pack: str, start: int, end: int, what: str
+) -> tuple[memoryview, Callable[[], object]]:
+    """Read pack bytes ``[start, end)``; return them and the function that frees them."""
+    if end == start:
+        return memoryview(b""), lambda: None
+    try:
+        if isinstance(storage, ReadsViews):
+            stack = ExitStack()
+            try:
+                view = storage.read_view(pack, start, end - start)
+                return stack.enter_context(view), stack.close
+            except BaseException:
+                stack.close()
+                raise
+        buf = memoryview(bytearray(end - start))
+        return buf[: storage.read_into(pack, start, buf)], lambda: None
+    except ObjectNotFoundError as e:
+        raise CorruptCheckpointError(
+            f"{what}: pack file is missing; the checkpoint is incomplete — load an earlier "
+            "step or use fallback=True",
+            damaged=[what],
+        ) from e
+
+
+def read_span(storage: Storage, pack: str, start: int, end: int, needs: list[Need]) -> int:
+    """Read pack bytes ``[start, end)`` holding ``needs``' chunks; verify and place each."""
+    view, release = open_span(storage, pack, start, end, needs[0].what)
+    try:
+        check_and_copy(view, start, needs)
+    finally:
+        release()
+    return end - start
+
+
+class Pipeline:
+    """Reads spans on one pool and verifies them on another, so the disk never waits.
+
+    When the same threads read and then hash, they fall into step: all read, then all
+    hash while the disk idles. Here a reader hands its span to the verify pool and goes on
+    to the next read at once; ``READ_AHEAD_SPANS`` (``LOCAL_READ_AHEAD_SPANS`` on this
+    host) bounds the spans read but not yet verified (and so the buffers held).
+    """
+
+    def __init__(self, storage: Storage, verify_pool: ThreadPoolExecutor) -> None:
+        self.storage = storage
+        self.verify_pool = verify_pool
+        remote = isinstance(storage, ReadsLeaveHost) and storage.reads_leave_host
+        self.slots = threading.BoundedSemaphore(
+            READ_AHEAD_SPANS if remote else LOCAL_READ_AHEAD_SPANS
+        )
+        self.verifies: list[Future[None]] = []
+        self.failed = False  # a verify failed: the load will raise, skip the reads left
+
+    def read(self, pack: str, start: int, end: int, needs: list[Need]) -> int:
+        self.slots.acquire()
+        if self.failed:
+            self.slots.release()
+            return 0
+        try:
+            view, release = open_span(self.storage, pack, start, end, needs[0].what)
+        except BaseException:
+            self.slots.release()
+            raise
+
+        def verify() -> None:
+            try:
+                check_and_copy(view, start, needs)
+            except BaseException:
+                self.failed = True
+                raise
+            finally:
+                release()
+                self.slots.release()
+
+        self.verifies.append(self.verify_pool.submit(verify))
+        return end - start
+
+
+def merge_spans(needs: Iterable[Need]) -> list[tuple[str, int, int, list[Need]]]:
+    """Merge chunks adjacent in a pack into spans of at most ``SPAN_BYTES`` (pack order)."""
+    spans: list[tuple[str, int, int, list[Need]]] = []
+    for need in sorted(needs, key=lambda n: (n.ref.pack, n.ref.offset)):
+        c = need.ref
+        if spans:
+            pack, start, end, group = spans[-1]
+            if pack == c.pack and end == c.offset and end + c.length - start <= SPAN_BYTES:
+                spans[-1] = (pack, start, end + c.length, [*group, need])
+                continue
+        spans.append((c.pack, c.offset, c.offset + c.length, [need]))
+    return spans
+
+
+class Landing:
+    """Counts each box's chunks down as they land; calls ``landed(i)`` when none is left."""
+
+    def __init__(self, needs: Iterable[Need], late: set[int], landed: Callable[[int], None]):
+        self.left: dict[int, int] = {}
+        for need in needs:
+            need.landed = self.land
+            for i in need.boxes:
+                self.left[i] = self.left.get(i, 0) + 1
+        self.late = late
+        self.landed = landed
+        self.lock = threading.Lock()
+
+    def land(self, need: Need) -> None:
+        done = []
+        with self.lock:
+            for i in need.boxes:
+                self.left[i] -= 1
+                if not self.left[i] and i not in self.late:
+                    done.append(i)
+        for i in done:
+            self.landed(i)
