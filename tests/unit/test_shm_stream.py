@@ -108,3 +108,16 @@ def test_a_full_shm_is_an_error_when_made_not_a_crash_later(path: str) -> None:
     with pytest.raises(OSError):
         Segment.create(path, [too_big])
     assert not Path(path).exists()
+
+
+def test_segments_of_dead_readers_are_swept_and_live_ones_kept(path: str) -> None:
+    """A reader killed mid-load leaves its file in /dev/shm (memory): the next load removes it."""
+    _reader(path, "die")  # made by a process that has exited
+    live = path + "-live"
+    seg = Segment.create(live, SIZES)  # made by this (live) process
+    try:
+        gone = shm_stream.sweep("/dev/shm", Path(path).name)
+        assert gone == [path]
+        assert not Path(path).exists() and Path(live).exists()
+    finally:
+        seg.close(unlink=True)

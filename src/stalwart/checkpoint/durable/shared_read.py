@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable.reshard import Box, ReadStats, read_boxes
-from stalwart.checkpoint.durable.shm_stream import Segment, copy_out
+from stalwart.checkpoint.durable.shm_stream import Segment, copy_out, sweep
 from stalwart.errors import CorruptCheckpointError, DistributedError, StepRetiredError
 from stalwart.storage.base import ReadsLeaveHost, Storage
 
@@ -332,6 +332,7 @@ def _read_streamed(
     segs: dict[int, Segment] = {}
     problem = None
     try:
+        sweep(SHM_DIR, "stalwart-load-")  # what loads killed on this host left behind
         if sizes[g.rank]:
             segs[g.rank] = Segment.create(f"{plan.shm}-{g.rank}", sizes[g.rank])
     except OSError as e:

@@ -34,7 +34,7 @@ import torch
 
 from stalwart.checkpoint.durable.persist import tensor_bytes
 
-__all__ = ["POLL_S", "STALL_S", "Segment", "copy_out"]
+__all__ = ["POLL_S", "STALL_S", "Segment", "copy_out", "sweep"]
 
 POLL_S = 0.0005
 """Seconds a rank sleeps when no piece it waits for has turned ready."""
@@ -145,6 +145,33 @@ def _alive(pid: int) -> bool:
     except OSError as e:
         return e.errno == errno.EPERM
     return True
+
+
+def sweep(folder: str, prefix: str) -> list[str]:
+    """Remove segments in ``folder`` named ``prefix*`` whose reader is dead; return them.
+
+    A load killed before it removed its files leaves them in ``/dev/shm``, which is memory;
+    the next load on the host clears them. A segment whose reader lives (or whose header is
+    not written yet: pid 0) is kept.
+    """
+    gone = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    pid = int.from_bytes(os.pread(fd, 8, 0), "little")
+                finally:
+                    os.close(fd)
+                if pid and not _alive(pid):
+                    os.unlink(path)
+                    gone.append(path)
+            except OSError:
+                continue  # removed meanwhile, or not ours to read
+    return gone
 
 
 def copy_out(
