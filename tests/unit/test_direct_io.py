@@ -75,3 +75,36 @@ def test_what_cannot_be_mapped_is_an_oserror_so_the_store_reads_it_instead(
             map_range(fd, 0, 10)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_loads_are_exact_and_damage_is_caught_mapped_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
+) -> None:
+    """``LocalStorage.MAP_READS`` changes how the bytes are reached, never what lands."""
+    import torch
+
+    from stalwart.checkpoint import Checkpointer, CheckpointOptions
+    from stalwart.errors import CorruptCheckpointError
+    from stalwart.storage import local
+
+    monkeypatch.setattr(local, "MAP_READS", mapped)
+    state = {"w": torch.randn(300, 70), "b": torch.arange(9.0)}
+    with Checkpointer(tmp_path, options=CheckpointOptions(chunk_bytes=8192)) as ck:
+        ck.save(1, state)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        ck.load(back)
+        assert all(torch.equal(back[k], state[k]) for k in state)
+        chunks = ck.manifest(1).tensors["w"].shards[0].chunks
+    chunk, first = chunks[2], (chunks[0].nbytes + chunks[1].nbytes) // 4
+    pack = tmp_path / chunk.pack
+    data = bytearray(pack.read_bytes())
+    data[chunk.offset + 3] ^= 0x01
+    pack.write_bytes(bytes(data))
+    with Checkpointer(tmp_path) as ck:
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        with pytest.raises(CorruptCheckpointError, match="does not match its hash"):
+            ck.load(target)
+    # the damaged chunk's elements never landed: they are still the zeros they were
+    flat = target["w"].reshape(-1)
+    assert not flat[first : first + chunk.nbytes // 4].any()

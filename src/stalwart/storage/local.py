@@ -43,9 +43,18 @@ from stalwart.storage.direct_io import (
 )
 from stalwart.storage.temps import TEMP_PREFIX, create_claimed, remove_stale
 
-__all__ = ["TEMP_PREFIX", "LocalStorage", "fsync_dir"]
+__all__ = ["MAP_READS", "TEMP_PREFIX", "LocalStorage", "fsync_dir"]
 
 logger = logging.getLogger(__name__)
+
+MAP_READS = False
+"""``read_view`` maps the page cache (``direct_io.map_range``) instead of reading into a buffer.
+
+Off by default. Mapped, 4 gloo ranks loading a replicated 1 GB each on 2 cores spent 0.05
+CPU-s in the kernel instead of 0.2 and loaded in 0.96 s against 1.2 (DDP 1 GB loads 0.92-0.94x
+the fastest peer instead of 1.02-1.07x); but the 4-rank FSDP2 load of 8 GiB, where the state and
+the page cache fill most of the memory, took 10.0 s [7.5-10.7] against 6.25 s [5.91-7.68]
+read into buffers (docs/benchmarks.md, "fourth round"). Until that is understood, buffers."""
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -188,20 +197,22 @@ class LocalStorage:
     def read_view(self, key: str, offset: int, length: int) -> Iterator[memoryview]:
         """Bytes ``[offset, offset + length)`` of ``key`` as a read-only view for the ``with``.
 
-        The file's pages mapped from the page cache (``direct_io.map_range``: no copy, so the
-        caller checks the bytes before copying them where they belong); where the filesystem
-        cannot map, one read into a reused page-aligned buffer. Buffered, not O_DIRECT: with
-        the kernel's read-ahead that measured 1.6x faster (see ``direct_io``). The view is
-        shorter than ``length`` when the object ends first. Objects are replaced by rename,
-        never rewritten in place, so a mapped one does not change under the reader.
+        One read into a reused page-aligned buffer (no allocation per read), so the caller
+        can check the bytes before copying them where they belong; with ``MAP_READS``, the
+        file's pages mapped from the page cache instead (no copy; objects are replaced by
+        rename, never rewritten in place, so a mapped one does not change under the reader).
+        Buffered, not O_DIRECT: with the kernel's read-ahead that measured 1.6x faster (see
+        ``direct_io``). The view is shorter than ``length`` when the object ends first.
         """
         if offset < 0 or length < 0:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
         fd = self._open_read(key)
         try:
             try:
+                if not MAP_READS:
+                    raise OSError("reads go through a buffer")
                 view, release = map_range(fd, offset, length)
-            except OSError:  # a filesystem that cannot map: read into a buffer
+            except OSError:  # not mapped (MAP_READS, or a filesystem that cannot): a buffer
                 buf = self._read_buffers.get(length + 2 * ALIGN)
                 release = functools.partial(self._read_buffers.put, buf)
                 try:
