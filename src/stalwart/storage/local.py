@@ -208,11 +208,13 @@ class LocalStorage:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
         fd = self._open_read(key)
         try:
-            try:
-                if not MAP_READS:
-                    raise OSError("reads go through a buffer")
-                view, release = map_range(fd, offset, length)
-            except OSError:  # not mapped (MAP_READS, or a filesystem that cannot): a buffer
+            mapped = None
+            if MAP_READS:
+                with contextlib.suppress(OSError):  # a filesystem that cannot map: a buffer
+                    mapped = map_range(fd, offset, length)
+            if mapped is not None:
+                view, release = mapped
+            else:
                 buf = self._read_buffers.get(length + 2 * ALIGN)
                 release = functools.partial(self._read_buffers.put, buf)
                 try:

@@ -10,10 +10,12 @@ byte ready (``put``). Every other rank copies each piece into its tensor as soon
 says so (``copy_out``): each byte of the host is read and hashed once, and copied out while
 the disk is still reading, with no barrier between the reads and the copies.
 
-Only ``pread``/``pwrite`` touch a segment, never a memory map: the kernel copies between the
-file's pages and tensors already in memory, with no page faults (mapping a gigabyte costs
-each rank tens of thousands of faults, more than the hashing it saves) and with the ordering
-a syscall gives (the bytes are written before the ready byte, and read after it).
+The reader writes with ``pwrite`` (no page faults in its own process) and turns a byte
+ready only after the piece's bytes; the others read the header with ``pread`` (a syscall
+orders it before the copy that follows) and the pieces from a read-only map whose page
+tables are filled when it is opened (``MAP_POPULATE``). Moving a piece between processes
+still costs the kernel about as much as the hashing it saves on a local disk (measured in
+docs/benchmarks.md, "fourth round"), which is why ranks on a local disk read alone.
 
 A reader whose read fails marks its segment aborted, and the others stop waiting for it; a
 reader that died is found by its pid, one that makes no progress for ``STALL_S`` by the
