@@ -254,7 +254,8 @@ def _settle(g: Group, err: BaseException | None, why: tuple[bool, str] | None = 
         if out is not None:
             _raise_remote(r, *out)
     if why is not None:
-        raise DistributedError(f"sharing loaded tensors through {SHM_DIR} failed: {why[1]}")
+        fix = "load again (fallback=True moves all ranks on), or set shared_read.SHM_READS = False"
+        raise DistributedError(f"sharing loaded tensors through {SHM_DIR} failed: {why[1]}; {fix}")
 
 
 def _broadcast(g: Group, plan: SharedPlan) -> None:
