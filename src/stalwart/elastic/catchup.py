@@ -25,12 +25,9 @@ agree. This module holds those mechanisms, each usable and tested on its own pro
   from one survivor to everyone in one broadcast (kilobytes).
 
 **Bit parity.** The replayed state equals the survivors' bit for bit when the optimizer is the
-same, its inputs are the same bytes and its hyper-parameters did not change during the
-listening: the reduced gradients are the bytes every member applied; the optimizer's update
-is a function of them and of its state, which the copy holds. An LR scheduler that changes the
-learning rate at every step breaks the last condition (the replay applies the copy's rate to
-every kept step): the digests then differ and the caller falls back to a full heal. The
-caller must check the digests after :func:`take_rest` (:mod:`stalwart.elastic.parity`).
+same, its inputs are the same bytes (the reduced gradients every member applied) and its
+hyper-parameters did not change while it listened (an LR scheduler breaks this; the feed of
+:mod:`stalwart.elastic.follow` sends them per step). Check the digests after :func:`take_rest`.
 
 **What it costs.** The listener keeps one gradient per parameter per listened step (the
 parameters' size each); :class:`Catchup` refuses to keep more than ``max_steps`` steps or
@@ -38,10 +35,9 @@ parameters' size each); :class:`Catchup` refuses to keep more than ``max_steps``
 survivors send from a copy they already hold: no hash, no copy at the boundary; the sender's
 threads share the cores with their training while the bytes move.
 
-Not built here (the protocol, docs/elastic.md): a newcomer joining an epoch as a listener
-(``job.rank``/``job.size``, the batch split and the parity checks leave it out), the ready
-flag in the all-reduce's control vector, the boundary at which it becomes a contributor, and
-the fallback. Replicated state only: a sharded state (DTensor leaves) heals at the epoch change.
+The listener sits in the survivors' all-reduce, which measured badly (docs/elastic.md);
+:mod:`stalwart.elastic.follow` takes it out. Replicated state only: a sharded state (DTensor
+leaves) heals at the epoch change.
 """
 
 from __future__ import annotations
@@ -68,6 +64,7 @@ __all__ = [
     "Catchup",
     "Lender",
     "Transfer",
+    "receive_copy",
     "send_rest",
     "take_rest",
 ]
@@ -186,6 +183,27 @@ def _options(streams: int | None, chunk_bytes: int | None) -> dict[str, int]:
     return opts
 
 
+def receive_copy(holders: int, group: Any, *, streams: int | None = None,
+                 chunk_bytes: int | None = None) -> Transfer:  # fmt: skip
+    """Collective on ``group`` with every :class:`Lender`: this member's address; then the
+    ``holders``' slices of the lent copy arrive in a thread (``result()``: header, leaves)."""
+    sock = open_listener()
+    try:
+        gather_addresses(sock, group)
+    except BaseException:
+        sock.close()
+        raise
+    opts = _options(streams, chunk_bytes)
+
+    def receive() -> tuple[dict[str, Any], list[torch.Tensor]]:
+        try:
+            return receive_leaves(sock, holders, **opts)
+        finally:
+            sock.close()
+
+    return Transfer(receive, name="stalwart-catchup")
+
+
 class Catchup:
     """A listener's side: receive the copy in the background, listen, replay.
 
@@ -223,21 +241,8 @@ class Catchup:
         self._last_buffers: list[torch.Tensor] | None = None
         self._replayed = 0
         self._copy_step: int | None = None
-        sock = open_listener()
-        try:
-            gather_addresses(sock, group)
-        except BaseException:
-            sock.close()
-            raise
-        opts = _options(streams, chunk_bytes)
-
-        def receive() -> tuple[dict[str, Any], list[torch.Tensor]]:
-            try:
-                return receive_leaves(sock, len(holders), **opts)
-            finally:
-                sock.close()
-
-        self.transfer = Transfer(receive, name="stalwart-catchup")
+        self.transfer = receive_copy(len(holders), group, streams=streams,
+                                     chunk_bytes=chunk_bytes)  # fmt: skip
 
     @property
     def kept_bytes(self) -> int:

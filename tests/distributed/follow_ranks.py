@@ -1,0 +1,145 @@
+"""Rank bodies for ``test_elastic_follow.py`` (module-level: ``run_ranks`` pickles them)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import stalwart
+
+
+def _state(seed: int) -> stalwart.TrainingState:
+    """An MLP with BatchNorm (float buffers the mean carries, an integer one it does not),
+    dropout (the global RNG moves at every forward), AdamW and a scheduler that changes the
+    learning rate at every step (the follower must apply each step's rate)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    model = nn.Sequential(nn.Linear(64, 96), nn.BatchNorm1d(96), nn.Tanh(), nn.Dropout(0.2),
+                          nn.Linear(96, 3))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+    return stalwart.TrainingState(model=model, optimizer=opt, scheduler=sched)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(6, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def _parts(state: stalwart.TrainingState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    params = list(state.model.parameters())
+    return params, [b for b in state.model.buffers() if b.is_floating_point()]
+
+
+def _commit(state: stalwart.TrainingState, step: int, rank: int, group: Any, feed: Any = None,
+            ready: bool = False, until: int = 0) -> bool:  # fmt: skip
+    """One committed step on ``group``: the share's gradients, the mean (with the pusher's
+    ready flag in the control vector), the push, the update and the scheduler. Whether this
+    step is the promotion boundary (every member agrees: the flag was in the all-reduce)."""
+    from stalwart.elastic.reduce import average_
+
+    assert state.optimizer is not None and state.scheduler is not None
+    params, buffers = _parts(state)
+    state.optimizer.zero_grad()
+    state.model(_batch(step, rank)).square().sum().backward()
+    flag = False
+    if ready and feed is not None:  # past ``until``, the pusher waits for the follower
+        flag = feed.wait_ready(step + 1, 20.0) if step + 1 >= until else feed.ready(step + 1)
+    control = average_(params, buffers, torch.tensor([float(flag)]), group)
+    promote = float(control[0]) > 0 and step + 1 >= until
+    if feed is not None:
+        feed.push(step + 1, params, buffers, state.optimizer, promote=promote)
+    state.optimizer.step()
+    state.scheduler.step()
+    return promote
+
+
+def followed(rank: int, world_size: int, least: int, most: int) -> dict[str, Any]:
+    """Ranks 0 and 1 trained 2 steps alike and record the agreed copy of step 2; rank 2 is a
+    fresh newcomer. The survivors lend the copy and commit on their own group (rank 0
+    pushes each step) from step 2 until the follower is ready, at step ``least`` or later
+    (at most ``most``); the follower applies the pushed steps as they come, then everyone
+    meets on the whole group for the rest and the digests, and commits one more step as
+    three."""
+    from stalwart.elastic.catchup import Lender, send_rest, take_rest
+    from stalwart.elastic.follow import Feed, Follower
+    from stalwart.elastic.state import AgreedState, digest
+
+    world = dist.group.WORLD
+    survivors = dist.new_group([0, 1])
+    survivor = rank < 2
+    state = _state(0 if survivor else 100 + rank)
+    assert state.optimizer is not None and state.scheduler is not None
+    params, buffers = _parts(state)
+    step = 2
+    if survivor:
+        for s in range(step):  # alike on both: the same batch, no reduction
+            _commit(state, s, 0, None)
+    fresh = digest(state, step)
+    agreed = AgreedState()
+    opts = {"streams": 2, "chunk_bytes": 1000}
+    if survivor:
+        agreed.record(state, step)
+        Lender(agreed, rank, [2], world, **opts)
+        feed = Feed.connect(2, rank == 0, world)
+        promoted = False
+        while not promoted and step < most:
+            promoted = _commit(state, step, rank, survivors, feed, True, least)
+            step += 1
+        out: dict[str, Any] = {"promoted": promoted}
+        if rank == 0:
+            send_rest(state, step, state.optimizer, params, buffers, 0, world)
+        else:
+            take_rest(state, state.optimizer, params, buffers, 0, world, load=False)
+        feed.close()
+    else:
+        follower = Follower(state, state.optimizer, params, buffers, 2, world, **opts)
+        step = follower.follow()
+        out = {"followed_to": step, "over": follower.over}
+        assert take_rest(state, state.optimizer, params, buffers, 0, world) == step
+    final = digest(state, step)
+    _commit(state, step, rank % 2, world)  # a contributor now: the mean over three
+    out.update({"fresh": fresh, "final": final, "next": digest(state, step + 1), "step": step,
+                "lr": state.optimizer.param_groups[0]["lr"]})  # fmt: skip
+    return out
+
+
+def abandoned(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 follows with a bound of one step and applies nothing until rank 0 has pushed
+    three: it stops; rank 0's feed breaks, its pushes return False, it commits on."""
+    from stalwart.elastic.catchup import Lender
+    from stalwart.elastic.follow import Feed, Follower
+    from stalwart.elastic.state import AgreedState
+    from stalwart.errors import DistributedError
+
+    world, solo = dist.group.WORLD, dist.new_group([0])
+    state = _state(rank)
+    assert state.optimizer is not None
+    params, buffers = _parts(state)
+    if rank == 0:
+        agreed = AgreedState()
+        agreed.record(state, 0)
+        lender = Lender(agreed, 0, [1], world)
+        feed = Feed.connect(1, True, world)
+        for step in range(3):
+            _commit(state, step, 0, solo, feed)
+        dist.barrier()
+        lender.wait()
+        deadline = time.monotonic() + 20
+        while feed.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        more = feed.push(3, params, buffers, state.optimizer)
+        return {"broken": feed.broken, "pushed_after": more}
+    follower = Follower(state, state.optimizer, params, buffers, 1, world, max_steps=1)
+    dist.barrier()
+    try:
+        follower.follow()
+    except DistributedError as e:
+        return {"refused": str(e)}
+    return {"refused": None}

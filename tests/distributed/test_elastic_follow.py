@@ -1,0 +1,37 @@
+"""A newcomer that follows pushed steps off the survivors' critical path (``elastic/follow.py``).
+
+Real gloo processes (``run_ranks``): two survivors commit on a group of their own while a
+fresh newcomer takes their lent copy and applies each committed step the pusher sends
+(reduced gradients, buffers, the scheduler's learning rate of that step); after the
+promotion its digest equals theirs bit for bit, and a step as three keeps them equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.testing import run_ranks
+
+from . import follow_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_follower_applies_the_pushed_steps_and_joins_bit_identical() -> None:
+    results = run_ranks(follow_ranks.followed, 3, 6, 12, timeout_s=50)
+    survivor, other, follower = results
+    assert survivor["promoted"] and other["promoted"]
+    assert follower["over"] is None
+    assert {r["step"] for r in results} == {follower["followed_to"]}
+    assert follower["followed_to"] >= 6  # at least 4 steps pushed and applied
+    assert follower["fresh"] != survivor["fresh"]  # it started elsewhere
+    assert survivor["final"] == other["final"] == follower["final"]
+    assert len({r["next"] for r in results}) == 1
+    assert len({r["lr"] for r in results}) == 1
+
+
+def test_a_follower_past_its_bound_breaks_the_feed_and_the_survivor_goes_on() -> None:
+    survivor, follower = run_ranks(follow_ranks.abandoned, 2, timeout_s=50)
+    assert survivor["broken"] is not None
+    assert survivor["pushed_after"] is False
+    assert follower["refused"] is not None and "heal in full" in follower["refused"]
