@@ -69,7 +69,8 @@ def _step(model: Any, opt: torch.optim.Optimizer, step: int, rank: int, group: A
             "step_s": t4 - t0, "promote": promote}  # fmt: skip
 
 
-def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int) -> dict[str, Any]:
+def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
+                 rate: float) -> dict[str, Any]:  # fmt: skip
     """Steps 1 to 4 of the module docstring, on one rank (rank 0: the survivor)."""
     import torch.distributed as dist
 
@@ -103,7 +104,8 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int) ->
         agreed = AgreedState()
         agreed.record(state, step)
         t1 = time.perf_counter()
-        lender = Lender(agreed, 0, [1], world)
+        paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
+        lender = Lender(agreed, 0, [1], world, **paced)
         feed = Feed.connect(1, True, world)
         out["boundary"] = {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
         following = []
@@ -111,13 +113,15 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int) ->
             following.append(_step(model, opt, step, rank, solo, feed, lag))
             step += 1
         out["following"] = following
+        if feed.broken is not None or not following[-1]["promote"]:
+            raise RuntimeError(f"no promotion after {len(following)} steps: {feed.broken}")
         t1 = time.perf_counter()
         send_rest(state, step, opt, params, [], 0, world)  # waits for the follower's last apply
         out["promote_wait_s"] = time.perf_counter() - t1
         lender.wait()
         feed.close()
     else:
-        follower = Follower(state, opt, params, [], 1, world)
+        follower = Follower(state, opt, params, [], 1, world, **({"streams": 1} if rate else {}))
         out["boundary"] = {"addresses_s": time.perf_counter() - t0}
         step = follower.follow()
         out["copy_landed_s"] = time.perf_counter() - t0
@@ -135,13 +139,21 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--gib", type=float, default=2.0)
     p.add_argument("--lag", type=int, default=1, help="steps the follower may be behind")
-    p.add_argument("--most", type=int, default=12, help="steps to follow at most")
+    p.add_argument("--most", type=int, default=40, help="steps to follow at most")
+    p.add_argument(
+        "--rate-mb-s",
+        type=float,
+        default=0.0,
+        help="pace the lent copy (one stream, 8 MiB chunks), MB/s; 0: unpaced",
+    )
     a = p.parse_args()
     from stalwart.testing import run_ranks
 
     rows = []
     for i in range(a.runs):
-        surv, new = run_ranks(follow_ranks, 2, a.gib, a.lag, a.most, timeout_s=900)
+        surv, new = run_ranks(
+            follow_ranks, 2, a.gib, a.lag, a.most, a.rate_mb_s * 1e6, timeout_s=900
+        )
         healthy = statistics.median(s["step_s"] for s in surv["healthy"])
         solo = statistics.median(s["step_s"] for s in surv["solo"])
         fol = surv["following"]
@@ -169,7 +181,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     skip = ("run", "digests_equal", "following", "promoted")
-    print(f"\n{a.runs} runs, {a.gib} GiB AdamW state per member, 2 processes, lag {a.lag}; "
+    print(f"\n{a.runs} runs, {a.gib} GiB AdamW state per member, 2 processes, lag {a.lag}, "
+          f"copy paced at {a.rate_mb_s or 'unpaced'} MB/s; "
           f"digests equal in {sum(r['digests_equal'] for r in rows)} of {a.runs}, promoted in "
           f"{sum(r['promoted'] for r in rows)}")  # fmt: skip
     print("\n| measure | median (range) |\n|---|---|")
