@@ -19,8 +19,7 @@ agree. This module holds those mechanisms, each usable and tested on its own pro
   the contributors', divided by their count, the same bytes on every rank) and keeps what
   came back: one reduced gradient per parameter per step, the last reduced float buffers;
   once the copy landed, :meth:`Catchup.replay` loads it and applies the kept gradients in
-  order with the member's own optimizer, a bounded number per call so that a caller can
-  replay between its steps without making the others wait for a long run;
+  order with the member's own optimizer, a bounded number per call (between its steps);
 * :func:`send_rest` / :func:`take_rest`: the leaves a replay cannot rebuild, and the skeleton,
   from one survivor to everyone in one broadcast (kilobytes).
 
@@ -29,15 +28,11 @@ same, its inputs are the same bytes (the reduced gradients every member applied)
 hyper-parameters did not change while it listened (an LR scheduler breaks this; the feed of
 :mod:`stalwart.elastic.follow` sends them per step). Check the digests after :func:`take_rest`.
 
-**What it costs.** The listener keeps one gradient per parameter per listened step (the
-parameters' size each); :class:`Catchup` refuses to keep more than ``max_steps`` steps or
-``max_bytes`` bytes (:attr:`Catchup.over`), and the caller falls back to a full heal. The
-survivors send from a copy they already hold: no hash, no copy at the boundary; the sender's
-threads share the cores with their training while the bytes move.
-
-The listener sits in the survivors' all-reduce, which measured badly (docs/elastic.md);
-:mod:`stalwart.elastic.follow` takes it out. Replicated state only: a sharded state (DTensor
-leaves) heals at the epoch change.
+**What it costs.** The listener keeps one gradient per parameter per listened step, at most
+``max_steps`` steps or ``max_bytes`` bytes (:attr:`Catchup.over`: then a full heal). The
+survivors send from a copy they already hold, from threads that share their cores. The
+listener sits in the survivors' all-reduce, which measured badly (docs/elastic.md);
+:mod:`stalwart.elastic.follow` takes it out. Replicated state only (no DTensor leaves).
 """
 
 from __future__ import annotations
@@ -49,8 +44,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from stalwart.elastic.dtensors import is_dtensor
 from stalwart.elastic.groups import device_of
 from stalwart.elastic.heal import gather_addresses, open_listener, receive_leaves, send_slices
 from stalwart.elastic.reduce import average_
@@ -165,7 +160,7 @@ class Lender:
 def _lent(agreed: AgreedState) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The agreed copy as a heal's header and leaves (replicated state only)."""
     skeleton, step, leaves = agreed.lend()
-    if any(isinstance(t, DTensor) for t in leaves.values()):
+    if any(is_dtensor(t) for t in leaves.values()):
         raise ConfigError(
             "a heal in the background sends replicated state only; a sharded state "
             "(DTensor leaves) heals at the epoch change"

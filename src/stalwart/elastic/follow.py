@@ -54,9 +54,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from stalwart.elastic.catchup import MAX_BYTES, MAX_STEPS, receive_copy
+from stalwart.elastic.dtensors import is_dtensor
 from stalwart.elastic.heal import IDLE_TIMEOUT_S, gather_addresses, open_listener
 from stalwart.elastic.state import live_targets, load_leaves
 from stalwart.errors import ConfigError, DistributedError
@@ -176,7 +176,7 @@ class Feed:
         grads = [p.grad for p in params]
         if any(g is None for g in grads):
             raise ConfigError("push after the all-reduce: every parameter needs its gradient")
-        if any(isinstance(g, DTensor) for g in grads):
+        if any(is_dtensor(g) for g in grads):
             raise ConfigError("a follow carries replicated state only; a sharded state "
                               "(DTensor leaves) heals at the epoch change")  # fmt: skip
         ptrs = {g.data_ptr() for g in grads if g is not None and g.numel()}

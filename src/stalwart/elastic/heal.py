@@ -44,15 +44,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.groups import device_of
 from stalwart.elastic.protocol import from_env
-from stalwart.elastic.state import (
-    leaf_nbytes,
-    live_targets,
-    load_leaves,
-    local_part,
-    state_header,
-)
+from stalwart.elastic.state import leaf_nbytes, live_targets, load_leaves, state_header
 from stalwart.tree import dtype_from_name
 
 __all__ = [

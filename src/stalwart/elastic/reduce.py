@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.groups import device_of
-from stalwart.elastic.state import local_part
 from stalwart.errors import ConfigError
 
 __all__ = [

@@ -41,9 +41,10 @@ import numpy as np
 import torch
 import xxhash
 
+from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.events import EventKind, read_lines
 from stalwart.elastic.groups import agree, device_of
-from stalwart.elastic.state import canonical_tree, local_part
+from stalwart.elastic.state import canonical_tree
 from stalwart.environment import read
 from stalwart.tree import dtype_name, flatten
 

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from stalwart.elastic.dtensors import dtensor_spec, is_dtensor, local_part, rebuild_dtensor
 from stalwart.elastic.groups import device_of
-from stalwart.errors import ConfigError, DistributedError
+from stalwart.errors import DistributedError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
 __all__ = [
@@ -82,51 +82,9 @@ def _localize(tree: Any) -> Any:
     return tree
 
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a ``DTensor`` (sharing its storage); any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor's (local) bytes as a flat uint8 CPU tensor (a view when contiguous on CPU)."""
     return local_part(t).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-def _spec(t: torch.Tensor) -> dict[str, Any] | None:
-    """A DTensor's global shape, stride and placements, as JSON (None: a plain tensor)."""
-    if not isinstance(t, DTensor):
-        return None
-    placements: list[list[Any]] = []
-    for p in t.placements:
-        if isinstance(p, Shard):
-            placements.append(["shard", p.dim])
-        elif isinstance(p, Replicate):
-            placements.append(["replicate"])
-        else:
-            raise ConfigError(
-                f"a state tensor is a DTensor with placement {p}: only Shard and Replicate "
-                "placements can be sent to a replica (reduce partial tensors before committing)"
-            )
-    return {"shape": list(t.shape), "stride": list(t.stride()), "placements": placements}
-
-
-def _rebuild(local: torch.Tensor, spec: dict[str, Any], like: torch.Tensor | None,
-             mesh: Any) -> torch.Tensor:  # fmt: skip
-    """A DTensor from a received local shard, on the receiver's mesh (``like``'s, if any)."""
-    if like is not None and isinstance(like, DTensor):
-        mesh = like.device_mesh
-        local = local.to(like.to_local().device)
-    elif mesh is not None:
-        local = local.to(mesh.device_type)
-    else:
-        raise ConfigError(
-            "received a sharded (DTensor) state but this member holds no DTensor to take the "
-            "device mesh from: shard the model (fully_shard(model, mesh=job.shard_mesh)) "
-            "before the first step, on every member"
-        )
-    placements = [Shard(p[1]) if p[0] == "shard" else Replicate() for p in spec["placements"]]
-    shape, stride = torch.Size(spec["shape"]), tuple(spec["stride"])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def digest(state: Any, step: int) -> str:
@@ -175,7 +133,7 @@ def state_header(state: Any, step: int) -> tuple[dict[str, Any], list[torch.Tens
         "skeleton": flat.skeleton,
         "step": step,
         "leaves": [
-            [n, dtype_name(t.dtype), list(local_part(t).shape), _spec(t)]
+            [n, dtype_name(t.dtype), list(local_part(t).shape), dtensor_spec(t)]
             for n, t in zip(names, tensors, strict=True)
         ],
     }
@@ -205,8 +163,8 @@ def load_leaves(
         if rest and rest[0] is not None:
             if own is None:
                 own = {n: leaf.tensor for n, leaf in flatten(canonical_tree(state)).leaves.items()}
-            mesh = next((t.device_mesh for t in own.values() if isinstance(t, DTensor)), None)
-            tensors[name] = _rebuild(t, rest[0], own.get(name), mesh)
+            mesh = next((t.device_mesh for t in own.values() if is_dtensor(t)), None)
+            tensors[name] = rebuild_dtensor(t, rest[0], own.get(name), mesh)
     tree = unflatten(header["skeleton"], tensors.__getitem__)
     state.load_state_dict(_localize(tree))
     return int(header["step"])
@@ -220,7 +178,7 @@ def live_targets(state: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype, shape, *rest in header["leaves"]:
         live = own.get(name)
-        if (live is not None and not isinstance(live, DTensor) and live.device.type == "cpu"
+        if (live is not None and not is_dtensor(live) and live.device.type == "cpu"
                 and (not rest or rest[0] is None) and list(live.shape) == list(shape)
                 and dtype_name(live.dtype) == dtype):  # fmt: skip
             out[name] = live
@@ -230,7 +188,7 @@ def live_targets(state: Any, header: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _fits(live: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t`` can stand for this member's plain tensor ``live`` in a copy of the state."""
     same = (live.shape, live.dtype, live.device) == (t.shape, t.dtype, t.device)
-    return same and not isinstance(live, DTensor) and live is not t
+    return same and not is_dtensor(live) and live is not t
 
 
 def leaf_nbytes(dtype: str, shape: Sequence[int]) -> int:

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.groups import backend_for, build_shard_group
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.protocol import from_env
-from stalwart.elastic.state import canonical_tree, local_part
+from stalwart.elastic.state import canonical_tree
 from stalwart.elastic.timeouts import Timeouts
 from stalwart.environment import torchrun_world
 from stalwart.errors import ConfigError
