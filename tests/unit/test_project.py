@@ -142,6 +142,13 @@ def test_import_stalwart_loads_no_tools_demos_or_heavy_engines() -> None:
     assert out.stdout.strip() == "", f"import stalwart pulled in: {out.stdout.strip()}"
 
 
+def test_import_of_the_elastic_job_leaves_dtensor_unloaded() -> None:
+    # a launcher and every worker pay this import at start (0.5 s on a 2-core box)
+    code = "import sys, stalwart.elastic.job; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_modules_stay_small_and_documented() -> None:
     for path in _modules():
         lines = path.read_text().count("\n")
