@@ -1,7 +1,14 @@
-"""Shared fixtures: a local moto S3 server for the whole session, a fresh bucket per test."""
+"""Shared fixtures: a local moto S3 server for the whole session, a fresh bucket per test.
+
+At the session's start the package's bytecode is written once: the distributed tests start
+hundreds of processes, and where ``PYTHONDONTWRITEBYTECODE`` is set (these machines set it)
+each would compile every stalwart module it imports again (an editable install has no
+bytecode, unlike a wheel's, which pip compiles).
+"""
 
 from __future__ import annotations
 
+import compileall
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -9,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
+import stalwart
 from stalwart.testing.s3_server import S3Server
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    compileall.compile_dir(Path(stalwart.__file__).parent, quiet=1)
 
 
 @pytest.fixture(scope="session")
