@@ -76,7 +76,8 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
 
     import stalwart
     from stalwart.elastic.catchup import Lender, send_rest, take_rest
-    from stalwart.elastic.follow import Feed, Follower
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.follow import Follower
     from stalwart.elastic.state import AgreedState, digest
 
     world, solo = dist.group.WORLD, dist.new_group([0])
@@ -106,7 +107,7 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
         t1 = time.perf_counter()
         paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
         lender = Lender(agreed, 0, [1], world, **paced)
-        feed = Feed.connect(1, True, world)
+        feed = Feed.connect(1, True, world, params)
         out["boundary"] = {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
         following = []
         while not (following and following[-1]["promote"]) and len(following) < most:
@@ -121,9 +122,9 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
         lender.wait()
         feed.close()
     else:
-        follower = Follower(state, opt, params, [], 1, world, **({"streams": 1} if rate else {}))
+        follower = Follower(1, world, **({"streams": 1} if rate else {}))
         out["boundary"] = {"addresses_s": time.perf_counter() - t0}
-        step = follower.follow()
+        step = follower.follow(state, opt, params, [])
         out["copy_landed_s"] = time.perf_counter() - t0
         take_rest(state, opt, params, [], 0, world)
     mine = digest(state, step)

@@ -60,15 +60,17 @@ def _commit(state: stalwart.TrainingState, step: int, rank: int, group: Any, fee
     return promote
 
 
-def followed(rank: int, world_size: int, least: int, most: int) -> dict[str, Any]:
+def followed(rank: int, world_size: int, least: int, most: int, bare: bool) -> dict[str, Any]:
     """Ranks 0 and 1 trained 2 steps alike and record the agreed copy of step 2; rank 2 is a
     fresh newcomer. The survivors lend the copy and commit on their own group (rank 0
     pushes each step) from step 2 until the follower is ready, at step ``least`` or later
     (at most ``most``); the follower applies the pushed steps as they come, then everyone
     meets on the whole group for the rest and the digests, and commits one more step as
-    three."""
+    three. ``bare``: the survivors commit ``least`` steps without promoting, then promote at
+    a boundary where no step commits (``promote_now``), once the follower applied them all."""
     from stalwart.elastic.catchup import Lender, send_rest, take_rest
-    from stalwart.elastic.follow import Feed, Follower
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.follow import Follower
     from stalwart.elastic.state import AgreedState, digest
 
     world = dist.group.WORLD
@@ -87,11 +89,15 @@ def followed(rank: int, world_size: int, least: int, most: int) -> dict[str, Any
     if survivor:
         agreed.record(state, step)
         Lender(agreed, rank, [2], world, **opts)
-        feed = Feed.connect(2, rank == 0, world)
+        feed = Feed.connect(2, rank == 0, world, params, buffers)
         promoted = False
         while not promoted and step < most:
-            promoted = _commit(state, step, rank, survivors, feed, True, least)
+            promoted = _commit(state, step, rank, survivors, feed, not bare, least)
             step += 1
+            if bare and step == least:
+                ready = torch.tensor([float(feed.wait_ready(step + 1, 20.0, lag=0))])
+                dist.all_reduce(ready, group=survivors)  # every survivor agrees
+                promoted = float(ready[0]) > 0 and (rank != 0 or feed.promote_now(step))
         out: dict[str, Any] = {"promoted": promoted}
         if rank == 0:
             send_rest(state, step, state.optimizer, params, buffers, 0, world)
@@ -99,8 +105,8 @@ def followed(rank: int, world_size: int, least: int, most: int) -> dict[str, Any
             take_rest(state, state.optimizer, params, buffers, 0, world, load=False)
         feed.close()
     else:
-        follower = Follower(state, state.optimizer, params, buffers, 2, world, **opts)
-        step = follower.follow()
+        follower = Follower(2, world, **opts)
+        step = follower.follow(state, state.optimizer, params, buffers)
         out = {"followed_to": step, "over": follower.over}
         assert take_rest(state, state.optimizer, params, buffers, 0, world) == step
     final = digest(state, step)
@@ -114,7 +120,8 @@ def abandoned(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1 follows with a bound of one step and applies nothing until rank 0 has pushed
     three: it stops; rank 0's feed breaks, its pushes return False, it commits on."""
     from stalwart.elastic.catchup import Lender
-    from stalwart.elastic.follow import Feed, Follower
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.follow import Follower
     from stalwart.elastic.state import AgreedState
     from stalwart.errors import DistributedError
 
@@ -126,7 +133,7 @@ def abandoned(rank: int, world_size: int) -> dict[str, Any]:
         agreed = AgreedState()
         agreed.record(state, 0)
         lender = Lender(agreed, 0, [1], world)
-        feed = Feed.connect(1, True, world)
+        feed = Feed.connect(1, True, world, params, buffers)
         for step in range(3):
             _commit(state, step, 0, solo, feed)
         dist.barrier()
@@ -136,10 +143,52 @@ def abandoned(rank: int, world_size: int) -> dict[str, Any]:
             time.sleep(0.05)
         more = feed.push(3, params, buffers, state.optimizer)
         return {"broken": feed.broken, "pushed_after": more}
-    follower = Follower(state, state.optimizer, params, buffers, 1, world, max_steps=1)
+    follower = Follower(1, world, max_steps=1)
     dist.barrier()
     try:
-        follower.follow()
+        follower.follow(state, state.optimizer, params, buffers)
     except DistributedError as e:
         return {"refused": str(e)}
     return {"refused": None}
+
+
+def refused(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 follows rank 0 with a model of another shape: refused before anything is
+    applied; then with its own model, abandoned while nothing is pushed. Rank 0's feed then
+    breaks (the follower shut its socket), and nothing waited for the follower."""
+    from stalwart.elastic.catchup import Lender
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.follow import Follower
+    from stalwart.elastic.state import AgreedState
+    from stalwart.errors import ConfigError, DistributedError
+
+    world = dist.group.WORLD
+    state = _state(rank)
+    assert state.optimizer is not None
+    params, buffers = _parts(state)
+    if rank == 0:
+        agreed = AgreedState()
+        agreed.record(state, 0)
+        lender = Lender(agreed, 0, [1], world)
+        feed = Feed.connect(1, True, world, params, buffers)
+        dist.barrier()
+        lender.wait()
+        deadline = time.monotonic() + 20
+        while feed.broken is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"broken": feed.broken}
+    follower = Follower(1, world)
+    other = nn.Linear(64, 4)
+    out: dict[str, Any] = {}
+    try:
+        follower.follow(state, state.optimizer, list(other.parameters()), buffers)
+    except ConfigError as e:
+        out["mismatch"] = str(e)
+    asked = []
+    try:
+        follower.follow(state, state.optimizer, params, buffers,
+                        abandon=lambda: asked.append(1) or len(asked) > 2, poll_s=0.05)  # fmt: skip
+    except DistributedError as e:
+        out["abandoned"] = str(e)
+    dist.barrier()
+    return out

@@ -17,8 +17,9 @@ from . import follow_ranks
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_follower_applies_the_pushed_steps_and_joins_bit_identical() -> None:
-    results = run_ranks(follow_ranks.followed, 3, 6, 12, timeout_s=50)
+@pytest.mark.parametrize("bare", [False, True], ids=["promoted-with-a-step", "promoted-bare"])
+def test_a_follower_applies_the_pushed_steps_and_joins_bit_identical(bare: bool) -> None:
+    results = run_ranks(follow_ranks.followed, 3, 6, 12, bare, timeout_s=50)
     survivor, other, follower = results
     assert survivor["promoted"] and other["promoted"]
     assert follower["over"] is None
@@ -35,3 +36,10 @@ def test_a_follower_past_its_bound_breaks_the_feed_and_the_survivor_goes_on() ->
     assert survivor["broken"] is not None
     assert survivor["pushed_after"] is False
     assert follower["refused"] is not None and "heal in full" in follower["refused"]
+
+
+def test_a_follower_refuses_another_model_and_can_be_abandoned() -> None:
+    survivor, follower = run_ranks(follow_ranks.refused, 2, timeout_s=50)
+    assert "same model" in follower["mismatch"]
+    assert "abandoned" in follower["abandoned"]
+    assert survivor["broken"] is not None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from stalwart.elastic.follow import Feed, hyper_parameters
+from stalwart.elastic.feed import Feed, hyper_parameters
 from stalwart.errors import ConfigError
 
 

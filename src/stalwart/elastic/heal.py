@@ -54,10 +54,12 @@ __all__ = [
     "CHUNK_BYTES",
     "IDLE_TIMEOUT_S",
     "STREAMS",
+    "flat_bytes",
     "gather_addresses",
     "heal",
     "open_listener",
     "receive_leaves",
+    "recv_into",
     "send_slices",
     "slice_bounds",
 ]
@@ -184,7 +186,7 @@ def _pieces(sizes: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, int, 
         offset += n
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A leaf's local bytes, flat uint8 (a view of a contiguous tensor, on its device)."""
     return local_part(t).detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -195,7 +197,7 @@ def _send(header: dict[str, Any], tensors: Sequence[torch.Tensor], place: tuple[
     ``rate``: at most this many bytes a second on this connection (0: as fast as it goes)."""
     index, count = place
     started, sent = time.perf_counter(), 0
-    flats = [_flat(t) for t in tensors]
+    flats = [flat_bytes(t) for t in tensors]
     lo, hi = slice_bounds(sum(f.numel() for f in flats), index, count)
     with socket.create_connection(address, timeout=IDLE_TIMEOUT_S) as sock:
         sock.sendall(_INT.pack(index))
@@ -215,15 +217,16 @@ def _send(header: dict[str, Any], tensors: Sequence[torch.Tensor], place: tuple[
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+def recv_into(sock: socket.socket, view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Fill ``view`` from ``sock``, at most ``chunk_bytes`` a call (a closed peer raises)."""
     while len(view):
         got = sock.recv_into(view, min(len(view), chunk_bytes))
         if got == 0:
-            raise ConnectionError("a holder closed its connection in the middle of the heal")
+            raise ConnectionError("the peer closed its connection in the middle of a transfer")
         view = view[got:]
 
 
@@ -263,16 +266,16 @@ def _take(conns: dict[int, socket.socket], chunk_bytes: int,
     leaves = [torch.empty(shape, dtype=dtype_from_name(dtype))
               for _, dtype, shape, *_ in header["leaves"]]  # fmt: skip
     sizes = [leaf_nbytes(dtype, shape) for _, dtype, shape, *_ in header["leaves"]]
-    flats = [_flat(t) for t in leaves]
+    flats = [flat_bytes(t) for t in leaves]
     views = [f.numpy().data for f in flats]  # the leaves' own memory
     twins = twins_for(header, leaves)
 
     def take(index: int) -> None:
         lo, hi = slice_bounds(sum(sizes), index, count)
         for leaf, a, b in _pieces(sizes, lo, hi):
-            _recv_into(conns[index], views[leaf][a:b], chunk_bytes)
+            recv_into(conns[index], views[leaf][a:b], chunk_bytes)
             if leaf in twins:  # while the other connections' bytes are in flight
-                _flat(twins[leaf])[a:b].copy_(flats[leaf][a:b])
+                flat_bytes(twins[leaf])[a:b].copy_(flats[leaf][a:b])
 
     _all([functools.partial(take, i) for i in range(count)])
     return header, leaves, twins
