@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from heal_bench import WIDTH, _cell, _model  # a sibling bench script
+from heal_bench import WIDTH, _cell, _model, lend_copy  # a sibling bench script
 
 
 def _step(model: Any, opt: torch.optim.Optimizer, step: int, rank: int, group: Any,
@@ -75,10 +75,10 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
     import torch.distributed as dist
 
     import stalwart
-    from stalwart.elastic.catchup import Lender, send_rest, take_rest
+    from stalwart.elastic.catchup import send_rest, take_rest
     from stalwart.elastic.feed import Feed
     from stalwart.elastic.follow import Follower
-    from stalwart.elastic.state import AgreedState, digest
+    from stalwart.elastic.state import digest
 
     world, solo = dist.group.WORLD, dist.new_group([0])
     torch.manual_seed(0)
@@ -102,13 +102,10 @@ def follow_ranks(rank: int, world_size: int, gib: float, lag: int, most: int,
     params = list(model.parameters())
     t0 = time.perf_counter()
     if rank == 0:
-        agreed = AgreedState()
-        agreed.record(state, step)
+        lender, out["boundary"] = lend_copy(state, step, rate, world)
         t1 = time.perf_counter()
-        paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
-        lender = Lender(agreed, 0, [1], world, **paced)
         feed = Feed.connect(1, True, world, params)
-        out["boundary"] = {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
+        out["boundary"]["addresses_s"] += time.perf_counter() - t1
         following = []
         while not (following and following[-1]["promote"]) and len(following) < most:
             following.append(_step(model, opt, step, rank, solo, feed, lag))

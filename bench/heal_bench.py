@@ -241,6 +241,22 @@ def _mean_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: in
     return {"compute_s": t1 - t0, "reduce_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0}
 
 
+def lend_copy(state: Any, step: int, rate: float, group: Any) -> tuple[Any, dict[str, float]]:
+    """Rank 0 at the boundary: record its agreed copy of ``step`` and lend it to rank 1
+    (``rate``: bytes a second, one stream, 8 MiB chunks; 0: unpaced); the lender and the
+    boundary's seconds (the copy, the address exchange)."""
+    from stalwart.elastic.catchup import Lender
+    from stalwart.elastic.state import AgreedState
+
+    t0 = time.perf_counter()
+    agreed = AgreedState()
+    agreed.record(state, step)
+    t1 = time.perf_counter()
+    paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
+    lender = Lender(agreed, 0, [1], group, **paced)
+    return lender, {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
+
+
 def background_ranks(rank: int, world_size: int, gib: float, healthy: int,
                      most: int, warm: bool, rate: float) -> dict[str, Any]:  # fmt: skip
     """Increment B's pieces at ``gib`` GiB (:mod:`stalwart.elastic.catchup`), 2 processes.
@@ -259,8 +275,8 @@ def background_ranks(rank: int, world_size: int, gib: float, healthy: int,
     import torch.distributed as dist
 
     import stalwart
-    from stalwart.elastic.catchup import Catchup, Lender, send_rest, take_rest
-    from stalwart.elastic.state import AgreedState, digest
+    from stalwart.elastic.catchup import Catchup, send_rest, take_rest
+    from stalwart.elastic.state import digest
 
     def fresh(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
@@ -288,12 +304,7 @@ def background_ranks(rank: int, world_size: int, gib: float, healthy: int,
     t0 = time.perf_counter()
     landed: list[float] = []
     if rank == 0:
-        agreed = AgreedState()
-        agreed.record(state, step)
-        t1 = time.perf_counter()
-        paced = {"rate_bytes_s": rate, "streams": 1, "chunk_bytes": 8 << 20} if rate else {}
-        lender = Lender(agreed, 0, [1], group, **paced)
-        out["boundary"] = {"copy_s": t1 - t0, "addresses_s": time.perf_counter() - t1}
+        lender, out["boundary"] = lend_copy(state, step, rate, group)
         threading.Thread(target=lambda: (lender.transfer.wait(), landed.append(
             time.perf_counter())), daemon=True).start()  # fmt: skip
     else:

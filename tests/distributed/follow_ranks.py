@@ -116,13 +116,31 @@ def followed(rank: int, world_size: int, least: int, most: int, bare: bool) -> d
     return out
 
 
+def _lone_pusher(state: stalwart.TrainingState, params: list[torch.Tensor],
+                 buffers: list[torch.Tensor]) -> tuple[Any, Any]:  # fmt: skip
+    """Rank 0 of two: its copy of step 0 lent to rank 1, and its feed to it."""
+    from stalwart.elastic.catchup import Lender
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.state import AgreedState
+
+    agreed = AgreedState()
+    agreed.record(state, 0)
+    lender = Lender(agreed, 0, [1], dist.group.WORLD)
+    return lender, Feed.connect(1, True, dist.group.WORLD, params, buffers)
+
+
+def _broken(feed: Any) -> str | None:
+    """Why the feed broke, waiting up to 20 s for it to notice."""
+    deadline = time.monotonic() + 20
+    while feed.broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return feed.broken
+
+
 def abandoned(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1 follows with a bound of one step and applies nothing until rank 0 has pushed
     three: it stops; rank 0's feed breaks, its pushes return False, it commits on."""
-    from stalwart.elastic.catchup import Lender
-    from stalwart.elastic.feed import Feed
     from stalwart.elastic.follow import Follower
-    from stalwart.elastic.state import AgreedState
     from stalwart.errors import DistributedError
 
     world, solo = dist.group.WORLD, dist.new_group([0])
@@ -130,19 +148,13 @@ def abandoned(rank: int, world_size: int) -> dict[str, Any]:
     assert state.optimizer is not None
     params, buffers = _parts(state)
     if rank == 0:
-        agreed = AgreedState()
-        agreed.record(state, 0)
-        lender = Lender(agreed, 0, [1], world)
-        feed = Feed.connect(1, True, world, params, buffers)
+        lender, feed = _lone_pusher(state, params, buffers)
         for step in range(3):
             _commit(state, step, 0, solo, feed)
         dist.barrier()
         lender.wait()
-        deadline = time.monotonic() + 20
-        while feed.broken is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        more = feed.push(3, params, buffers, state.optimizer)
-        return {"broken": feed.broken, "pushed_after": more}
+        broken = _broken(feed)
+        return {"broken": broken, "pushed_after": feed.push(3, params, buffers, state.optimizer)}
     follower = Follower(1, world, max_steps=1)
     dist.barrier()
     try:
@@ -156,10 +168,7 @@ def refused(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1 follows rank 0 with a model of another shape: refused before anything is
     applied; then with its own model, abandoned while nothing is pushed. Rank 0's feed then
     breaks (the follower shut its socket), and nothing waited for the follower."""
-    from stalwart.elastic.catchup import Lender
-    from stalwart.elastic.feed import Feed
     from stalwart.elastic.follow import Follower
-    from stalwart.elastic.state import AgreedState
     from stalwart.errors import ConfigError, DistributedError
 
     world = dist.group.WORLD
@@ -167,16 +176,10 @@ def refused(rank: int, world_size: int) -> dict[str, Any]:
     assert state.optimizer is not None
     params, buffers = _parts(state)
     if rank == 0:
-        agreed = AgreedState()
-        agreed.record(state, 0)
-        lender = Lender(agreed, 0, [1], world)
-        feed = Feed.connect(1, True, world, params, buffers)
+        lender, feed = _lone_pusher(state, params, buffers)
         dist.barrier()
         lender.wait()
-        deadline = time.monotonic() + 20
-        while feed.broken is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return {"broken": feed.broken}
+        return {"broken": _broken(feed)}
     follower = Follower(1, world)
     other = nn.Linear(64, 4)
     out: dict[str, Any] = {}
