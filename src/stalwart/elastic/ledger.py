@@ -24,6 +24,7 @@ public interface; none of them touches the ledger's or the job's private fields.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -276,13 +277,17 @@ class StepLedger:
         self.events.record(FaultDetected(step=self._step, epoch=number, members=list(members),
                                          error=str(err)[:200]))  # fmt: skip
         self.membership.report_fault(number)
+        _forget_frames(err)  # its traceback's frames hold the group alive
         self.drop_group()  # closes our sockets: the peers fail fast
         self._due = True
 
     def drop_group(self) -> None:
-        """Give up the current epoch's group: gloo's sockets close, NCCL's is aborted."""
+        """Give up the current epoch's group: NCCL's is aborted; gloo's connections close only
+        when the group is freed (a peer blocked on one would wait for the collective
+        timeout), so it is collected here, reference cycles included."""
         abort_group(self.epoch.group)
         self.epoch = self.epoch.without_group()
+        gc.collect()
 
     def flag_newer_epoch(self) -> None:
         """Join the next epoch at the next boundary (every member saw the same flag)."""
@@ -384,3 +389,12 @@ class StepLedger:
         self._step = target
         self.check_parity(why)
         self.mark_boundary()
+
+
+def _forget_frames(err: BaseException | None) -> None:
+    """Drop the tracebacks of ``err`` and the exceptions chained to it (the message stays)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
