@@ -101,7 +101,7 @@ class Follower:
         )
         self._cv = threading.Condition()
         self._held = 0
-        self._timeout = idle_timeout_s
+        self._idle_s = idle_timeout_s
         self._layout: dict[str, Any] | None = None
         listener = open_listener()
         try:
@@ -218,9 +218,9 @@ class Follower:
                 if abandon is not None and abandon():
                     self._stop("abandoned")
                     raise DistributedError("the follow was abandoned: heal in full")
-                if waited >= self._timeout:
+                if waited >= self._idle_s:
                     raise DistributedError(
-                        f"nothing pushed for {self._timeout:.0f} s after step {self.step}: "
+                        f"nothing pushed for {self._idle_s:.0f} s after step {self.step}: "
                         "heal in full"
                     )
                 self._cv.wait(poll_s)
