@@ -24,7 +24,6 @@ public interface; none of them touches the ledger's or the job's private fields.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -283,11 +282,11 @@ class StepLedger:
 
     def drop_group(self) -> None:
         """Give up the current epoch's group: NCCL's is aborted; gloo's connections close only
-        when the group is freed (a peer blocked on one would wait for the collective
-        timeout), so it is collected here, reference cycles included."""
+        when the group is freed, here, as its last reference goes (after a fault, once the
+        failed step's traceback no longer holds it: a peer blocked on one of its connections
+        would otherwise wait for the collective timeout)."""
         abort_group(self.epoch.group)
         self.epoch = self.epoch.without_group()
-        gc.collect()
 
     def flag_newer_epoch(self) -> None:
         """Join the next epoch at the next boundary (every member saw the same flag)."""
