@@ -98,7 +98,9 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad()
         timed["warmup_s"] = time.perf_counter() - t0
 
-    extra = {"warmup": warmup} if a.warmup else {}  # without: runs on a Job without it too
+    extra: dict[str, Any] = {"warmup": warmup} if a.warmup else {}  # runs on older Jobs too
+    if a.follow:
+        extra["follow"] = True
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0, **extra)
     chaos.install(job)
     model = job.data_parallel(model)
@@ -410,7 +412,8 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         out.mkdir()
         me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
               "--steps", str(a.steps), "--out", str(out),
-              "--warmup" if a.warmup else "--no-warmup"]  # fmt: skip
+              "--warmup" if a.warmup else "--no-warmup",
+              *(["--follow"] if a.follow else [])]  # fmt: skip
         cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--max-restarts", "2",
                "--events", str(ev), "--timeout", str(a.timeout), *me]  # fmt: skip
         sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
@@ -423,7 +426,8 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         timed = {int(p.stem.split("-")[1]): json.loads(p.read_text())
                  for p in out.glob("timed-*.json")}  # fmt: skip
         heal_lines = [ln for w in events if w >= 2  # the replacement (ids 0, 1: the first two)
-                      for ln in (out / f"heal-{w}.log").read_text().splitlines()]  # fmt: skip
+                      for ln in (out / f"heal-{w}.log").read_text().splitlines()
+                      if " healed " in ln]  # fmt: skip
     survivor = events[0]
     steps = [e for e in survivor if e["kind"] == "step" and e["committed"]]  # not the discarded
     gaps = _gaps(steps)
@@ -434,9 +438,14 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     rejoin = [e for e in survivor if e["kind"] == "reconfigured" and len(e["members"]) == 2
               and e["t"] > fault["t"]]  # fmt: skip
     heal_step = next(s for s in steps if rejoin and s["t"] > rejoin[0]["t"])
+    newcomer = next(lines for w, lines in events.items() if w >= 2)
+    cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer)
+    if a.follow:
+        equal = len(finals) == 1 and len(list(events)) == 3
+        return _followed(a, survivor, steps, gaps, healthy, fault, after_fault, heal_step,
+                         newcomer, equal) | cost  # fmt: skip
     words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
     heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
-    newcomer = next(lines for w, lines in events.items() if w >= 2)
     received = next(e for e in newcomer if e["kind"] == "state-received")
     mine = timed[0]["steps"]  # the survivor's steps: the first with 2 members after the kill
     alone = next(i for i, s in enumerate(mine) if s["replicas"] == 1)
@@ -466,11 +475,77 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         ),
         "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
         "newcomer_warmup_s": theirs["warmup_s"] or 0.0,
+        **cost,
+    }
+
+
+def _survivor_cost(steps: list[dict[str, Any]], gaps: dict[int, float], healthy2: float,
+                   after_fault: dict[str, Any],
+                   newcomer: list[dict[str, Any]]) -> dict[str, float]:  # fmt: skip
+    """What the replacement cost the survivor, the same way for both designs: from the
+    replacement's start to the survivor's first commit with it, each alone commit's gap over
+    the survivor's alone step before that start, and the first 2-member commit's over a
+    healthy 2-member step; summed (seconds lost) and the longest (a ratio)."""
+    born = next(e["t"] for e in newcomer if e["kind"] == "start")
+    alone = [s for s in steps if s["t"] > after_fault["t"] and s["step"] in gaps]
+    base = statistics.median(gaps[s["step"]] for s in alone
+                             if len(s["members"]) == 1 and s["t"] <= born)  # fmt: skip
+    first2 = next(s for s in alone if s["t"] > born and len(s["members"]) == 2)
+    inside = [s for s in alone if born < s["t"] < first2["t"]]
+    lost = sum(gaps[s["step"]] - base for s in inside) + gaps[first2["step"]] - healthy2
+    longest = max([gaps[s["step"]] / base for s in inside] + [gaps[first2["step"]] / healthy2])
+    return {"alone_step_s": base, "survivor_lost_s": lost, "survivor_longest_ratio": longest,
+            "alone_steps_in_window": len(inside)}  # fmt: skip
+
+
+def _followed(a: argparse.Namespace, survivor: list[dict[str, Any]], steps: list[dict[str, Any]],
+              gaps: dict[int, float], healthy: list[float], fault: dict[str, Any],
+              after_fault: dict[str, Any], heal_step: dict[str, Any],
+              newcomer: list[dict[str, Any]], equal: bool) -> dict[str, Any]:  # fmt: skip
+    """``--follow``'s measures (``Job(follow=True)``): the survivor's steps alone before the
+    follow, while it lent the copy and pushed, and the step holding the promotion."""
+    follow = {e["outcome"]: e for e in survivor if e["kind"] == "follow"}
+    theirs = {e["outcome"]: e for e in newcomer if e["kind"] == "follow"}
+    if "promoted" not in follow or "promoted" not in theirs:
+        raise SystemExit(f"the follow did not promote: {follow} {theirs}")
+    start, end = follow["started"], follow["promoted"]
+    alone = [s for s in steps if len(s["members"]) == 1 and s["t"] > after_fault["t"]]
+    before = [gaps[s["step"]] for s in alone if s["t"] <= start["t"] and s["step"] in gaps]
+    during = [gaps[s["step"]] for s in alone if s["t"] > start["t"] and s["step"] in gaps]
+    if not before or not during:
+        raise SystemExit("no step alone before or during the follow: raise --steps")
+    return {
+        "digests_equal": equal,
+        "pushed_steps": end["step"] - start["step"],
+        "follow_s": end["t"] - start["t"],
+        "healthy_step_s": statistics.median(healthy),
+        "max_following_step_s": max(during),
+        "max_following_over_alone": max(during) / statistics.median(before),
+        "promotion_step_s": gaps[heal_step["step"]],
+        "promotion_over_healthy": gaps[heal_step["step"]] / statistics.median(healthy),
+        "detect_to_commit_s": after_fault["t"] - fault["t"],
+        "newcomer_state_received": any(e["kind"] == "state-received" for e in newcomer),
     }
 
 
 def _cell(xs: list[float], fmt: str = ".2f") -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}} to {max(xs):{fmt}})"
+
+
+def followed(a: argparse.Namespace) -> None:
+    """``--follow``: :func:`job_run` with ``Job(follow=True)``, ``--runs`` times."""
+    rows = []
+    for i in range(a.runs):
+        rows.append({"run": i, **job_run(a)})
+        print(json.dumps(rows[-1]), flush=True)
+    skip = ("run", "digests_equal", "newcomer_state_received")
+    print(f"\n{a.runs} runs, {a.gib} GiB AdamW state per member, 2 members, Job(follow=True); "
+          f"digests equal in {sum(r['digests_equal'] for r in rows)}, promoted with nothing "
+          f"received in {sum(not r['newcomer_state_received'] for r in rows)}")  # fmt: skip
+    print("\n| measure | median (range) |\n|---|---|")
+    for k in rows[0]:
+        if k not in skip:
+            print(f"| {k} | {_cell([r[k] for r in rows])} |")
 
 
 def main() -> None:
@@ -487,6 +562,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--probe-gib", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=60.0, help="stalwart run --timeout")
+    p.add_argument("--follow", action="store_true",
+                   help="the replacement follows (Job(follow=True)), no heal")  # fmt: skip
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="the replacement warms up before it joins (Job(warmup=...))")  # fmt: skip
     a = p.parse_args()
@@ -498,6 +575,9 @@ def main() -> None:
         return
     if a.background:
         background(a)
+        return
+    if a.follow:
+        followed(a)
         return
     rows = []
     for i in range(a.runs):
@@ -531,6 +611,8 @@ def main() -> None:
     print(f"| survivor's healthy step, timed (s) | {_cell(col['survivor_healthy_step_s'])} |")
     print(f"| newcomer's first forward+backward (s) | {_cell(col['newcomer_first_compute_s'])} |")
     print(f"| newcomer's warm-up, before it joined (s) | {_cell(col['newcomer_warmup_s'])} |")
+    for k in ("alone_step_s", "survivor_lost_s", "survivor_longest_ratio"):
+        print(f"| {k} | {_cell(col[k])} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
                          [--min-size M] [--hold-at STEP --hold-size N] [--stats-window W]
                          [--batchnorm] [--corrupt-at STEP --corrupt-worker W]
-                         [--ckpt DIR --ckpt-every K [--memory-tier]]
+                         [--ckpt DIR --ckpt-every K [--memory-tier]] [--follow]
 
 ``--ckpt`` attaches checkpoint tiers (``Job(state, checkpoint=...)``): a durable tier under
 ``DIR`` every ``K`` steps (``--memory-tier``: and a memory tier every step before it).
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--memory-tier", action="store_true")
+    parser.add_argument("--follow", action="store_true", help="Job(follow=True)")
     a = parser.parse_args()
     torch.manual_seed(0)  # and the other generators: the digest covers them (runs compare)
     random.seed(0)
@@ -71,7 +72,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = stalwart.TrainingState(model=model, optimizer=opt)
     job = Job(state, min_size=a.min_size, verify_every=a.verify_every, stats_window=a.stats_window,
-              checkpoint=_tiers(a.ckpt, a.ckpt_every, a.memory_tier))  # fmt: skip
+              checkpoint=_tiers(a.ckpt, a.ckpt_every, a.memory_tier), follow=a.follow)  # fmt: skip
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)

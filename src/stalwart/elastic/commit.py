@@ -109,6 +109,8 @@ class AllReduceCommit:
         if not ok:
             ledger.discard(err or DistributedError(_PARTNER_FAILED))
             return None
+        if ledger.follow is not None:  # a replacement follows: the reduced step goes to it
+            ledger.follow.push(ledger, change)
         result = apply()
         ledger.commit(change=change)
         return result

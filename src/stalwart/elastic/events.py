@@ -82,6 +82,9 @@ class EventKind(StrEnum):
     # strategies
     BACKUP = "backup"  # step, epoch, ticket, used, next_k, shares, abandoned
     SHARD_HEALED = "shard-healed"  # step, lost, rebuilt, seconds, rebuild_s, slot
+    # role (pusher | follower), outcome (started | promoted | abandoned | fell-back), step,
+    # peer (the follower's worker id, on the pusher), detail (follow_job.py)
+    FOLLOW = "follow"
     DILOCO_REPORT = "diloco-report"  # worker, base, buffer, ticket, h
     DILOCO_DROPPED = "diloco-dropped"  # worker, base, version, h
     DILOCO_MISSING = "diloco-missing"  # worker, buffer, ticket

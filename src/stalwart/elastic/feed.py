@@ -110,11 +110,12 @@ class Feed:
         sock.settimeout(None)  # the ack reader waits as long as the follower applies
         return cls(sock, **kwargs)
 
-    def ready(self, step: int, lag: int = 1) -> bool:
+    def ready(self, step: int, lag: int = 1, base: int = -1) -> bool:
         """Whether step ``step`` may be the promotion boundary: the follower applied every
         step before it but ``lag`` at most (those it applies while the survivors apply
-        ``step``). Put it in the step's all-reduce so that every survivor agrees."""
-        return self.broken is None and self.acked >= step - 1 - lag
+        ``step``); ``base``: the step of a copy it received (it holds that step before any
+        acknowledgement). Put it in the step's all-reduce so that every survivor agrees."""
+        return self.broken is None and max(self.acked, base) >= step - 1 - lag
 
     def wait_ready(self, step: int, timeout_s: float, lag: int = 1) -> bool:
         """:meth:`ready`, waiting up to ``timeout_s`` for the follower's acknowledgements."""

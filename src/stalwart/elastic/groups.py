@@ -53,6 +53,7 @@ __all__ = [
     "build_shard_group",
     "build_solo_group",
     "device_of",
+    "forget_frames",
     "read_layout",
     "shard_mesh",
     "write_layout",
@@ -327,3 +328,14 @@ def all_or_none(shard_group: Any, fn: Callable[[], T]) -> T:
     if ok < shard_group.size():
         raise RuntimeError("a collective failed on another rank of this replica group")
     return result
+
+
+def forget_frames(err: BaseException | None) -> None:
+    """Drop the tracebacks of ``err`` and the exceptions chained to it (the message stays):
+    a failed collective's traceback holds its group alive through the frames (a gloo group
+    closes its connections only when freed: :func:`abort_group`)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__

@@ -1,18 +1,17 @@
 """``Job``: one member of an elastic data-parallel job, and the optimizer wrapper that commits.
 
-A step is *committed* when its gradient all-reduce completed on this member: the reduced
-buffer carries one vote per member, and the optimizer applies the update only when all votes
-are there. A failed collective (a peer died, a timeout) discards the step (parameters,
-optimizer state and global RNGs as at the step's start), tells the coordinator, and marks the
-job for reconfiguration. Membership changes only at step boundaries: at the next
-``zero_grad()`` (or ``step()``) the member joins the next epoch published by the coordinator,
-builds its group on a fresh ``PrefixStore(f"epoch{n}", store)``, and reconciles with the
-other members (:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a
-rollback), so a newcomer and any member behind receive the committed state peer to peer. A
-newcomer is noticed by rank 0 of the epoch, which raises a flag inside the next gradient
-all-reduce, so that every member changes epoch after the same step. When no live member holds
-the committed state, the job resumes from its checkpoint tiers (``Job(checkpoint=...)``,
-:mod:`stalwart.elastic.checkpointing`).
+A step is *committed* when its gradient all-reduce completed on this member with one vote per
+member; otherwise the step is discarded (parameters, optimizer state and global RNGs as at its
+start), the coordinator is told, and the job reconfigures at the next step boundary
+(``zero_grad()``, or ``step()``): it joins the next published epoch on a fresh
+``PrefixStore(f"epoch{n}", store)`` and reconciles with its members
+(:mod:`stalwart.elastic.parity`: ahead wins, then a strict majority, else a rollback), so a
+newcomer and any member behind receive the committed state peer to peer; with
+``Job(follow=True)`` a replacement heals while the survivors commit instead
+(:mod:`stalwart.elastic.follow_job`). Rank 0 of the epoch notices a newcomer and raises a flag
+inside the next all-reduce, so every member changes epoch after the same step. When no live
+member holds the committed state, the job resumes from its checkpoint tiers
+(``Job(checkpoint=...)``, :mod:`stalwart.elastic.checkpointing`).
 
 The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``);
 :meth:`Job.commit` hands each step to one :class:`~stalwart.elastic.ledger.CommitStrategy`: the
@@ -20,18 +19,14 @@ all-reduce (:mod:`stalwart.elastic.commit`) or backup workers (:mod:`stalwart.el
 
 **Replica groups** (``Job(state, group_size=G)``; default ``stalwart run --group-size``):
 each replica is a group of ``G`` ranks with FSDP2 or tensor parallel inside
-(``job.shard_group``, ``job.shard_mesh``); the commit and the parity checks run on the
-replicate dimension, and the group's ranks agree before a step is applied
-(:mod:`stalwart.elastic.groups`). ``job.rank`` / ``job.size`` are the data-parallel rank and
-size over all ranks (``replica_rank * G + shard_rank``, ``replicas * G``). The model is
-sharded on ``job.shard_mesh`` after the job is built, so such a job joins its first epoch at
-the first step boundary: fill the state before the first ``zero_grad()``.
+(``job.shard_group``, ``job.shard_mesh``); commits and parity checks run on the replicate
+dimension (:mod:`stalwart.elastic.groups`). ``job.rank`` / ``job.size`` span all ranks
+(``replica_rank * G + shard_rank``). Such a job joins its first epoch at the first step
+boundary, once the model is sharded on ``job.shard_mesh``: fill the state before it.
 
 The backend follows the device (gloo on CPU, NCCL on CUDA); one timeout gives the others
-(:mod:`stalwart.elastic.timeouts`). Three worlds (:class:`World`, detected from the
-environment): ``"elastic"`` under ``stalwart run``; ``"torchrun"`` (the default process group,
-a fixed world: a failed collective raises :class:`~stalwart.errors.DistributedError`);
-``"single"`` (a world of one).
+(:mod:`stalwart.elastic.timeouts`). The :class:`World` (``"elastic"``, ``"torchrun"``,
+``"single"``) is detected from the environment (:mod:`stalwart.elastic.worlds`).
 """
 
 from __future__ import annotations
@@ -53,14 +48,12 @@ from stalwart.elastic.backup_job import BackupCommit, check_reduce
 from stalwart.elastic.checkpointing import JobCheckpoint
 from stalwart.elastic.commit import DEFAULT_GRAD_NORM_K, AllReduceCommit
 from stalwart.elastic.events import EventLog, Finish, Start
+from stalwart.elastic.follow_job import FollowHeal
 from stalwart.elastic.groups import backend_for, build_solo_group, shard_mesh
 from stalwart.elastic.ledger import CommitStrategy, Listener, StepLedger
-from stalwart.elastic.membership import Membership
 from stalwart.elastic.optimizer import ElasticOptimizer
-from stalwart.elastic.protocol import from_env
 from stalwart.elastic.reduce import REDUCTIONS
-from stalwart.elastic.timeouts import DEFAULT_TIMEOUT_S, Timeouts
-from stalwart.elastic.worlds import World, first_epoch, pick_device
+from stalwart.elastic.worlds import World, coordinator_client, first_epoch, pick_device
 from stalwart.environment import host_attributes
 from stalwart.errors import ConfigError, DistributedError
 
@@ -97,6 +90,8 @@ class Job:
             process group is the replica group (each group's ranks save their shards).
         save_every: a plain Checkpointer's interval, committed steps (tiers have their own).
         warmup: run by a replacement before it announces itself (a backward on zeros, say).
+        follow: a replacement heals while the survivors commit, then joins with nothing to
+            send (:mod:`stalwart.elastic.follow_job`; replicated state, ``stalwart run``).
 
     Attributes:
         ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`).
@@ -126,6 +121,7 @@ class Job:
         checkpoint: Any = None,
         save_every: int = 100,
         warmup: Callable[[], object] | None = None,
+        follow: bool = False,
     ) -> None:
         if min_size < 1 or verify_every < 0 or (group_size is not None and group_size < 1):
             raise ConfigError(
@@ -137,30 +133,26 @@ class Job:
         self._strategy: CommitStrategy = AllReduceCommit()
         self._solo: dist.ProcessGroup | None = None  # a group of one, made on first use
         self.world = World.detect() if world is None else World(world)
-        env = from_env() if self.world is World.ELASTIC else None
-        if self.world is World.ELASTIC and env is None:
-            raise ConfigError(
-                "Job(world='elastic') needs the coordinator: run the script with `stalwart run`"
-            )
-        self.timeouts = Timeouts(
-            timeout_s=timeout_s or (env.timeout_s if env else DEFAULT_TIMEOUT_S),
-            hang_override_s=env.hang_s if env else 0.0, join_override_s=join_timeout_s,
-        )  # fmt: skip
+        env, self.timeouts, membership = coordinator_client(
+            self.world, min_size, timeout_s, join_timeout_s, warmup, announce=not follow
+        )
         self.join_timeout_s = self.timeouts.join_s
-        membership = None if env is None else Membership(env, min_size, timeouts=self.timeouts,
-                                                          warmup=warmup)  # fmt: skip
         local_rank = membership.layout.local_rank if membership else 0
         self.device = pick_device(device, state, local_rank)
         events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
         index = self.device.index if self.device.type == "cuda" else None
         events.record(Start(pid=os.getpid(), host=host_attributes(index)))
-        first, shard_group = first_epoch(self.world, membership, group_size, self.device,
-                                         self.timeouts, timeout_s)  # fmt: skip
+        self._follow = None if membership is None or not follow else FollowHeal(
+            state, membership, self.timeouts.collective)  # fmt: skip
+        placeholder = self._follow and self._follow.first_epoch(group_size, self.device)
+        first, shard_group = (placeholder, None) if placeholder else first_epoch(
+            self.world, membership, group_size, self.device, self.timeouts, timeout_s)  # fmt: skip
         self.ledger = StepLedger(
             state, events, membership, first, verify_every=verify_every,
             join_timeout_s=self.join_timeout_s, stats_window=stats_window,
             shard_group=shard_group,
         )  # fmt: skip
+        self.ledger.follow = self._follow
         self.checkpoint = checkpoint
         self._start(first.number)
 
@@ -322,12 +314,16 @@ class Job:
         elif backup != 0 and self.size > 1:
             raise ConfigError("backup workers need the coordinator: run under `stalwart run`")
         self.ledger.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self._follow is not None:  # a replacement follows here, then joins the epoch
+            self._follow.use(optimizer, self.ledger, backups=backup != 0)
         return ElasticOptimizer(optimizer, self, backups)
 
     # -- the step ---------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """The step boundary: join a new epoch first if one is due."""
+        if self._follow is not None and not self.ledger.reconfigure_due:
+            self._follow.boundary(self.ledger)  # rank 0 starts or forgets a follow
         if self.ledger.reconfigure_due:
             self.ledger.reconfigure()
         self.ledger.notify("step-begin")
@@ -342,6 +338,8 @@ class Job:
         if ledger.membership is None:
             return
         if not ledger.reconfigure_due:
+            if self._follow is not None:
+                self._follow.boundary(ledger)
             ledger.poll_epoch()
         if ledger.reconfigure_due:
             ledger.reconfigure()
@@ -368,6 +366,8 @@ class Job:
         if self._closed:
             return
         ledger = self.ledger
+        if self._follow is not None:
+            self._follow.close(ledger)
         if ledger.membership is not None:
             deadline = time.monotonic() + self.join_timeout_s
             while not ledger.agree_final():  # a rollback raises: the loop must train on

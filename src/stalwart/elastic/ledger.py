@@ -42,14 +42,14 @@ from stalwart.elastic.events import (
     StepCommitted,
     StepDiscarded,
 )
-from stalwart.elastic.groups import abort_group, agree, device_of
+from stalwart.elastic.groups import abort_group, agree, device_of, forget_frames
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.parity import Decision, ParityCheck, gather_table
 from stalwart.elastic.state import BoundarySnapshot, digest
 from stalwart.elastic.stats import StepStats
 from stalwart.errors import CheckpointNotFoundError, DistributedError, StateMismatchError
 
-__all__ = ["CommitStrategy", "Listener", "StepLedger"]
+__all__ = ["CommitStrategy", "FollowHook", "Listener", "StepLedger"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ class CommitStrategy(Protocol):
         """Combine the contributions, ``apply()`` and ``ledger.commit(...)``; or
         ``ledger.discard(err)`` and return None."""
         ...
+
+
+class FollowHook(Protocol):
+    """A replacement healing while the survivors commit (:mod:`.follow_job`): ``push`` after
+    the all-reduce, before the update; ``before_change`` before joining a new epoch."""
+
+    def push(self, ledger: StepLedger, change: bool) -> None: ...
+
+    def before_change(self, ledger: StepLedger) -> None: ...
 
 
 class StepLedger:
@@ -98,6 +107,7 @@ class StepLedger:
         self._due = self._changed = False
         self._boundary: BoundarySnapshot | None = None
         self.checkpoint: JobCheckpoint | None = None  # the tiers (Job(checkpoint=...))
+        self.follow: FollowHook | None = None  # Job(follow=True)
 
     # -- what strategies read ---------------------------------------------------------------
 
@@ -148,10 +158,8 @@ class StepLedger:
     def agree(self, ok: bool, change: float) -> tuple[bool, bool]:
         """Whether every rank of this replica group succeeded, and whether any saw the flag.
 
-        Collective on the shard group (nothing without groups): after a replicate
-        collective, the group's ranks agree before any applies the step, so that a step is
-        applied by all of a group's ranks or by none. A failure of the agreement itself (a
-        rank of the group died) is a failure of the step.
+        Collective on the shard group (nothing without groups), so that a step is applied by
+        all of a group's ranks or by none; a failed agreement (a rank died) fails the step.
         """
         if self.shard_group is None:
             return ok, change > 0
@@ -188,10 +196,9 @@ class StepLedger:
 
     def newer_epoch_published(self) -> bool:
         """Whether the coordinator published an epoch after this one (False: unknown)."""
+        m = self.membership
         try:
-            return self.membership is not None and (
-                self.membership.latest_epoch() > self.epoch.number
-            )
+            return m is not None and m.latest_epoch() > self.epoch.number
         except RuntimeError:
             return False
 
@@ -276,15 +283,13 @@ class StepLedger:
         self.events.record(FaultDetected(step=self._step, epoch=number, members=list(members),
                                          error=str(err)[:200]))  # fmt: skip
         self.membership.report_fault(number)
-        _forget_frames(err)  # its traceback's frames hold the group alive
+        forget_frames(err)  # its traceback's frames hold the group alive
         self.drop_group()  # closes our sockets: the peers fail fast
         self._due = True
 
     def drop_group(self) -> None:
-        """Give up the current epoch's group: NCCL's is aborted; gloo's connections close only
-        when the group is freed, here, as its last reference goes (after a fault, once the
-        failed step's traceback no longer holds it: a peer blocked on one of its connections
-        would otherwise wait for the collective timeout)."""
+        """Give up the current epoch's group: NCCL's is aborted, gloo's freed here (its
+        connections close then: :func:`~stalwart.elastic.groups.forget_frames`)."""
         abort_group(self.epoch.group)
         self.epoch = self.epoch.without_group()
 
@@ -297,6 +302,8 @@ class StepLedger:
     def reconfigure(self) -> None:
         """Join the next published epoch and reconcile with its members."""
         assert self.membership is not None
+        if self.follow is not None:
+            self.follow.before_change(self)
         old = self.epoch.number
         self.drop_group()  # drop the old group first
         self.epoch = self.membership.join(old, self.join_timeout_s)
@@ -330,9 +337,8 @@ class StepLedger:
 
         Raises:
             DistributedError: no checkpoint attached and the job had committed steps.
-            CheckpointNotFoundError, StateMismatchError: nothing to resume from although the
-                job committed steps, or the state does not fit; reported to the launcher as
-                fatal (it stops at once: replacements would fail alike).
+            CheckpointNotFoundError, StateMismatchError: nothing to resume from, or the state
+                does not fit; reported to the launcher as fatal (replacements would fail alike).
         """
         if self._step > 0:
             return
@@ -383,17 +389,12 @@ class StepLedger:
         self._step = self._parity.run(self._step, self.epoch, why)
         return self.digest()
 
+    def followed_to(self, step: int) -> None:
+        """A follow rebuilt the state to the survivors' ``step``, digests checked: take it."""
+        self._step = step
+
     def rewind(self, target: int, why: str) -> None:
         """Every member restored its state of step ``target``: go back to it and verify."""
         self._step = target
         self.check_parity(why)
         self.mark_boundary()
-
-
-def _forget_frames(err: BaseException | None) -> None:
-    """Drop the tracebacks of ``err`` and the exceptions chained to it (the message stays)."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        err.__traceback__ = None
-        err = err.__cause__ or err.__context__

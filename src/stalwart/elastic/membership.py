@@ -106,6 +106,8 @@ class Membership:
         warmup: ``Job(warmup=...)``: called before announcing when the job already committed
             steps without this worker (a replacement, whose state the heal overwrites), so
             that its first-step costs (a cold first backward) are paid while the others train.
+        announce: tell the coordinator this worker is ready at once (False: the caller calls
+            :meth:`announce` later, a replacement that follows first, :mod:`.follow_job`).
 
     Attributes:
         layout: this worker's place in its replica group (the launcher's record).
@@ -115,7 +117,8 @@ class Membership:
 
     def __init__(self, env: WorkerEnv, min_size: int, *, timeouts: Timeouts | None = None,
                  device: torch.device | None = None,
-                 warmup: Callable[[], object] | None = None) -> None:  # fmt: skip
+                 warmup: Callable[[], object] | None = None,
+                 announce: bool = True) -> None:  # fmt: skip
         self.env = env
         self.wid = env.worker_id
         self.min_size = min_size
@@ -131,14 +134,18 @@ class Membership:
             started = time.perf_counter()
             warmup()
             log.info("worker %d warmed up in %.2f s", self.wid, time.perf_counter() - started)
-        self._announce()
+        self.announced = False
+        if announce:
+            self.announce()
 
     def _connect(self, address: tuple[str, int]) -> Store:
         host, port = address
         return TCPStore(host, port, is_master=False, timeout=self.timeouts.collective,
                         wait_for_workers=False)  # fmt: skip
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
+        """Tell the coordinator this worker is ready: the next epoch lists it."""
+        self.announced = True
         layout = self.layout
         record = encode({"pid": os.getpid(), "min_size": self.min_size,
                          "group": layout.group, "group_rank": layout.group_rank})  # fmt: skip
@@ -160,7 +167,8 @@ class Membership:
             if address is not None and address != self.address:
                 try:
                     self.store = self._connect(address)
-                    self._announce()
+                    if self.announced:
+                        self.announce()
                 except RuntimeError:  # not up yet, or gone again: keep looking
                     time.sleep(_POLL_S)
                     continue

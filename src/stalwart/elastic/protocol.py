@@ -83,6 +83,7 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     FINAL = "coord/final"
     PROGRESS = "job/progress"  # the newest committed step, written by the lowest rank
     FATAL = "job/fatal"  # a worker's error no replacement can fix: the launcher stops
+    FOLLOW = "job/follow"  # a replacement's token, asking to follow (elastic/follow_job.py)
 
     @staticmethod
     def exit(wid: int) -> str:

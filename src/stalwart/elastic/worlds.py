@@ -15,6 +15,7 @@ state's first tensor off the CPU (a model on CUDA: NCCL), else the CPU (gloo).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -25,14 +26,14 @@ import torch.distributed as dist
 from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.groups import backend_for, build_shard_group
 from stalwart.elastic.membership import Epoch, Membership
-from stalwart.elastic.protocol import from_env
+from stalwart.elastic.protocol import WorkerEnv, from_env
 from stalwart.elastic.state import canonical_tree
-from stalwart.elastic.timeouts import Timeouts
+from stalwart.elastic.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 from stalwart.environment import torchrun_world
 from stalwart.errors import ConfigError
 from stalwart.tree import flatten
 
-__all__ = ["World", "first_epoch", "fixed_epoch", "pick_device"]
+__all__ = ["World", "coordinator_client", "first_epoch", "fixed_epoch", "pick_device"]
 
 
 class World(StrEnum):
@@ -49,6 +50,31 @@ class World(StrEnum):
             return cls.ELASTIC
         world = torchrun_world()
         return cls.TORCHRUN if world is not None and world[1] > 1 else cls.SINGLE
+
+
+def coordinator_client(
+    world: World, min_size: int, timeout_s: float | None, join_timeout_s: float | None,
+    warmup: Callable[[], object] | None = None, *, announce: bool = True,
+) -> tuple[WorkerEnv | None, Timeouts, Membership | None]:  # fmt: skip
+    """A job's settings from ``stalwart run`` (None in another world), its timeouts (the one
+    timeout: ``timeout_s``, else ``stalwart run --timeout``, else the default) and its
+    coordinator client (``warmup``, ``announce``: :class:`Membership`'s).
+
+    Raises:
+        ConfigError: ``world`` is elastic, but no ``stalwart run`` started this process.
+    """
+    env = from_env() if world is World.ELASTIC else None
+    if world is World.ELASTIC and env is None:
+        raise ConfigError(
+            "Job(world='elastic') needs the coordinator: run the script with `stalwart run`"
+        )
+    timeouts = Timeouts(
+        timeout_s=timeout_s or (env.timeout_s if env else DEFAULT_TIMEOUT_S),
+        hang_override_s=env.hang_s if env else 0.0, join_override_s=join_timeout_s,
+    )  # fmt: skip
+    membership = None if env is None else Membership(env, min_size, timeouts=timeouts,
+                                                      warmup=warmup, announce=announce)  # fmt: skip
+    return env, timeouts, membership
 
 
 def first_epoch(world: World, membership: Membership | None, group_size: int | None,
