@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from heal_bench import WIDTH, _cell, _model, lend_copy  # a sibling bench script
+from heal_bench import WIDTH, _model, lend_copy, print_table  # a sibling bench script
 
 
 def _step(model: Any, opt: torch.optim.Optimizer, step: int, rank: int, group: Any,
@@ -183,10 +183,7 @@ def main() -> None:
           f"copy paced at {a.rate_mb_s or 'unpaced'} MB/s; "
           f"digests equal in {sum(r['digests_equal'] for r in rows)} of {a.runs}, promoted in "
           f"{sum(r['promoted'] for r in rows)}")  # fmt: skip
-    print("\n| measure | median (range) |\n|---|---|")
-    for k in rows[0]:
-        if k not in skip:
-            print(f"| {k} | {_cell([r[k] for r in rows])} |")
+    print_table(rows, skip)
 
 
 if __name__ == "__main__":

@@ -439,19 +439,25 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
               and e["t"] > fault["t"]]  # fmt: skip
     heal_step = next(s for s in steps if rejoin and s["t"] > rejoin[0]["t"])
     newcomer = next(lines for w, lines in events.items() if w >= 2)
-    cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer)
-    if a.follow:
-        equal = len(finals) == 1 and len(list(events)) == 3
-        return _followed(a, survivor, steps, gaps, healthy, fault, after_fault, heal_step,
-                         newcomer, equal) | cost  # fmt: skip
-    words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
-    heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
-    received = next(e for e in newcomer if e["kind"] == "state-received")
+    begins = next((e["t"] for e in survivor if e["kind"] == "follow"), rejoin[0]["t"])
+    cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer, begins)
     mine = timed[0]["steps"]  # the survivor's steps: the first with 2 members after the kill
     alone = next(i for i, s in enumerate(mine) if s["replicas"] == 1)
     heal_at = mine[next(i for i in range(alone, len(mine)) if mine[i]["replicas"] == 2)]
     healthy_at = mine[1 : alone - 1]  # 2 members: not the first (cold) nor the failed one
     theirs = timed[max(timed)]  # the replacement's
+    split = {  # the survivor's own clock: the boundary holding the change, then its commit
+        "survivor_boundary_s": heal_at["boundary_s"], "survivor_commit_s": heal_at["commit_s"],
+        "healthy_commit_s": statistics.median(s["commit_s"] for s in healthy_at),
+        "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
+    }  # fmt: skip
+    if a.follow:
+        equal = len(finals) == 1 and len(list(events)) == 3
+        return _followed(a, survivor, steps, gaps, healthy, fault, after_fault, heal_step,
+                         newcomer, equal) | cost | split  # fmt: skip
+    words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
+    heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
+    received = next(e for e in newcomer if e["kind"] == "state-received")
     return {
         "digests_equal": len(finals) == 1 and len(list(events)) == 3,
         "heal_bytes": nbytes,
@@ -464,32 +470,30 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         "until_heal_end_s": heal_end - rejoin[0]["t"],  # digests, addresses, the heal
         "verify_and_record_s": received["t"] - heal_end,  # digests again, the agreed copy
         "first_step_s": heal_step["t"] - received["t"],  # the first step with the newcomer
-        # the survivor's own clock: its boundary holding the epoch change (join, digests,
-        # heal, check, agreed copy) and its commit (waiting for the newcomer's first part)
-        "survivor_boundary_s": heal_at["boundary_s"],
-        "survivor_commit_s": heal_at["commit_s"],
-        "healthy_commit_s": statistics.median(s["commit_s"] for s in healthy_at),
+        # its boundary: join, digests, heal, check, agreed copy; its commit: waiting for
+        # the newcomer's first forward and backward
+        **split,
         "survivor_heal_step_s": sum(v for k, v in heal_at.items() if k.endswith("_s")),
         "survivor_healthy_step_s": statistics.median(
             sum(v for k, v in s.items() if k.endswith("_s")) for s in healthy_at
         ),
-        "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
         "newcomer_warmup_s": theirs["warmup_s"] or 0.0,
         **cost,
     }
 
 
 def _survivor_cost(steps: list[dict[str, Any]], gaps: dict[int, float], healthy2: float,
-                   after_fault: dict[str, Any],
-                   newcomer: list[dict[str, Any]]) -> dict[str, float]:  # fmt: skip
+                   after_fault: dict[str, Any], newcomer: list[dict[str, Any]],
+                   begins: float) -> dict[str, float]:  # fmt: skip
     """What the replacement cost the survivor, the same way for both designs: from the
     replacement's start to the survivor's first commit with it, each alone commit's gap over
-    the survivor's alone step before that start, and the first 2-member commit's over a
-    healthy 2-member step; summed (seconds lost) and the longest (a ratio)."""
+    the survivor's alone step (the median alone gap before the design ``begins``: the follow
+    starts, or the epoch change), and the first 2-member commit's over a healthy 2-member
+    step; summed (seconds lost) and the longest (a ratio)."""
     born = next(e["t"] for e in newcomer if e["kind"] == "start")
     alone = [s for s in steps if s["t"] > after_fault["t"] and s["step"] in gaps]
-    base = statistics.median(gaps[s["step"]] for s in alone
-                             if len(s["members"]) == 1 and s["t"] <= born)  # fmt: skip
+    solo = [(s["t"], gaps[s["step"]]) for s in alone if len(s["members"]) == 1]
+    base = statistics.median([g for t, g in solo if t <= begins] or [min(g for _, g in solo)])
     first2 = next(s for s in alone if s["t"] > born and len(s["members"]) == 2)
     inside = [s for s in alone if born < s["t"] < first2["t"]]
     lost = sum(gaps[s["step"]] - base for s in inside) + gaps[first2["step"]] - healthy2
@@ -542,6 +546,11 @@ def followed(a: argparse.Namespace) -> None:
     print(f"\n{a.runs} runs, {a.gib} GiB AdamW state per member, 2 members, Job(follow=True); "
           f"digests equal in {sum(r['digests_equal'] for r in rows)}, promoted with nothing "
           f"received in {sum(not r['newcomer_state_received'] for r in rows)}")  # fmt: skip
+    print_table(rows, skip)
+
+
+def print_table(rows: list[dict[str, Any]], skip: tuple[str, ...]) -> None:
+    """Every measure of ``rows`` but ``skip``'s, as a markdown row: median (range)."""
     print("\n| measure | median (range) |\n|---|---|")
     for k in rows[0]:
         if k not in skip:
