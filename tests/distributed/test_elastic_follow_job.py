@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.elastic import read_events
+from stalwart.elastic import read_events, summarize
 from stalwart.elastic.events import EventKind
 from stalwart.testing import Kill, KillSchedule
 
@@ -73,6 +73,8 @@ def test_replacement_follows_and_joins_with_nothing_sent(tmp_path: Path, extra: 
     )
     assert not any(e["kind"] == EventKind.PARITY_MISMATCH for w in events for e in events[w])
     _periodic_digests_agree(events)
+    summary = summarize(tmp_path / "events")
+    assert (summary.follows, summary.heals) == (1, 0), "the run's summary counts the follow"
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == ["0", "2", "3"]
     assert len({f["digest"] for f in finals.values()}) == 1, "bit parity at the end"
@@ -92,10 +94,13 @@ def test_two_replacements_one_follows_the_other_heals(tmp_path: Path) -> None:
     events = read_events(tmp_path / "events")
     replacements = [w for w in events if w > 2]
     assert len(replacements) == 2, sorted(events)
+    promoted = 0
     for w in replacements:
-        promoted = any(e["outcome"] == "promoted" for e in _follows(events, w))
+        followed = any(e["outcome"] == "promoted" for e in _follows(events, w))
         received = any(e["kind"] == EventKind.STATE_RECEIVED for e in events[w])
-        assert promoted != received, (w, _follows(events, w))
+        assert followed != received, (w, _follows(events, w))
+        promoted += followed
+    assert summarize(tmp_path / "events").follows == promoted
     starts = [e for e in _follows(events, 0) if e["outcome"] == "started"]
     assert len(starts) <= 2 and len({e["peer"] for e in starts}) == len(starts)
     finals = _finals(tmp_path / "out")

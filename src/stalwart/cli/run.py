@@ -168,6 +168,7 @@ def _summary_table(result: Any) -> Table:
         ("fault reports (one per survivor)", s.fault_reports),
         ("steps discarded (most on one worker)", s.discarded_steps),
         ("heals (state received)", s.heals),
+        ("follows (healed while the others trained)", s.follows),
         ("parity mismatches", s.parity_mismatches),
         ("hung (killed, silence)", _hung(result.hung)),
         ("stragglers (own time vs others)", _stragglers(result.stragglers)),

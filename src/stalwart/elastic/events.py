@@ -313,6 +313,8 @@ class JobSummary:
         fault_reports: fault-detected events (one per survivor per failure).
         discarded_steps: step attempts discarded, counted on the worker that lost most.
         heals: state-received events.
+        follows: replacements promoted by a follow (``Job(follow=True)``): healed while the
+            survivors committed, nothing received at the epoch change.
         parity_mismatches: digest comparisons that found members apart.
         goodput: committed step time over worker lifetime, both summed over workers.
         final_digests: each finished worker's last digest.
@@ -326,6 +328,7 @@ class JobSummary:
     fault_reports: int = 0
     discarded_steps: int = 0
     heals: int = 0
+    follows: int = 0
     parity_mismatches: int = 0
     goodput: float = 0.0
     final_digests: dict[int, str] = field(default_factory=dict)
@@ -365,6 +368,8 @@ def summarize(folder: Path) -> JobSummary:
                 reporters.add(wid)
                 members.update(e.get("members", ()))
         summary.heals += sum(e["kind"] == EventKind.STATE_RECEIVED for e in lines)
+        summary.follows += sum(e["kind"] == EventKind.FOLLOW and e.get("role") == "follower"
+                               and e.get("outcome") == "promoted" for e in lines)  # fmt: skip
         summary.parity_mismatches += sum(e["kind"] == EventKind.PARITY_MISMATCH for e in lines)
         finish = [e for e in lines if e["kind"] == EventKind.FINISH]
         if finish:

@@ -184,6 +184,7 @@ class Follower:
                 "member's parameters and buffers: build the same model and optimizer on "
                 "every member"
             )
+        self._wait(self.copy.done, abandon, poll_s, idle=False)  # a broken feed ends it too
         try:
             header, leaves = self.copy.result()
         except RuntimeError as e:
@@ -207,9 +208,9 @@ class Follower:
                 return self.step
 
     def _wait(self, ready: Callable[[], Any], abandon: Callable[[], bool] | None,
-              poll_s: float) -> Any:  # fmt: skip
+              poll_s: float, idle: bool = True) -> Any:  # fmt: skip
         """``ready()``'s value once truthy; raises when the follow stopped, was abandoned or
-        waited ``idle_timeout_s``."""
+        (``idle``) waited ``idle_timeout_s``."""
         waited = 0.0
         with self._cv:
             while not (got := ready()):
@@ -218,7 +219,7 @@ class Follower:
                 if abandon is not None and abandon():
                     self._stop("abandoned")
                     raise DistributedError("the follow was abandoned: heal in full")
-                if waited >= self._idle_s:
+                if idle and waited >= self._idle_s:
                     raise DistributedError(
                         f"nothing pushed for {self._idle_s:.0f} s after step {self.step}: "
                         "heal in full"

@@ -162,7 +162,7 @@ class FollowHeal:
         def announce_when_caught_up() -> bool:  # asked while no pushed step waits
             if not self.membership.announced and follower.step is not None:
                 self.membership.announce()
-            return False
+            return self._given_up()
 
         try:
             step = follower.follow(self.state, optimizer, params, buffers,
@@ -186,6 +186,14 @@ class FollowHeal:
         ledger.followed_to(step)
         ledger.events.write(EventKind.FOLLOW, role="follower", outcome="promoted", step=step,
                             peer=None, detail="")  # fmt: skip
+
+    def _given_up(self) -> bool:
+        """Whether the pusher freed the key (it ended the follow): a signal through the store,
+        whatever the feed's socket says."""
+        try:
+            return bytes(self.membership.store.get(keys.FOLLOW)).decode() != self._token
+        except RuntimeError:
+            return False
 
     # -- the survivors' rank 0 --------------------------------------------------------------
 
