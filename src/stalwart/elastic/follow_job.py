@@ -220,7 +220,7 @@ class FollowHeal:
             copy.record(self.state, ledger.step)
             self._lender = Lender(copy, 0, [1], self._group)
             self._feed = Feed.connect(1, True, self._group, ledger.params, ledger.buffers)
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError, ConfigError) as e:  # ConfigError: a sharded leaf
             self._end(ledger, f"could not start: {e}")
             return
         ledger.events.write(EventKind.FOLLOW, role="pusher", outcome="started", step=ledger.step,
