@@ -402,23 +402,32 @@ def _gaps(steps: list[dict[str, Any]]) -> dict[int, float]:
     return {b["step"]: b["t"] - a["t"] for a, b in itertools.pairwise(steps)}
 
 
+def _kill_one(a: argparse.Namespace, tmp: Path, nproc: int,
+              *launcher: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``stalwart run --nproc nproc`` of this script's worker (events and outputs under
+    ``tmp``), worker 1 SIGKILLed at step ``--kill-at``."""
+    from stalwart.testing import Kill, KillSchedule
+
+    (tmp / "out").mkdir()
+    me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
+          "--steps", str(a.steps), "--out", str(tmp / "out"),
+          "--warmup" if a.warmup else "--no-warmup",
+          *(["--follow"] if a.follow else [])]  # fmt: skip
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), *launcher,
+           "--max-restarts", "2", "--events", str(tmp / "events"),
+           "--timeout", str(a.timeout), *me]  # fmt: skip
+    sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+
+
 def job_run(a: argparse.Namespace) -> dict[str, Any]:
     """One kill/replace/heal run; the measures of the module docstring."""
     from stalwart.elastic import read_events
-    from stalwart.testing import Kill, KillSchedule
 
     with tempfile.TemporaryDirectory() as tmp:
         ev, out = Path(tmp) / "events", Path(tmp) / "out"
-        out.mkdir()
-        me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
-              "--steps", str(a.steps), "--out", str(out),
-              "--warmup" if a.warmup else "--no-warmup",
-              *(["--follow"] if a.follow else [])]  # fmt: skip
-        cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--max-restarts", "2",
-               "--events", str(ev), "--timeout", str(a.timeout), *me]  # fmt: skip
-        sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **sched.to_env()}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+        done = _kill_one(a, Path(tmp), 2)
         if done.returncode != 0:
             raise SystemExit(f"the job failed:\n{done.stdout}\n{done.stderr[-3000:]}")
         events = read_events(ev)
@@ -536,6 +545,29 @@ def _cell(xs: list[float], fmt: str = ".2f") -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}} to {max(xs):{fmt}})"
 
 
+def recovery(a: argparse.Namespace) -> None:
+    """``--recovery``: the launcher's recovery record (``stalwart run --json``) of one kill,
+    ``--nproc`` members of ``--gib`` GiB each (issue 24's own shape: 3 members of 1.5 GiB),
+    ``--runs`` times: last sign of life to reaped, to the survivors' fault detection, to their
+    first commit without it (one step recomputed inside it), and the replacement's launch to
+    its first commit (its start, the heal or follow, its first step)."""
+    rows = []
+    for i in range(a.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            done = _kill_one(a, Path(tmp), a.nproc, "--json")
+        doc = json.loads(done.stdout)
+        if not doc["ok"] or not doc["recoveries"]:
+            raise SystemExit(f"the job failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        rec = doc["recoveries"][0]
+        rows.append({"run": i, "digests_equal": doc["final_digests_equal"],
+                     **{k: rec[k] for k in ("reaped_s", "detect_s", "resume_s", "rejoin_s",
+                                            "lost_steps")}})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{a.runs} runs, {a.nproc} members of {a.gib} GiB (AdamW); digests equal in "
+          f"{sum(r['digests_equal'] for r in rows)}")  # fmt: skip
+    print_table(rows, ("run", "digests_equal"))
+
+
 def followed(a: argparse.Namespace) -> None:
     """``--follow``: :func:`job_run` with ``Job(follow=True)``, ``--runs`` times."""
     rows = []
@@ -571,6 +603,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--probe-gib", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=60.0, help="stalwart run --timeout")
+    p.add_argument("--recovery", action="store_true",
+                   help="the launcher's recovery record of one kill (--nproc members)")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=3, help="--recovery: members")
     p.add_argument("--follow", action="store_true",
                    help="the replacement follows (Job(follow=True)), no heal")  # fmt: skip
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -584,6 +619,9 @@ def main() -> None:
         return
     if a.background:
         background(a)
+        return
+    if a.recovery:
+        recovery(a)
         return
     if a.follow:
         followed(a)
