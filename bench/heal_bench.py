@@ -462,8 +462,8 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     if a.follow:
         equal = len(finals) == 1 and len(list(events)) == 3
-        return _followed(a, survivor, steps, gaps, healthy, fault, after_fault, heal_step,
-                         newcomer, equal) | cost | split  # fmt: skip
+        return _followed(survivor, steps, gaps, healthy, fault, after_fault, heal_step,
+                         newcomer, equal, cost["alone_step_s"]) | cost | split  # fmt: skip
     words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
     heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
     received = next(e for e in newcomer if e["kind"] == "state-received")
@@ -511,29 +511,30 @@ def _survivor_cost(steps: list[dict[str, Any]], gaps: dict[int, float], healthy2
             "alone_steps_in_window": len(inside)}  # fmt: skip
 
 
-def _followed(a: argparse.Namespace, survivor: list[dict[str, Any]], steps: list[dict[str, Any]],
+def _followed(survivor: list[dict[str, Any]], steps: list[dict[str, Any]],
               gaps: dict[int, float], healthy: list[float], fault: dict[str, Any],
               after_fault: dict[str, Any], heal_step: dict[str, Any],
-              newcomer: list[dict[str, Any]], equal: bool) -> dict[str, Any]:  # fmt: skip
-    """``--follow``'s measures (``Job(follow=True)``): the survivor's steps alone before the
-    follow, while it lent the copy and pushed, and the step holding the promotion."""
+              newcomer: list[dict[str, Any]], equal: bool,
+              alone_s: float) -> dict[str, Any]:  # fmt: skip
+    """``--follow``'s measures (``Job(follow=True)``): the survivor's steps while it lent the
+    copy and pushed, over its alone step (``alone_s``, :func:`_survivor_cost`'s), and the
+    step holding the promotion."""
     follow = {e["outcome"]: e for e in survivor if e["kind"] == "follow"}
     theirs = {e["outcome"]: e for e in newcomer if e["kind"] == "follow"}
     if "promoted" not in follow or "promoted" not in theirs:
         raise SystemExit(f"the follow did not promote: {follow} {theirs}")
     start, end = follow["started"], follow["promoted"]
     alone = [s for s in steps if len(s["members"]) == 1 and s["t"] > after_fault["t"]]
-    before = [gaps[s["step"]] for s in alone if s["t"] <= start["t"] and s["step"] in gaps]
     during = [gaps[s["step"]] for s in alone if s["t"] > start["t"] and s["step"] in gaps]
-    if not before or not during:
-        raise SystemExit("no step alone before or during the follow: raise --steps")
+    if not during:
+        raise SystemExit("no step alone during the follow: raise --steps")
     return {
         "digests_equal": equal,
         "pushed_steps": end["step"] - start["step"],
         "follow_s": end["t"] - start["t"],
         "healthy_step_s": statistics.median(healthy),
         "max_following_step_s": max(during),
-        "max_following_over_alone": max(during) / statistics.median(before),
+        "max_following_over_alone": max(during) / alone_s,
         "promotion_step_s": gaps[heal_step["step"]],
         "promotion_over_healthy": gaps[heal_step["step"]] / statistics.median(healthy),
         "detect_to_commit_s": after_fault["t"] - fault["t"],

@@ -198,8 +198,12 @@ class FollowHeal:
     # -- the survivors' rank 0 --------------------------------------------------------------
 
     def boundary(self, ledger: StepLedger) -> None:
-        """A step boundary with no epoch change due: rank 0 starts the follow a replacement
-        asked for (module docstring, 2), or forgets one whose feed broke."""
+        """A step boundary: rank 0 starts the follow a replacement asked for (module
+        docstring, 2), or forgets one whose feed broke. Nothing when an epoch change is due
+        (:meth:`before_change` promotes or abandons then; a promoted follower's closed feed
+        is not a break)."""
+        if ledger.reconfigure_due:
+            return
         if self._feed is not None:
             if self._feed.broken is not None:
                 self._end(ledger, f"the feed broke: {self._feed.broken}")

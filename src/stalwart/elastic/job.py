@@ -322,7 +322,7 @@ class Job:
 
     def begin_step(self) -> None:
         """The step boundary: join a new epoch first if one is due."""
-        if self._follow is not None and not self.ledger.reconfigure_due:
+        if self._follow is not None:
             self._follow.boundary(self.ledger)  # rank 0 starts or forgets a follow
         if self.ledger.reconfigure_due:
             self.ledger.reconfigure()
