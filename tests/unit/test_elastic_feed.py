@@ -76,3 +76,17 @@ def test_a_feed_needs_every_gradient_and_a_queue() -> None:
     finally:
         feed.close()
         theirs.close()
+
+
+def test_follow_with_backup_workers_is_refused_with_the_fix() -> None:
+    # Job(follow=True) hands the optimizer over in job.optimizer(opt, backup=...): backup
+    # workers commit without some members' gradients, which a follower cannot replay.
+    from datetime import timedelta
+
+    from stalwart.elastic.follow_job import FollowHeal
+
+    heal = FollowHeal(None, None, timedelta(seconds=1))  # type: ignore[arg-type]  # never reached
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="backup workers: use one or the other"):
+        heal.use(opt, None, backups=True)  # type: ignore[arg-type]
+    assert heal.optimizer is None
