@@ -69,12 +69,18 @@ import dist_load_bench as dlb  # DCP's recipe, the cold-cache timer
 from stalwart.checkpoint import Checkpointer
 
 NAMES = ["stalwart", "dcp", "bytecheckpoint"]
+MAPPED = "stalwart_mapped"  # --mapped-ab: stalwart's checkpoint loaded again, reads mapped
 ASYNC = ["stalwart", "stalwart_capped", "dcp", "bytecheckpoint"]
 Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
 
 
-LAYOUT = {"layout": "fsdp2"}  # the rank processes' layout, from --layout
+LAYOUT = {"layout": "fsdp2", "mapped_ab": False}  # the rank processes' options, from argv
+
+
+def _loaders() -> list[str]:
+    """The loads of a round: the contenders, and stalwart with mapped reads under --mapped-ab."""
+    return [*NAMES, MAPPED] if LAYOUT["mapped_ab"] else list(NAMES)
 
 
 def _build(layers: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -179,7 +185,10 @@ def _bcp(op: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> No
 
 
 def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where: Path) -> None:
-    if name == "stalwart":
+    if name in ("stalwart", MAPPED):
+        from stalwart.storage import local
+
+        local.MAP_READS = name == MAPPED  # the A/B of issue 25: page-cache maps or buffers
         with Checkpointer(where) as ck:
             state = {"model": model, "optim": opt}
             ck.save(1, state) if op == "save" else ck.load(state)
@@ -227,17 +236,17 @@ def _timed_op(rank: int, name: str, op: str, model: nn.Module, opt: Any, where: 
 
 
 def _where(base: str, name: str, rnd: int) -> Path:
-    return Path(base) / f"{name}-r{rnd}"
+    return Path(base) / f"{'stalwart' if name == MAPPED else name}-r{rnd}"
 
 
 def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, rounds: int) -> Any:
     model, opt = _build(layers, dim)
     nbytes = sum(_span(t)[0].numel() * 4 for _, t in _tensors(model, opt))
-    res: dict[str, Any] = {
-        n: {"save": [], "load": [], "save_mem": [], "load_mem": [], "load_disk": []} for n in NAMES
-    }
+    keys = ("save", "load", "save_mem", "load_mem", "load_disk")
+    res: dict[str, Any] = {n: {k: [] for k in keys} for n in _loaders()}
     for rnd in range(rounds):
         order = NAMES[rnd % 3 :] + NAMES[: rnd % 3]
+        loads = _loaders()[rnd % len(_loaders()) :] + _loaders()[: rnd % len(_loaders())]
         for name in order:
             where = _where(base, name, rnd)
             if rank == 0 and rnd > 0:  # keep only the newest round's checkpoint of each
@@ -246,7 +255,7 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
             t, m, _ = _timed_op(rank, name, "save", model, opt, where)
             res[name]["save"].append(t)
             res[name]["save_mem"].append(m)
-        for name in order:
+        for name in loads:
             t, m, d = _timed_op(rank, name, "load", model, opt, _where(base, name, rnd))
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
@@ -254,7 +263,9 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
         if rank == 0:
             print(f"round {rnd}: " + ", ".join(
                 f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.1f}s"
-                for n in order), flush=True)  # fmt: skip
+                for n in order)
+                + (f", mapped load {res[MAPPED]['load'][-1]:.1f}s" if MAPPED in res else ""),
+                flush=True)  # fmt: skip
     total = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(total, torch.tensor([nbytes], dtype=torch.int64))
     res["bytes"] = sum(int(x) for x in total)
@@ -263,10 +274,9 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
 
 def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int) -> Any:
     model, opt = _build(layers, dim)
-    res: dict[str, Any] = {n: {"load": [], "load_mem": [], "load_disk": []} for n in NAMES}
+    res: dict[str, Any] = {n: {"load": [], "load_mem": [], "load_disk": []} for n in _loaders()}
     for rnd in range(rounds):
-        order = NAMES[rnd % 3 :] + NAMES[: rnd % 3]
-        for name in order:
+        for name in _loaders()[rnd % len(_loaders()) :] + _loaders()[: rnd % len(_loaders())]:
             t, m, d = _timed_op(rank, name, "load", model, opt, _where(base, name, rounds - 1))
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
@@ -396,6 +406,13 @@ def _report_sync(
                 f"{statistics.median(res[n]['load_disk']) / state:.3f}" for n in NAMES
             )
             print(f"| {label}, bytes the disk read / state bytes | {disk} | |")
+    for label, res, _ in (r for r in rows if MAPPED in r[1] and r[2] == "load"):
+        mapped, buffered = res[MAPPED]["load"], res["stalwart"]["load"]
+        paired = [m / b for m, b in zip(mapped, buffered, strict=True)]
+        best = min(statistics.median(res[n]["load"]) for n in NAMES if n != "stalwart")
+        print(f"| {label}, reads mapped (s) | {_fmt(mapped)}; mapped / buffered, paired by "
+              f"round: {_fmt(paired)}; mapped / best peer: "
+              f"{statistics.median(mapped) / best:.2f}x |")  # fmt: skip
 
 
 def report(
@@ -433,7 +450,8 @@ def _torchrun(
            f"--master-port={_free_port()}", __file__,
            "--body", body, "--layers", str(a.layers), "--dim", str(a.dim),
            "--rounds", str(a.rounds), "--base", base, "--out", str(out),
-           "--cap-mib", str(a.cap_mib), "--layout", a.layout, *extra]  # fmt: skip
+           "--cap-mib", str(a.cap_mib), "--layout", a.layout,
+           *(("--mapped-ab",) if a.mapped_ab else ()), *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -462,6 +480,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     LAYOUT["layout"] = a.layout
+    LAYOUT["mapped_ab"] = a.mapped_ab
     if a.body == "async_saves":
         res = async_saves(rank, world, a.base, a.layers, a.dim, a)
     else:
@@ -484,6 +503,12 @@ def main() -> None:
     ap.add_argument("--no-async", action="store_true", help="phases 1 and 2 alone")
     ap.add_argument("--layout", choices=("fsdp2", "ddp"), default="fsdp2")
     ap.add_argument("--world", type=int, default=4, help="ranks of phase 1")
+    ap.add_argument(
+        "--mapped-ab",
+        action="store_true",
+        help="also load stalwart's checkpoint with reads mapped from the page cache "
+        "(storage.local.MAP_READS), interleaved with the buffered load",
+    )
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--body", default=None, help=argparse.SUPPRESS)
