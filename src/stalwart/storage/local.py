@@ -52,9 +52,10 @@ MAP_READS = False
 
 Off by default. Mapped, 4 gloo ranks loading a replicated 1 GB each on 2 cores spent 0.05
 CPU-s in the kernel instead of 0.2 and loaded in 0.96 s against 1.2 (DDP 1 GB loads 0.92-0.94x
-the fastest peer instead of 1.02-1.07x); but the 4-rank FSDP2 load of 8 GiB, where the state and
-the page cache fill most of the memory, took 10.0 s [7.5-10.7] against 6.25 s [5.91-7.68]
-read into buffers (docs/benchmarks.md, "fourth round"). Until that is understood, buffers."""
+the fastest peer instead of 1.02-1.07x); but at 8 GiB (4 ranks, FSDP2, every page cold from
+the disk once), interleaved in one run, mapped loads took 1.13x as long as buffered ones
+(paired by round), and 1.56x where one rank read it all (docs/benchmarks.md, "Fifth round").
+Users' states are that size: buffers."""
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
