@@ -51,7 +51,13 @@ strike_starting=False)``); ``stalwart plan`` keeps the default (a host fails wha
 live replicas); a kill is a ``crash``, a hang a ``hang``, an all-holder loss a ``rack`` loss
 (every host of the job at once); the durable tier is the model's ``remote`` tier (the tier that
 survives the loss of every host; the ``disk`` tier is switched off with a capacity of ~0);
-strategy ``stalwart-no-memory``; the fault costs of the run's member count. The prediction
+strategy ``stalwart-no-memory``; the fault costs of the run's member count, the restart after
+an all-holder loss as the model's ``restart_s`` (a rollback's launch: no replacement waits for a
+survivor's boundary, so it is shorter than a heal); faults are taken at step boundaries
+(``simulate(at_boundaries=True)``: a fault due during a save's stall strikes after it, the save
+written). An all-holder loss that left a member alive (one that had joined the epoch but not yet
+reached a boundary in it passes the fault: ``stalwart.testing.poisson``) is replayed as the
+crash it was. The prediction
 scored is the simulated ETTR at each run's realised rate of each kind (the schedule's arrivals
 in its window, those that struck a starting process included, over the window: the Poisson
 count's sampling noise in a 40 s run is larger than the goal); beside it the ETTR at the
@@ -159,6 +165,11 @@ def fault_free_step_s(commits: list[dict[str, Any]], members: int, every: int,
     return statistics.fmean(gaps)
 
 
+class Unscorable(RuntimeError):
+    """A run that stopped as designed but cannot be scored: its schedule killed every holder
+    before the first durable save, so the job had nothing to resume (issue 24's rule)."""
+
+
 def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ...] = (),
            stall_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """One ``stalwart run``; returns what its event files and the chaos records say."""
@@ -179,6 +190,8 @@ def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ..
     started = time.time()
     done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=1800)
     load = os.getloadavg()  # the box's load as the run ends (uptime's three figures)
+    if done.returncode != 0 and "Nothing can be resumed" in done.stderr:
+        raise Unscorable("every holder was lost before the first durable save")
     if done.returncode != 0:
         raise RuntimeError(f"stalwart run failed ({done.returncode}): {done.stderr[-3000:]}")
     shutil.rmtree(tmp / "ckpt", ignore_errors=True)  # the events stay, for a later look
@@ -242,8 +255,13 @@ def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, l
             print(f"calibration: no 'began' event after the fault at {t:.2f} s; left out")
             continue
         if claim["kind"] == "all":
-            if began["t"] - began["dt"] - t > 1.0:  # else a member that joined after it lived
-                out["restart_s"].append(began["t"] - began["dt"] - t)
+            # to the first commit of every member, less the steps since the resume: the first
+            # member back trains alone until the others join (the model restarts them at once)
+            res = _first(ev, t, lambda e: e["kind"] == "resumed")
+            whole = res and _first(ev, res["t"], lambda e: e["kind"] == "step" and e["committed"]
+                                   and len(e["members"]) == members)  # fmt: skip
+            if began["t"] - began["dt"] - t > 1.0 and whole:  # else a member that joined lived
+                out["restart_s"].append(whole["t"] - t - (whole["step"] - res["step"]) * step_s)
             continue
         if claim["rank"] >= claim["size"]:
             continue  # it struck the member still starting: nobody died
@@ -400,7 +418,7 @@ def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every
     io, f = cal["io"], cal["faults"][members]
     gb = io["state_gb"]
     heal, rack_detect = max(f["heal_s"] + start_shift_s, 0.0), f["crash_detect_s"]
-    spare = max(f["restart_s"] + start_shift_s - rack_detect - heal - io["load_s"], 0.0)
+    restart = max(f["restart_s"] + start_shift_s - rack_detect - io["load_s"], 0.0)
     return PlanInputs().replace(**{
         "job.accelerators": members, "job.group_size": 1, "job.state_gb": gb,
         "job.step_s": step_s, "job.accelerators_per_node": 1,
@@ -416,7 +434,8 @@ def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every
         "costs.remote_background_s_per_gb": save_cost_s(cal, stall_s) / gb,
         "costs.crash_detect_s": f["crash_detect_s"], "costs.hang_detect_s": f["hang_detect_s"],
         "costs.node_detect_s": rack_detect, "costs.resume_s": f["resume_s"] + f["rejoin_s"],
-        "costs.heal_s": heal, "costs.spare_s": spare, "costs.verify_every_steps": 50,
+        "costs.heal_s": heal, "costs.restart_s": restart, "costs.spare_s": 0.0,
+        "costs.verify_every_steps": 50,
     })  # fmt: skip
 
 
@@ -446,10 +465,11 @@ def predict(cal: dict[str, Any], members: int, rates: dict[str, float], every: i
         n = 400
         failures = max(int(sum(rates.values()) * window_s * n), n)
         return simulate(inputs, "stalwart-no-memory", interval, failures=failures,
-                        replications=n, seed=2, strike_starting=False,
-                        start_factors=factors).replications  # fmt: skip
+                        replications=n, seed=2, strike_starting=False, start_factors=factors,
+                        at_boundaries=True).replications  # fmt: skip
     return simulate(inputs, "stalwart-no-memory", interval, failures=2000, seed=1,
-                    strike_starting=False, start_factors=factors).ettr  # fmt: skip
+                    strike_starting=False, start_factors=factors,
+                    at_boundaries=True).ettr  # fmt: skip
 
 
 _TRACE_KIND = {"kill": "crash", "stop": "hang", "all": "rack"}
@@ -459,12 +479,25 @@ def trace_of(run: dict[str, Any], members: int, window_s: float) -> list[Any]:
     """The run's faults as they happened, for the model to replay (``simulate(schedule=...)``):
     every fault recorded in the window that struck a running process (a kill or hang of a rank
     past the live ones struck the member still starting: nobody), at the time it was taken on
-    the job's clock, with whether the job had every member then (``TracedFault.whole``)."""
+    the job's clock, with whether the job had every member then (``TracedFault.whole``). An
+    all-holder loss after which the job did not resume from its durable tier before the next
+    fault left a member alive (one that joined the epoch and had not reached a boundary in it
+    passes the fault): it is replayed as the crash it was."""
     from stalwart.plan.trace import TracedFault
 
-    return [TracedFault(c["t"], _TRACE_KIND[c["kind"]], whole=c["size"] == members)
-            for c in run["claims"] if 0 <= c["t"] <= window_s
-            and (c["kind"] == "all" or c["rank"] < c["size"])]  # fmt: skip
+    claims = sorted(run["claims"], key=lambda c: c["t"])
+    resumes = [e["t"] for e in run["events"] if e["kind"] == "resumed"]
+    out = []
+    for i, c in enumerate(claims):
+        if not (0 <= c["t"] <= window_s and (c["kind"] == "all" or c["rank"] < c["size"])):
+            continue
+        kind = _TRACE_KIND[c["kind"]]
+        if c["kind"] == "all":
+            until = claims[i + 1]["t"] if i + 1 < len(claims) else math.inf
+            if not any(c["t"] < t < until for t in resumes):
+                kind = "crash"  # a holder lived: the job healed it instead of rolling back
+        out.append(TracedFault(c["t"], kind, whole=c["size"] == members))
+    return out
 
 
 def predict_trace(cal: dict[str, Any], members: int, trace: list[Any], window_s: float,
@@ -479,7 +512,7 @@ def predict_trace(cal: dict[str, Any], members: int, trace: list[Any], window_s:
     return simulate(inputs, "stalwart-no-memory", {"remote": inputs.tiers.remote.interval_s},
                     replications=64, seed=1, strike_starting=True,
                     start_factors=start_factors(cal, members), schedule=trace,
-                    horizon_s=window_s)  # fmt: skip
+                    horizon_s=window_s, at_boundaries=True)  # fmt: skip
 
 
 def recommended_steps(cal: dict[str, Any], c: Config) -> int:
@@ -537,14 +570,15 @@ def validate(cal: dict[str, Any], out: Path, seeds: int, interval_seeds: int, on
 
     from stalwart.testing import KillSchedule
 
-    done = out / "runs.json"
+    done, skipped = out / "runs.json", out / "left-out.json"
     rows = json.loads(done.read_text()) if done.exists() else []  # a run cut short goes on
+    left = json.loads(skipped.read_text()) if skipped.exists() else []
     for seed in range(first_seed, first_seed + max(seeds, interval_seeds)):
         for c in CONFIGS:
             if (
                 (only and c.name not in only)
                 or seed - first_seed >= (interval_seeds if c.save_stall_s else seeds)
-                or any(r["config"] == c.name and r["seed"] == seed for r in rows)
+                or any(r["config"] == c.name and r["seed"] == seed for r in rows + left)
             ):
                 continue
             if steps and not c.save_stall_s:
@@ -552,8 +586,14 @@ def validate(cal: dict[str, Any], out: Path, seeds: int, interval_seeds: int, on
             every = steps_for(cal, c)
             sched = KillSchedule.poisson(c.rate_per_s, seed=seed, horizon_s=HORIZON_S,
                                          clock="-", members=c.members, kinds=c.kinds)  # fmt: skip
-            run = launch(out / f"{c.name}-s{seed}", c.members, c.steps, every, sched.timed,
-                         c.save_stall_s)  # fmt: skip
+            try:
+                run = launch(out / f"{c.name}-s{seed}", c.members, c.steps, every, sched.timed,
+                             c.save_stall_s)  # fmt: skip
+            except Unscorable as e:  # recorded, never scored; the sweep goes on
+                left.append({"config": c.name, "seed": seed, "why": str(e)})
+                skipped.write_text(json.dumps(left, indent=1))
+                print(f"{c.name:15} seed {seed}: left out ({e})", flush=True)
+                continue
             window, step_s = run["end_s"], run["step_s"]
             goodput = run["final_step"] * step_s / window
             # the realised rate: the schedule's arrivals in the window, those that struck a

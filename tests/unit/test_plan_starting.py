@@ -34,7 +34,7 @@ def two_replicas(**costs: float) -> PlanInputs:
         "tiers.remote.read_gbps": 2.0, "tiers.remote.write_gbps": 100.0,
         "costs.remote_stall_s_per_gb": 0.0, "costs.remote_background_s_per_gb": 0.0,
         "costs.crash_detect_s": 0.1, "costs.hang_detect_s": 2.5, "costs.node_detect_s": 0.1,
-        "costs.resume_s": 0.0, "costs.heal_s": 4.0, "costs.spare_s": 0.0,
+        "costs.resume_s": 0.0, "costs.heal_s": 4.0, "costs.restart_s": 4.0, "costs.spare_s": 0.0,
         **{f"costs.{k}": v for k, v in costs.items()},
     })  # fmt: skip
 
@@ -121,7 +121,7 @@ def test_a_start_factor_scales_every_heal_and_restart_start() -> None:
     """Every start drawn at twice the mean is the model with a start twice as long (the same
     failures: the factors have their own random stream); factors of one change nothing."""
     inputs = two_replicas().replace(**{"fleet.rack_loss_per_hour": 90.0})
-    longer = inputs.replace(**{"costs.heal_s": 8.0})
+    longer = inputs.replace(**{"costs.heal_s": 8.0, "costs.restart_s": 8.0})
     args = {"failures": 400, "replications": 4, "seed": 5, "strike_starting": False}
     doubled = simulate(inputs, NO_MEMORY, {"remote": 10.0}, start_factors=[2.0], **args)
     same = simulate(longer, NO_MEMORY, {"remote": 10.0}, **args)
@@ -130,3 +130,18 @@ def test_a_start_factor_scales_every_heal_and_restart_start() -> None:
     ones = simulate(inputs, NO_MEMORY, {"remote": 10.0}, start_factors=[1.0, 1.0], **args)
     assert ones.replications == plain.replications
     assert doubled.ettr < plain.ettr
+
+
+@pytest.mark.parametrize("at_boundaries", [False, True])
+def test_a_rollback_launches_in_restart_s_and_a_boundary_fault_keeps_the_save_in_its_pause(
+    at_boundaries: bool,
+) -> None:
+    """An all-holder loss stalls for detection + ``restart_s`` + the load, whatever a heal
+    takes; one during a save's pause loses that save unless faults strike at step boundaries
+    (the chaos schedule: the save is written as its pause begins)."""
+    inputs = two_replicas(restart_s=1.0, remote_background_s_per_gb=0.5)  # a 0.5 s pause
+    run = _Run(inputs, NO_MEMORY, {"remote": 10}, True, at_boundaries=at_boundaries)
+    lay = Layout.of(inputs)
+    assert run.failure(10.2, lay.loss(Kind.RACK, 0))  # the save of step 10 paused at 10.0
+    assert run.seg.p0 == (10.0 if at_boundaries else 0.0)
+    assert run.seg.w0 == pytest.approx(10.2 + 0.1 + 1.0 + 0.5)  # detection, restart, load

@@ -217,6 +217,10 @@ class Costs:
     """From detection to the survivors' next commit."""
     heal_s: float = _D["costs.heal_s"]
     """Fixed part of a replacement's start (launch to first commit), before its bytes move."""
+    restart_s: float = _D["costs.restart_s"]
+    """A rollback's launch: every process started again and the job formed anew, before it
+    loads its snapshot (stalwart's strategies; checkpoint-restart: ``torchrun_restart_s``).
+    Shorter than a heal where a replacement waits for the survivors' next step boundary."""
     verify_every_steps: int = int(_D["costs.verify_every_steps"])
     """Digests compared every this many steps: silent corruption is found at the next check."""
     spare_s: float = _D["costs.spare_s"]

@@ -215,7 +215,8 @@ class RungCosts:
     ``restore_s[t]``: from detection to training again after a rollback to ``t``;
     ``detect_s[kind]``; ``peer_stall_s``: detection to the survivors' next commit;
     ``heal_s``: a lost group's heal (start + bytes over the network), during which it is out;
-    ``start_s``: the launch part of a restore (a replacement's start, or torchrun's restart).
+    ``start_s``: the launch part of a restore (every process started again: ``restart_s``, or
+    torchrun's restart).
     """
 
     save_s: dict[str, float]
@@ -238,7 +239,7 @@ class RungCosts:
             "disk": gb * (c.disk_stall_s_per_gb + c.disk_background_s_per_gb),
             "remote": gb * (c.remote_stall_s_per_gb + c.remote_background_s_per_gb),
         }
-        start = c.torchrun_restart_s if baseline else c.heal_s
+        start = c.torchrun_restart_s if baseline else c.restart_s
         rebuild = gb * t.memory.data_shards / fleet.network_gbps  # k shards cross the network
         restore = {
             "memory": start + rebuild + gb / t.memory.read_gbps,

@@ -22,22 +22,12 @@ corruption. Between events, progress, snapshot pauses and commits follow in clos
 - silent data corruption, found at the next digest check (every ``verify_every_steps``) and
   rolled back to the newest copy taken before it (checkpoint-restart finds it at once).
 
-``strike_starting`` says whether a failure can strike a process that is still starting (a
-replacement not yet joined, or every process of a job rolling back). True (the default, and
-Daly's model): hosts fail whatever they run, so a failure during a rollback restarts it and one
-on a healing group's rank costs another detection and heal. False: failures strike running
-processes only; one that lands on a starting process does nothing (``bench/plan_validate.py``'s
-chaos schedule, which acts at step boundaries, cannot strike a process before its first one).
-
-``start_factors`` makes the start of a process random: each heal's time and each rollback's
-start (``RungCosts.start_s``) is the mean times a factor drawn from these (measured starts over
-their mean, say; ``bench/plan_validate.py`` gives its calibration's). A long start makes an
-overlapping failure likelier, so the spread moves the mean too. Empty (the default): every
-start takes the mean.
-
-``schedule`` replays a fault trace (``plan/trace.py``) instead of drawing failures, over
-``horizon_s``: every replication replays the same faults and differs only in its start factors,
-so the mean is the model's prediction for that measured run; the inputs' rates play no part.
+Four options fit the model to a measured harness and are off in ``stalwart plan``
+(``docs/plan.md`` says what each does, ``simulate``'s arguments in brief): ``strike_starting``
+(False: a failure cannot strike a process still starting), ``at_boundaries`` (failures are
+taken at step boundaries only), ``start_factors`` (each process start drawn around its mean)
+and ``schedule`` (a measured fault trace replayed instead of drawn failures, over
+``horizon_s``: the mean is the model's prediction for that run).
 
 Every replication is seeded from ``seed`` (numpy's SeedSequence), so a result is reproducible;
 the spread of the replications gives the confidence interval of the ETTR.
@@ -98,9 +88,10 @@ class _Run:
 
     def __init__(self, inputs: PlanInputs, strategy: Strategy, every: dict[str, int],
                  strike_starting: bool = True, start_factors: Sequence[float] = (),
-                 rng: np.random.Generator | None = None) -> None:  # fmt: skip
+                 rng: np.random.Generator | None = None, at_boundaries: bool = False
+                 ) -> None:  # fmt: skip
         self.lay, self.costs = Layout.of(inputs), RungCosts.of(inputs, strategy)
-        self.strike_starting = strike_starting
+        self.strike_starting, self.at_boundaries = strike_starting, at_boundaries
         self.start_factors, self.rng = tuple(start_factors), rng
         self.peer = "peer" in rungs(strategy, inputs)
         self.step_s = inputs.job.step_s
@@ -146,13 +137,13 @@ class _Run:
         return True
 
     def _factor(self) -> float:
-        """This start's factor on the mean (module docstring)."""
+        """This start's factor on the mean (docs/plan.md, `start_factors`)."""
         if not self.start_factors or self.rng is None:
             return 1.0
         return self.start_factors[int(self.rng.integers(len(self.start_factors)))]
 
     def _starting(self, t: float, loss: Loss) -> bool:
-        """Whether ``loss`` strikes only processes still starting (module docstring): every
+        """Whether ``loss`` strikes only processes still starting (``strike_starting``): every
         process while the job rolls back, or ranks whose replacement has not joined yet."""
         if self.rolling_back and t < self.seg.w0:
             return True
@@ -213,8 +204,10 @@ class _Run:
         started for a heal still needs, the loss that took the last holder)."""
         best: tuple[float, str, Snapshot] | None = None
         for tier in self.tiers:
+            lag = self.costs.lag_s[tier]
             for snap in reversed(self.records[tier]):
-                if snap.commit <= t and snap.progress <= min(p, limit) and self._usable(tier, snap):
+                done = snap.commit <= t or (self.at_boundaries and snap.start + lag <= t)
+                if done and snap.progress <= min(p, limit) and self._usable(tier, snap):
                     cost = self.costs.restore_s[tier] + (p - snap.progress) * self.step_s
                     if best is None or cost < best[0]:
                         best = (cost, tier, snap)
@@ -265,11 +258,11 @@ class _Run:
 
 def _replicate(inputs: PlanInputs, strategy: Strategy, every: dict[str, int], horizon_s: float,
                seed: np.random.SeedSequence, strike_starting: bool = True,
-               start_factors: Sequence[float] = (), schedule: Sequence[TracedFault] | None = None
-               ) -> tuple[float, int, _Run]:  # fmt: skip
+               start_factors: Sequence[float] = (), schedule: Sequence[TracedFault] | None = None,
+               at_boundaries: bool = False) -> tuple[float, int, _Run]:  # fmt: skip
     rng = np.random.default_rng(seed)  # the failures: the same with or without start factors
     starts = np.random.default_rng(seed.spawn(1)[0]) if start_factors else None
-    run = _Run(inputs, strategy, every, strike_starting, start_factors, starts)
+    run = _Run(inputs, strategy, every, strike_starting, start_factors, starts, at_boundaries)
     lay = Layout.of(inputs)
     rates = rates_per_s(inputs)
     total = sum(rates.values()) if schedule is None else 0.0
@@ -349,6 +342,7 @@ def simulate(
     start_factors: Sequence[float] = (),
     schedule: Sequence[TracedFault] | None = None,
     horizon_s: float | None = None,
+    at_boundaries: bool = False,
 ) -> SimResult:
     """Simulate ``strategy`` with the given snapshot intervals.
 
@@ -361,13 +355,14 @@ def simulate(
             failures narrow the confidence interval as 1 / sqrt(failures)).
         replications: independent runs the time is split into (>= 2, for the interval).
         seed: the root of every replication's random stream.
-        strike_starting: whether a failure can strike a process still starting (module
-            docstring; False: such a failure does nothing and is not counted).
+        strike_starting: False: a failure on a process still starting does nothing (uncounted).
         start_factors: factors on the mean start of a process, one drawn per heal and
-            rollback (module docstring); empty: every start takes the mean.
+            rollback (docs/plan.md); empty: every start takes the mean.
         schedule: a fault trace to replay in every replication instead of drawn failures
-            (module docstring); ``failures`` and the inputs' rates are then unused.
+            (docs/plan.md); ``failures`` and the inputs' rates are then unused.
         horizon_s: with ``schedule``, the seconds each replication runs (required).
+        at_boundaries: failures are taken at step boundaries only: a snapshot whose pause
+            began has committed ``lag_s`` later (a fault due in the pause strikes after it).
 
     Raises:
         ConfigError: an interval is missing or not positive, too few failures/replications,
@@ -379,9 +374,8 @@ def simulate(
     )
     results, n, lost, down, taken = [], 0, 0.0, 0.0, Counter[str]()
     for child in np.random.SeedSequence(seed).spawn(replications):
-        ettr, count, run = _replicate(
-            inputs, strategy, every, per_run, child, strike_starting, start_factors, schedule
-        )
+        ettr, count, run = _replicate(inputs, strategy, every, per_run, child, strike_starting,
+                                      start_factors, schedule, at_boundaries)  # fmt: skip
         results.append(ettr)
         n, lost, down = n + count, lost + run.lost_steps * run.step_s, down + run.down_s
         taken.update(run.taken)

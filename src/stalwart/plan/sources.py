@@ -190,6 +190,9 @@ def _costs() -> dict[str, Cited]:
         ),
         "costs.resume_s": Cited(0.04, f"{_CHAOS}: SIGKILL, survivors commit 0.07 s - 0.03 s"),
         "costs.heal_s": Cited(2.90, f"{_CHAOS}: replacement launch -> first commit, SIGKILL"),
+        "costs.restart_s": Cited(
+            2.90, f"assumption: as a replacement's launch (costs.heal_s, {_CHAOS})"
+        ),
         "costs.verify_every_steps": Cited(50, "stalwart.elastic.Job's default verify_every"),
         "costs.spare_s": Cited(0.0, "assumption: a spare node is ready (for every strategy)"),
         "costs.torchrun_restart_s": Cited(
