@@ -67,20 +67,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_load_bench as dlb  # DCP's recipe, the cold-cache timer
 
 from stalwart.checkpoint import Checkpointer
+from stalwart.storage.local import MAP_READS as ORIGINAL_MAP_READS
 
 NAMES = ["stalwart", "dcp", "bytecheckpoint"]
-MAPPED = "stalwart_mapped"  # --mapped-ab: stalwart's checkpoint loaded again, reads mapped
+MAPPED = "stalwart_b"  # --map-ab: stalwart's checkpoint loaded again, another MAP_READS
+MAP_MODES = {"always": True, "never": False, "cached": None}  # --map-ab: storage.local.MAP_READS
 ASYNC = ["stalwart", "stalwart_capped", "dcp", "bytecheckpoint"]
 Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
 
 
-LAYOUT = {"layout": "fsdp2", "mapped_ab": False}  # the rank processes' options, from argv
+LAYOUT: dict[str, Any] = {"layout": "fsdp2", "map_ab": None}  # the ranks' options, from argv
 
 
 def _loaders() -> list[str]:
-    """The loads of a round: the contenders, and stalwart with mapped reads under --mapped-ab."""
-    return [*NAMES, MAPPED] if LAYOUT["mapped_ab"] else list(NAMES)
+    """The loads of a round: the contenders, and stalwart's B side under --map-ab."""
+    return [*NAMES, MAPPED] if LAYOUT["map_ab"] else list(NAMES)
 
 
 def _build(layers: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -188,7 +190,8 @@ def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where:
     if name in ("stalwart", MAPPED):
         from stalwart.storage import local
 
-        local.MAP_READS = name == MAPPED  # the A/B of issue 25: page-cache maps or buffers
+        default = ORIGINAL_MAP_READS  # the A/B of issue 25: page-cache maps or buffers
+        local.MAP_READS = MAP_MODES[LAYOUT["map_ab"]] if name == MAPPED else default
         with Checkpointer(where) as ck:
             state = {"model": model, "optim": opt}
             ck.save(1, state) if op == "save" else ck.load(state)
@@ -264,7 +267,7 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
             print(f"round {rnd}: " + ", ".join(
                 f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.1f}s"
                 for n in order)
-                + (f", mapped load {res[MAPPED]['load'][-1]:.1f}s" if MAPPED in res else ""),
+                + (f", B load {res[MAPPED]['load'][-1]:.1f}s" if MAPPED in res else ""),
                 flush=True)  # fmt: skip
     total = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(total, torch.tensor([nbytes], dtype=torch.int64))
@@ -409,9 +412,10 @@ def _report_sync(
     for label, res, _ in (r for r in rows if MAPPED in r[1] and r[2] == "load"):
         mapped, buffered = res[MAPPED]["load"], res["stalwart"]["load"]
         paired = [m / b for m, b in zip(mapped, buffered, strict=True)]
+        mode = f"MAP_READS={MAP_MODES[a.map_ab]}"
         best = min(statistics.median(res[n]["load"]) for n in NAMES if n != "stalwart")
-        print(f"| {label}, reads mapped (s) | {_fmt(mapped)}; mapped / buffered, paired by "
-              f"round: {_fmt(paired)}; mapped / best peer: "
+        print(f"| {label}, B: {mode} (s) | {_fmt(mapped)}; B / stalwart, paired by "
+              f"round: {_fmt(paired)}; B / best peer: "
               f"{statistics.median(mapped) / best:.2f}x |")  # fmt: skip
 
 
@@ -451,7 +455,7 @@ def _torchrun(
            "--body", body, "--layers", str(a.layers), "--dim", str(a.dim),
            "--rounds", str(a.rounds), "--base", base, "--out", str(out),
            "--cap-mib", str(a.cap_mib), "--layout", a.layout,
-           *(("--mapped-ab",) if a.mapped_ab else ()), *extra]  # fmt: skip
+           *(("--map-ab", a.map_ab) if a.map_ab else ()), *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -480,7 +484,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     LAYOUT["layout"] = a.layout
-    LAYOUT["mapped_ab"] = a.mapped_ab
+    LAYOUT["map_ab"] = a.map_ab
     if a.body == "async_saves":
         res = async_saves(rank, world, a.base, a.layers, a.dim, a)
     else:
@@ -504,10 +508,12 @@ def main() -> None:
     ap.add_argument("--layout", choices=("fsdp2", "ddp"), default="fsdp2")
     ap.add_argument("--world", type=int, default=4, help="ranks of phase 1")
     ap.add_argument(
-        "--mapped-ab",
-        action="store_true",
-        help="also load stalwart's checkpoint with reads mapped from the page cache "
-        "(storage.local.MAP_READS), interleaved with the buffered load",
+        "--map-ab",
+        choices=sorted(MAP_MODES),
+        default=None,
+        help="also load stalwart's checkpoint with storage.local.MAP_READS set so (always: "
+        "mapped; never: buffered; cached: mapped where already cached), interleaved with the "
+        "default load",
     )
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
