@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stalwart.storage.direct_io import AlignedBufferPool, cached, map_range, write_stream
+from stalwart.storage.direct_io import AlignedBufferPool, map_range, write_stream
 
 BS = 64 * 1024
 
@@ -77,46 +77,9 @@ def test_what_cannot_be_mapped_is_an_oserror_so_the_store_reads_it_instead(
         os.close(fd)
 
 
-def test_cached_tells_a_range_in_the_page_cache_from_one_the_disk_must_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The default (``MAP_READS = None``) maps a range only once its pages are cached."""
-    from stalwart.storage import local
-
-    data = np.random.default_rng(1).integers(0, 256, 64 * 4096 + 7, dtype=np.uint8).tobytes()
-    with open(tmp_path / "f", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())  # clean pages: the kernel may drop them when asked
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        assert not cached(fd, len(data), 10)  # past the end: nothing to be cached
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        evicted = not cached(fd, 0, len(data))  # tmpfs keeps its pages: nothing to evict
-        if evicted:
-            assert not cached(fd, 5000, 100) and not cached(fd, len(data) - 3, 3)
-        store, maps = local.LocalStorage(tmp_path), []
-        monkeypatch.setattr(local, "map_range", lambda *a: maps.append(a) or map_range(*a))
-        with store.read_view("f", 4096, 8192) as view:  # cold: read into a buffer
-            assert bytes(view) == data[4096 : 4096 + 8192]
-        assert len(maps) == (0 if evicted else 1)
-        os.pread(fd, len(data), 0)  # another rank of the host read it all
-        assert cached(fd, 0, len(data)) and cached(fd, 5000, 100)
-        with store.read_view("f", 5000, 100_000) as view:  # cached: mapped
-            assert bytes(view) == data[5000:105_000]
-        assert maps[-1] == (maps[-1][0], 5000, 100_000)
-    finally:
-        os.close(fd)
-    dir_fd = os.open(tmp_path, os.O_RDONLY)
-    try:
-        assert not cached(dir_fd, 0, 10)  # what cannot be mapped is never called cached
-    finally:
-        os.close(dir_fd)
-
-
-@pytest.mark.parametrize("mapped", [True, False, None])
+@pytest.mark.parametrize("mapped", [True, False])
 def test_loads_are_exact_and_damage_is_caught_mapped_or_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
 ) -> None:
     """``LocalStorage.MAP_READS`` changes how the bytes are reached, never what lands."""
     import torch

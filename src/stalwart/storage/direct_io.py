@@ -22,8 +22,6 @@ small objects (one buffer or less) are always written buffered.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -32,12 +30,9 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
 __all__ = [
     "AlignedBufferPool",
     "ReadBufferPool",
-    "cached",
     "map_range",
     "open_read",
     "read_range",
@@ -193,47 +188,6 @@ def map_range(fd: int, offset: int, length: int) -> tuple[memoryview, Callable[[
             pages.close()  # unmapped when the last one goes
 
     return view, release
-
-
-def _mincore() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).mincore
-    except (OSError, AttributeError, TypeError):  # no C library, or no mincore (not Linux)
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MINCORE = _mincore()
-
-
-def cached(fd: int, offset: int, length: int) -> bool:
-    """Whether bytes ``[offset, offset + length)`` of ``fd`` are in the page cache now, by a
-    sample: its first, middle and last pages (``mincore`` on a map that reads nothing; a whole
-    4 MiB range cost ~70 us, the sample ~10). False where that cannot be told.
-
-    Mapping wins only where the pages are already there (another rank of the host has just
-    read them): a buffered read keeps the kernel's read-ahead in front of a cold range, which
-    ``MAP_POPULATE`` faults in synchronously (``storage.local.MAP_READS``)."""
-    end = min(offset + length, os.fstat(fd).st_size)
-    if _MINCORE is None or end <= offset:
-        return False
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        pages = mmap.mmap(fd, end - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
-    except (OSError, ValueError):
-        return False
-    try:
-        at = np.frombuffer(pages, np.uint8, count=1).ctypes.data  # the map's address
-        page, vec = mmap.PAGESIZE, ctypes.create_string_buffer(1)
-        first, last = (offset - start) // page, (end - 1 - start) // page
-        for i in dict.fromkeys((first, (first + last) // 2, last)):
-            if _MINCORE(at + i * page, page, vec) != 0 or not vec.raw[0] & 1:
-                return False
-        return True
-    finally:
-        _close_quietly(pages)
 
 
 def _read_full(fd: int, view: memoryview, offset: int) -> int:

@@ -37,7 +37,6 @@ from stalwart.storage.direct_io import (
     ALIGN,
     AlignedBufferPool,
     ReadBufferPool,
-    cached,
     map_range,
     read_range,
     write_stream,
@@ -48,16 +47,15 @@ __all__ = ["MAP_READS", "TEMP_PREFIX", "LocalStorage", "fsync_dir"]
 
 logger = logging.getLogger(__name__)
 
-MAP_READS: bool | None = None
-"""Whether ``read_view`` maps the page cache (``direct_io.map_range``) instead of reading into
-a buffer. None (the default): map a range only when all of it is cached already
-(``direct_io.cached``), as when other ranks of the host have just read the same packs.
+MAP_READS = False
+"""``read_view`` maps the page cache (``direct_io.map_range``) instead of reading into a buffer.
 
-Mapped, 4 gloo ranks loading a replicated 1 GB each on 2 cores spent 0.05 CPU-s in the kernel
-instead of 0.2 (the load 0.96 s against 1.2); but at 8 GiB (4 ranks, FSDP2, every page cold
-from the disk once) mapped loads took 1.13x as long as buffered ones, interleaved (paired by
-round), and 1.56x where one rank read it all: a buffered read keeps the kernel's read-ahead in
-front of a cold range (docs/benchmarks.md, "Fifth round"). True: always map; False: never."""
+Off by default. Mapped, 4 gloo ranks loading a replicated 1 GB each on 2 cores spent 0.05
+CPU-s in the kernel instead of 0.2 and loaded in 0.96 s against 1.2 (DDP 1 GB loads 0.92-0.94x
+the fastest peer instead of 1.02-1.07x); but at 8 GiB (4 ranks, FSDP2, every page cold from
+the disk once), interleaved in one run, mapped loads took 1.13x as long as buffered ones
+(paired by round), and 1.56x where one rank read it all (docs/benchmarks.md, "Fifth round").
+Users' states are that size: buffers."""
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -201,8 +199,8 @@ class LocalStorage:
         """Bytes ``[offset, offset + length)`` of ``key`` as a read-only view for the ``with``.
 
         One read into a reused page-aligned buffer (no allocation per read), so the caller
-        can check the bytes before copying them where they belong; where ``MAP_READS`` says
-        so, the file's pages mapped from the page cache instead (no copy; objects are replaced by
+        can check the bytes before copying them where they belong; with ``MAP_READS``, the
+        file's pages mapped from the page cache instead (no copy; objects are replaced by
         rename, never rewritten in place, so a mapped one does not change under the reader).
         Buffered, not O_DIRECT: with the kernel's read-ahead that measured 1.6x faster (see
         ``direct_io``). The view is shorter than ``length`` when the object ends first.
@@ -212,7 +210,7 @@ class LocalStorage:
         fd = self._open_read(key)
         try:
             mapped = None
-            if MAP_READS or (MAP_READS is None and cached(fd, offset, length)):
+            if MAP_READS:
                 with contextlib.suppress(OSError):  # a filesystem that cannot map: a buffer
                     mapped = map_range(fd, offset, length)
             if mapped is not None:
