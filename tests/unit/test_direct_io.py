@@ -108,3 +108,32 @@ def test_loads_are_exact_and_damage_is_caught_mapped_or_not(
     # the damaged chunk's elements never landed: they are still the zeros they were
     flat = target["w"].reshape(-1)
     assert not flat[first : first + chunk.nbytes // 4].any()
+
+
+def test_reads_held_open_share_one_descriptor_and_outlive_the_objects_deletion(
+    tmp_path: Path,
+) -> None:
+    """``hold_open`` (``ReadsInOrder``): one descriptor for every read inside it, counted
+    when nested, closed after the last; a missing object is refused when the hold starts."""
+    from stalwart.errors import ObjectNotFoundError
+    from stalwart.storage.base import ReadsInOrder
+    from stalwart.storage.local import LocalStorage
+
+    data = np.random.default_rng(2).integers(0, 256, 3 * 4096 + 11, dtype=np.uint8).tobytes()
+    store = LocalStorage(tmp_path)
+    assert isinstance(store, ReadsInOrder)
+    store.write("packs/p", [data])
+    opened = len(os.listdir("/proc/self/fd"))
+    with store.hold_open("packs/p"):
+        with store.hold_open("packs/p"):  # nested: the same descriptor
+            assert len(os.listdir("/proc/self/fd")) == opened + 1
+        store.delete("packs/p")  # held: still read, whole (never rewritten in place)
+        for offset, length in ((0, 100), (4000, 5000), (len(data) - 5, 50)):
+            with store.read_view("packs/p", offset, length) as view:
+                assert bytes(view) == data[offset : offset + length]
+        assert len(os.listdir("/proc/self/fd")) == opened + 1  # no descriptor per read
+    assert len(os.listdir("/proc/self/fd")) == opened  # closed with the last holder
+    with pytest.raises(ObjectNotFoundError), store.hold_open("packs/p"):
+        pass
+    with pytest.raises(ObjectNotFoundError):  # and nothing held stays behind
+        store.read("packs/p")

@@ -12,7 +12,8 @@ Two guarantees carry the checkpoint commit protocol, so every backend must give 
 * ``write`` is **durable** when it returns (fsync of the file and its directory on disks).
 
 Optional capabilities are declared, not guessed: a backend that can lend a read-only view of
-a byte range implements :class:`ReadsViews`; one that leaves temporaries a crashed writer
+a byte range implements :class:`ReadsViews`; one whose reads of an object run fastest in
+order through one open handle, :class:`ReadsInOrder`; one that leaves temporaries a crashed writer
 may strand implements :class:`RemovesStaleTemps`; one whose every read fetches bytes from
 another machine says so with :class:`ReadsLeaveHost`. Callers test ``isinstance(store, ...)``.
 """
@@ -30,6 +31,7 @@ from stalwart.errors import UnsafeManifestError
 __all__ = [
     "Buffer",
     "ObjectInfo",
+    "ReadsInOrder",
     "ReadsLeaveHost",
     "ReadsViews",
     "RemovesStaleTemps",
@@ -137,6 +139,20 @@ class ReadsViews(Protocol):
 
     def read_view(self, key: str, offset: int, length: int) -> AbstractContextManager[memoryview]:
         """Bytes ``[offset, offset + length)`` of ``key``, valid inside the ``with`` only."""
+        ...
+
+
+@runtime_checkable
+class ReadsInOrder(Protocol):
+    """A store whose reads of one object run fastest in order, through one open handle (a
+    file on this host: the kernel reads ahead of one descriptor's sequential reads, and a
+    descriptor opened per read, or reads issued out of order by several threads, defeat it).
+
+    Loads read each object's ranges in order, one thread per object, inside ``hold_open``.
+    """
+
+    def hold_open(self, key: str) -> AbstractContextManager[None]:
+        """Reads of ``key`` inside the ``with`` share one open handle (nested: counted)."""
         ...
 
 

@@ -173,7 +173,7 @@ def read_boxes(
     pipe = Pipeline(storage, verify_pool) if verify_pool is not None else None
     spans = merge_spans(needs.values())
     if pipe is not None:
-        futures = [pool.submit(pipe.read, *span) for span in spans]
+        futures = pipe.submit(pool, spans)
     else:
         futures = [pool.submit(read_span, storage, *span) for span in spans]
     try:
