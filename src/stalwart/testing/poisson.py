@@ -23,7 +23,10 @@ The first process to take a fault records it, atomically, in ``<clock>/fault-<i>
 (``{"t": wall time, "kind", "rank", "size", "epoch"}``): the fault strikes the members of that
 epoch (the struck rank as it was in that epoch), wherever they are when they reach it (a member
 whose step failed has reconfigured since); a process that never was in that epoch (a
-replacement that joined later) passes it, so a fault never strikes twice.
+replacement that joined later) passes it, so a fault never strikes twice. An ``all`` is no
+exception: a replacement that joined the next epoch (holding the state) before reaching a
+boundary of it passes the ``all`` recorded in the epoch before, and the job trains on from it
+as after a crash (``bench/plan_validate.py`` replays such a fault as one).
 
 Faults strike running processes only, never one still starting: a process ignores the faults
 timed before its first step boundary that no member has taken yet (a member of its own epoch
