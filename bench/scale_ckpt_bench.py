@@ -70,8 +70,8 @@ from stalwart.checkpoint import Checkpointer
 from stalwart.storage.local import MAP_READS as ORIGINAL_MAP_READS
 
 NAMES = ["stalwart", "dcp", "bytecheckpoint"]
-MAPPED = "stalwart_b"  # --map-ab: stalwart's checkpoint loaded again, another MAP_READS
-MAP_MODES = {"always": True, "never": False, "cached": None}  # --map-ab: storage.local.MAP_READS
+B_SIDE = "stalwart_b"  # --map-ab: stalwart's checkpoint loaded again, the other MAP_READS
+MAP_MODES = {"always": True, "never": False}  # --map-ab: storage.local.MAP_READS of the B side
 ASYNC = ["stalwart", "stalwart_capped", "dcp", "bytecheckpoint"]
 Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
@@ -82,7 +82,13 @@ LAYOUT: dict[str, Any] = {"layout": "fsdp2", "map_ab": None}  # the ranks' optio
 
 def _loaders() -> list[str]:
     """The loads of a round: the contenders, and stalwart's B side under --map-ab."""
-    return [*NAMES, MAPPED] if LAYOUT["map_ab"] else list(NAMES)
+    return [*NAMES, B_SIDE] if LAYOUT["map_ab"] else list(NAMES)
+
+
+def _rotated(names: list[str], rnd: int) -> list[str]:
+    """``names`` in round ``rnd``'s order: each starts a round in turn."""
+    k = rnd % len(names)
+    return names[k:] + names[:k]
 
 
 def _build(layers: int, dim: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -187,11 +193,11 @@ def _bcp(op: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> No
 
 
 def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where: Path) -> None:
-    if name in ("stalwart", MAPPED):
+    if name in ("stalwart", B_SIDE):
         from stalwart.storage import local
 
-        default = ORIGINAL_MAP_READS  # the A/B of issue 25: page-cache maps or buffers
-        local.MAP_READS = MAP_MODES[LAYOUT["map_ab"]] if name == MAPPED else default
+        # the A/B of issue 25: page-cache maps or buffers; stalwart itself keeps the default
+        local.MAP_READS = MAP_MODES[LAYOUT["map_ab"]] if name == B_SIDE else ORIGINAL_MAP_READS
         with Checkpointer(where) as ck:
             state = {"model": model, "optim": opt}
             ck.save(1, state) if op == "save" else ck.load(state)
@@ -239,7 +245,7 @@ def _timed_op(rank: int, name: str, op: str, model: nn.Module, opt: Any, where: 
 
 
 def _where(base: str, name: str, rnd: int) -> Path:
-    return Path(base) / f"{'stalwart' if name == MAPPED else name}-r{rnd}"
+    return Path(base) / f"{'stalwart' if name == B_SIDE else name}-r{rnd}"
 
 
 def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, rounds: int) -> Any:
@@ -248,8 +254,8 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
     keys = ("save", "load", "save_mem", "load_mem", "load_disk")
     res: dict[str, Any] = {n: {k: [] for k in keys} for n in _loaders()}
     for rnd in range(rounds):
-        order = NAMES[rnd % 3 :] + NAMES[: rnd % 3]
-        loads = _loaders()[rnd % len(_loaders()) :] + _loaders()[: rnd % len(_loaders())]
+        order = _rotated(NAMES, rnd)
+        loads = _rotated(_loaders(), rnd)
         for name in order:
             where = _where(base, name, rnd)
             if rank == 0 and rnd > 0:  # keep only the newest round's checkpoint of each
@@ -267,7 +273,7 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
             print(f"round {rnd}: " + ", ".join(
                 f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.1f}s"
                 for n in order)
-                + (f", B load {res[MAPPED]['load'][-1]:.1f}s" if MAPPED in res else ""),
+                + (f", B load {res[B_SIDE]['load'][-1]:.1f}s" if B_SIDE in res else ""),
                 flush=True)  # fmt: skip
     total = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(total, torch.tensor([nbytes], dtype=torch.int64))
@@ -279,7 +285,7 @@ def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int
     model, opt = _build(layers, dim)
     res: dict[str, Any] = {n: {"load": [], "load_mem": [], "load_disk": []} for n in _loaders()}
     for rnd in range(rounds):
-        for name in _loaders()[rnd % len(_loaders()) :] + _loaders()[: rnd % len(_loaders())]:
+        for name in _rotated(_loaders(), rnd):
             t, m, d = _timed_op(rank, name, "load", model, opt, _where(base, name, rounds - 1))
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
@@ -409,14 +415,14 @@ def _report_sync(
                 f"{statistics.median(res[n]['load_disk']) / state:.3f}" for n in NAMES
             )
             print(f"| {label}, bytes the disk read / state bytes | {disk} | |")
-    for label, res, _ in (r for r in rows if MAPPED in r[1] and r[2] == "load"):
-        mapped, buffered = res[MAPPED]["load"], res["stalwart"]["load"]
-        paired = [m / b for m, b in zip(mapped, buffered, strict=True)]
+    for label, res, _ in (r for r in rows if B_SIDE in r[1] and r[2] == "load"):
+        b_side, a_side = res[B_SIDE]["load"], res["stalwart"]["load"]
+        paired = [y / x for y, x in zip(b_side, a_side, strict=True)]
         mode = f"MAP_READS={MAP_MODES[a.map_ab]}"
         best = min(statistics.median(res[n]["load"]) for n in NAMES if n != "stalwart")
-        print(f"| {label}, B: {mode} (s) | {_fmt(mapped)}; B / stalwart, paired by "
+        print(f"| {label}, B: {mode} (s) | {_fmt(b_side)}; B / stalwart, paired by "
               f"round: {_fmt(paired)}; B / best peer: "
-              f"{statistics.median(mapped) / best:.2f}x |")  # fmt: skip
+              f"{statistics.median(b_side) / best:.2f}x |")  # fmt: skip
 
 
 def report(
@@ -512,8 +518,7 @@ def main() -> None:
         choices=sorted(MAP_MODES),
         default=None,
         help="also load stalwart's checkpoint with storage.local.MAP_READS set so (always: "
-        "mapped; never: buffered; cached: mapped where already cached), interleaved with the "
-        "default load",
+        "mapped; never: buffered), interleaved with the default load",
     )
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
@@ -543,7 +548,7 @@ def main() -> None:
             shutil.rmtree(_where(base, name, a.rounds - 1), ignore_errors=True)
         asyncs: dict[str, list[dict[str, float]]] = {n: [] for n in ASYNC}
         for rnd in range(a.rounds if full and not a.no_async else 0):
-            for name in ASYNC[rnd % 4 :] + ASYNC[: rnd % 4]:
+            for name in _rotated(ASYNC, rnd):
                 extra = ("--contender", name, "--round", str(rnd))
                 asyncs[name].append(_torchrun("async_saves", 4, a, base, extra))
     finally:

@@ -12,8 +12,8 @@ Two guarantees carry the checkpoint commit protocol, so every backend must give 
 * ``write`` is **durable** when it returns (fsync of the file and its directory on disks).
 
 Optional capabilities are declared, not guessed: a backend that can lend a read-only view of
-a byte range implements :class:`ReadsViews`; one whose reads of an object run fastest in
-order through one open handle, :class:`ReadsInOrder`; one that leaves temporaries a crashed writer
+a byte range implements :class:`ReadsViews`; one whose reads of an object run fastest in order
+through one open handle, :class:`ReadsInOrder`; one that leaves temporaries a crashed writer
 may strand implements :class:`RemovesStaleTemps`; one whose every read fetches bytes from
 another machine says so with :class:`ReadsLeaveHost`. Callers test ``isinstance(store, ...)``.
 """

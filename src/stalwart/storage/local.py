@@ -157,20 +157,20 @@ class LocalStorage:
         2 ranks loading 0.5 GB each, cold, in order through one descriptor 0.36 s against
         0.65-0.83; docs/benchmarks.md, "Sixth round"). The object stays readable while held,
         even if it is replaced or deleted meanwhile (objects are never rewritten in place)."""
-        with self._held_lock:
-            held = self._held.get(key)
-            if held is None:
-                held = self._held[key] = [self._open_read(key), 0]
-            held[1] += 1
+        held = self._hold(key, open_it=True)
+        assert held is not None
         try:
             yield
         finally:
             self._let_go(key, held)
 
-    def _held_fd(self, key: str) -> list[int] | None:
-        """The held descriptor of ``key``, counted as used until ``_let_go``; None if none."""
+    def _hold(self, key: str, *, open_it: bool) -> list[int] | None:
+        """``[descriptor, holders]`` of ``key``, counted as used until ``_let_go``; one is
+        opened when none is held and ``open_it``, else None."""
         with self._held_lock:
             held = self._held.get(key)
+            if held is None and open_it:
+                held = self._held[key] = [self._open_read(key), 0]
             if held is not None:
                 held[1] += 1
             return held
@@ -242,7 +242,7 @@ class LocalStorage:
         """
         if offset < 0 or length < 0:
             raise ConfigError(f"read offset and length must be >= 0, got {offset}, {length}")
-        held = self._held_fd(key)
+        held = self._hold(key, open_it=False)
         fd = held[0] if held is not None else self._open_read(key)
         try:
             mapped = None
