@@ -750,42 +750,49 @@ def report_overlaps(cal: dict[str, Any]) -> None:
         )
 
 
+def _cell(got: dict[tuple[str, int], dict[str, Any]], name: str, seed: int, key: str) -> str:
+    """One run's ``key`` as a percentage, or "-" where the sweep has no such run."""
+    return f"{got[name, seed].get(key, math.nan):.1%}" if (name, seed) in got else "-"
+
+
 def report_intervals(rows: list[dict[str, Any]]) -> None:
     """Measured goodput at 0.5x, 1x and 2x the recommended interval, seed by seed (the seeds
-    share their failure times across the three)."""
+    share their failure times across the three); a sweep may hold 1x and one neighbour only."""
     for c in (c for c in CONFIGS if c.interval == "rec"):
         trio = [f"{c.name}-half", c.name, f"{c.name}-double"]
         got = {(r["config"], r["seed"]): r for r in rows if r["config"] in trio}
-        seeds = sorted({s for _, s in got})
-        if not seeds or not all((n, s) in got for n in trio for s in seeds):
+        seeds = sorted({s for n, s in got if n == c.name})
+        pairs = {o: [s for s in seeds if (o, s) in got] for o in (trio[0], trio[2])}
+        if not any(pairs.values()):
             continue
-        print(f"\n{c.name}: every {'/'.join(str(got[n, seeds[0]]['every']) for n in trio)} "
-              "steps (0.5x / 1x / 2x the recommendation)")  # fmt: skip
+        every = [str(got[n, s]["every"]) for n in trio for s in seeds[:1] if (n, s) in got]
+        print(f"\n{c.name}: every {'/'.join(every)} steps (of 0.5x / 1x / 2x the recommendation)")
+
         for s in seeds:
-            cells = [f"{got[n, s]['measured']:.1%}" for n in trio]
-            model = [f"{got[n, s]['model_realised']:.1%}" for n in trio]
-            trace = [f"{got[n, s].get('model_trace', math.nan):.1%}" for n in trio]
-            loads = "/".join(f"{got[n, s]['load']:.1f}" for n in trio)
-            print(
-                f"  seed {s}: measured {' / '.join(cells)}; model (realised) "
-                f"{' / '.join(model)}; model (trace) {' / '.join(trace)}; load {loads}"
-            )
-        med = [statistics.median(got[n, s]["measured"] for s in seeds) for n in trio]
-        lo = [min(got[n, s]["measured"] for s in seeds) for n in trio]
-        hi = [max(got[n, s]["measured"] for s in seeds) for n in trio]
-        wins = sum(got[c.name, s]["measured"] > max(got[trio[0], s]["measured"],
-                                                   got[trio[2], s]["measured"])
-                   for s in seeds)  # fmt: skip
+            loads = "/".join(f"{got[n, s]['load']:.1f}" for n in trio if (n, s) in got)
+            m, r, t = (" / ".join(_cell(got, n, s, k) for n in trio)
+                       for k in ("measured", "model_realised", "model_trace"))  # fmt: skip
+            print(f"  seed {s}: measured {m}; model (rate) {r}; model (trace) {t}; load {loads}")
+        present = [n for n in trio if any((n, s) in got for s in seeds)]
+        cols = [[got[n, s]["measured"] for s in seeds if (n, s) in got] for n in present]
         print("  median (range): " + " / ".join(
-            f"{m:.1%} ({a:.1%}-{b:.1%})" for m, a, b in zip(med, lo, hi, strict=True))
-            + f"; 1x best in {wins} of {len(seeds)} seeds")  # fmt: skip
+            f"{statistics.median(x):.1%} ({min(x):.1%}-{max(x):.1%})" for x in cols))  # fmt: skip
+        full = [s for s in seeds if all((n, s) in got for n in trio)]
+        if full:
+            wins = sum(got[c.name, s]["measured"] > max(got[trio[0], s]["measured"],
+                                                       got[trio[2], s]["measured"])
+                       for s in full)  # fmt: skip
+            print(f"  1x best in {wins} of {len(full)} seeds")
         for other, label in ((trio[0], "0.5x"), (trio[2], "2x")):
-            d = [got[c.name, s]["measured"] - got[other, s]["measured"] for s in seeds]
+            both = pairs[other]
+            if not both:
+                continue
+            d = [got[c.name, s]["measured"] - got[other, s]["measured"] for s in both]
             se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
             m = [got[c.name, s]["model_realised"] - got[other, s]["model_realised"]
-                 for s in seeds]  # fmt: skip
+                 for s in both]  # fmt: skip
             mt = [got[c.name, s].get("model_trace", math.nan)
-                  - got[other, s].get("model_trace", math.nan) for s in seeds]  # fmt: skip
+                  - got[other, s].get("model_trace", math.nan) for s in both]  # fmt: skip
             print(
                 f"  1x - {label}, paired by seed: {statistics.fmean(d) * 100:+.1f} pp (standard "
                 f"error {se * 100:.1f} pp, {sum(x > 0 for x in d)} of {len(d)} seeds > 0); the "
