@@ -449,11 +449,12 @@ def start_factors(cal: dict[str, Any], members: int) -> list[float]:
 
 def predict(cal: dict[str, Any], members: int, rates: dict[str, float], every: int,
             step_s: float, stall_s: float = 0.0, start_shift_s: float = 0.0,
-            window_s: float | None = None, spread: bool = True) -> Any:  # fmt: skip
+            window_s: float | None = None, spread: bool = True, whole: bool = False
+            ) -> Any:  # fmt: skip
     """The simulated ETTR; failures strike running processes only (``strike_starting``
     False), as the chaos schedule does, and a process's start is drawn from the calibration's
     (``spread``; docs/plan.md says why). With ``window_s``: the ETTR of 400 runs that long
-    (their spread), not their mean."""
+    (their spread), not their mean; with ``whole``: the ``SimResult``, not its ETTR."""
     from stalwart.plan import simulate
 
     inputs = inputs_for(cal, members, rates, every, step_s, stall_s, start_shift_s)
@@ -467,9 +468,9 @@ def predict(cal: dict[str, Any], members: int, rates: dict[str, float], every: i
         return simulate(inputs, "stalwart-no-memory", interval, failures=failures,
                         replications=n, seed=2, strike_starting=False, start_factors=factors,
                         at_boundaries=True).replications  # fmt: skip
-    return simulate(inputs, "stalwart-no-memory", interval, failures=2000, seed=1,
-                    strike_starting=False, start_factors=factors,
-                    at_boundaries=True).ettr  # fmt: skip
+    result = simulate(inputs, "stalwart-no-memory", interval, failures=2000, seed=1,
+                      strike_starting=False, start_factors=factors, at_boundaries=True)  # fmt: skip
+    return result if whole else result.ettr
 
 
 _TRACE_KIND = {"kill": "crash", "stop": "hang", "all": "rack"}
@@ -498,6 +499,17 @@ def trace_of(run: dict[str, Any], members: int, window_s: float) -> list[Any]:
                 kind = "crash"  # a holder lived: the job healed it instead of rolling back
         out.append(TracedFault(c["t"], kind, whole=c["size"] == members))
     return out
+
+
+def rollbacks_lost_steps(run: dict[str, Any]) -> list[int]:
+    """The steps each resume from the durable tier redid (``resumed`` events, one a resume
+    however many members logged it)."""
+    seen: dict[tuple[int, int], int] = {}
+    for e in run["events"]:
+        if e["kind"] == "resumed" and e.get("tier") == "durable":
+            key = (e["step"], e.get("last_known", -1))
+            seen[key] = max(seen.get(key, 0), int(e.get("steps_lost", 0)))
+    return list(seen.values())
 
 
 def predict_trace(cal: dict[str, Any], members: int, trace: list[Any], window_s: float,
@@ -547,7 +559,10 @@ def score(cal: dict[str, Any], r: dict[str, Any], run: dict[str, Any]) -> None:
     r["process_start_s"] = process_start_s(run)
     shift = r["process_start_s"] - cal["faults"][n]["process_start_s"]
     r["model_nominal"] = predict(cal, n, nominal, every, step_s, stall)
-    r["model_realised"] = predict(cal, n, r["realised"], every, step_s, stall)
+    realised = predict(cal, n, r["realised"], every, step_s, stall, whole=True)
+    r["model_realised"] = realised.ettr
+    r["rollbacks_lost_steps"] = rollbacks_lost_steps(run)
+    r["model_lost_steps"] = realised.lost_work_s / step_s
     r["model_mean_start"] = predict(cal, n, r["realised"], every, step_s, stall, spread=False)
     r["model_own_start"] = predict(cal, n, r["realised"], every, step_s, stall, shift)
     trace = trace_of(run, n, r["window_s"])
@@ -750,6 +765,26 @@ def report_overlaps(cal: dict[str, Any]) -> None:
         )
 
 
+def report_rollbacks(rows: list[dict[str, Any]]) -> None:
+    """Steps redone per resume from the durable tier: the runs' against the rate-level model's
+    (its training redone per failure), by configuration. Where the trace replay agrees with a
+    run and the rate level does not, this tells whether the run's faults fell kindly."""
+    rows = [r for r in rows if r.get("rollbacks_lost_steps")]
+    if not rows:
+        return
+    print("\n| config | interval (steps) | resumes | steps redone per resume, measured (mean ± "
+          "standard error) | the model (rate level) |")  # fmt: skip
+    print("|---|---:|---:|---|---:|")
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        lost = [x for r in rs for x in r["rollbacks_lost_steps"]]
+        se = statistics.stdev(lost) / math.sqrt(len(lost)) if len(lost) > 1 else math.nan
+        model = statistics.fmean(r["model_lost_steps"] for r in rs)
+        every = "/".join(sorted({str(r["every"]) for r in rs}))
+        print(f"| {name} | {every} | {len(lost)} | {statistics.fmean(lost):.1f} ± {se:.1f} | "
+              f"{model:.1f} |")  # fmt: skip
+
+
 def _cell(got: dict[tuple[str, int], dict[str, Any]], name: str, seed: int, key: str) -> str:
     """One run's ``key`` as a percentage, or "-" where the sweep has no such run."""
     return f"{got[name, seed].get(key, math.nan):.1%}" if (name, seed) in got else "-"
@@ -850,6 +885,7 @@ def main() -> None:
         report(rows)
         report_trace(rows)
         report_intervals(rows)
+        report_rollbacks(rows)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     if a.rescore and not a.calibration:
@@ -880,6 +916,7 @@ def main() -> None:
     report(rows)
     report_trace(rows)
     report_intervals(rows)
+    report_rollbacks(rows)
 
 
 if __name__ == "__main__":
