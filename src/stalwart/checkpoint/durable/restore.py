@@ -24,6 +24,7 @@ from stalwart.checkpoint.durable.manifest import Manifest, TensorEntry
 from stalwart.checkpoint.durable.plan import local_box
 from stalwart.checkpoint.durable.reshard import Box, read_boxes
 from stalwart.checkpoint.durable.shared_read import can_share, read_shared, withdraw
+from stalwart.checkpoint.fresh_optimizers import prime_fresh_optimizers
 from stalwart.errors import (
     CorruptCheckpointError,
     StalwartError,
@@ -121,6 +122,7 @@ def _prepare(
     m: Manifest, store: Storage, state: Any, strict: bool, where: str
 ) -> tuple[FlatTree, dict[str, torch.Tensor], list[str], dict[str, torch.Tensor]]:
     """The state's targets and every tensor to fill (those the state lacks allocated)."""
+    prime_fresh_optimizers(state)  # their moments are then targets, sharded as their params
     flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
     targets, problems = match_targets(flat, m.tensors, _entry_problem, strict=strict, where=where)
     beyond = pack_problems(m, store)  # before any buffer is sized by a stored length

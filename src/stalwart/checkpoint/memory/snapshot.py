@@ -26,6 +26,7 @@ import xxhash
 from stalwart.checkpoint.capture import BoxRecord, Capture, HostBuffer, box_view, stage
 from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.checkpoint.durable.plan import local_box, local_items
+from stalwart.checkpoint.fresh_optimizers import prime_fresh_optimizers
 from stalwart.errors import CorruptCheckpointError
 from stalwart.tree import dtype_from_name, dtype_name, flatten, unflatten
 
@@ -156,6 +157,7 @@ class Snapshot:
 
         self._check_fresh()
         where = f"the memory snapshot of step {self.step}"
+        prime_fresh_optimizers(state)  # their moments are then targets, sharded as their params
         flat = flatten(state)
         by_fqn = {rec.fqn: rec for rec in self.tensors}
         out, problems = match_targets(flat, by_fqn, _box_problem, strict=strict, where=where)
