@@ -17,8 +17,12 @@ seconds (a sleep after the save's step): a stand-in for a tier whose save costs 
 share of the interval, which this box cannot produce with a state that fits it (a larger state
 slows every step, not the save alone).
 
+``--group-size G`` (with ``stalwart run --group-size G``): replica groups of G ranks, the MLP
+sharded by FSDP2 inside each (``fully_shard`` on ``job.shard_mesh``); ``--members`` then counts
+ranks, so a group out of the job slows the others' steps as a data-parallel job's.
+
 Usage: plan_chaos_worker.py --steps N --members M --batch-s S --ckpt DIR --ckpt-every K
-       [--save-stall-s X]
+       [--save-stall-s X] [--group-size G]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 import stalwart
 from stalwart.checkpoint import AnyOf, EveryNSteps, KeepLast, Tier, TieredCheckpointer
@@ -54,16 +59,26 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, required=True)
     parser.add_argument("--verify-every", type=int, default=50)
     parser.add_argument("--save-stall-s", type=float, default=0.0, help="each interval save")
+    parser.add_argument("--group-size", type=int, default=1, help="stalwart run's --group-size")
     a = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
                           nn.Linear(1024, 256))  # fmt: skip
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state = stalwart.TrainingState(model=model, optimizer=opt)
     every = a.ckpt_every if a.ckpt_every > 0 else 10**9  # 0: the tier never saves
     saves = AnyOf(EveryNSteps(every), FirstStep())
     tier = Tier(name="durable", root=str(a.ckpt), every=saves, keep=KeepLast(3))
-    job = Job(state, verify_every=a.verify_every, checkpoint=TieredCheckpointer([tier]))
+    tiers = TieredCheckpointer([tier])
+    if a.group_size > 1:  # FSDP2 inside each replica group, on the mesh the job gives
+        state = stalwart.TrainingState()  # filled before the first zero_grad(), where it joins
+        job = Job(state, verify_every=a.verify_every, checkpoint=tiers)
+        for layer in [*(m for m in model if isinstance(m, nn.Linear)), model]:
+            fully_shard(layer, mesh=job.shard_mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        state.model, state.optimizer = model, opt
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        state = stalwart.TrainingState(model=model, optimizer=opt)
+        job = Job(state, verify_every=a.verify_every, checkpoint=tiers)
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
