@@ -1,7 +1,8 @@
 """Validate ``stalwart.plan``'s goodput model against measured chaos runs under ``stalwart run``.
 
-Each run is a real elastic job (``bench/plan_chaos_worker.py``: 2 or 3 members, a 12.6 MB state,
-a durable tier every K steps) hit by a seeded Poisson schedule (``KillSchedule.poisson``) of
+Each run is a real elastic job (``bench/plan_chaos_worker.py``: 2 or 3 members, or 4 ranks in 2
+replica groups of 2 with FSDP2 inside each (``GROUP_OF``), a 12.6 MB state, a durable tier every
+K steps) hit by a seeded Poisson schedule (``KillSchedule.poisson``) of
 kills (one member SIGKILLed), hangs (one member SIGSTOPped; the launcher replaces it) and
 all-holder losses (every member killed at once: the job resumes from the durable tier).
 
@@ -21,9 +22,11 @@ and every process's start time (their spread, over their mean, is the model's
 ``start_factors``): 2 members: kill, hang, all, kill, hang, all, all, all (14 s apart, each
 rank struck), then twice a kill and 1 s later a hang of the survivor (the last live holder
 lost while a replacement starts, measured apart and set beside the model's cost for it);
-3 members: a kill and a hang of each rank, then four all-holder losses. The save's commit lag
+3 members: a kill and a hang of each rank, then four all-holder losses; 2 groups of 2: a kill
+of a rank of each group and four all-holder losses. The save's commit lag
 and a load are timed in this process. ``--calibration FILE`` reuses a calibration (the probe and
-fault runs beside it are read again), ``--refit-faults`` runs the fault runs again,
+fault runs beside it are read again), ``--refit-faults`` fits the fault runs again (running
+those not beside it, with the probes of member counts the calibration lacks),
 ``--rescore`` evaluates the model again for the runs in ``--out/runs.json`` (and writes
 ``runs-rescored.json``); a cut-short validation goes on from its ``runs.json``;
 ``--report a.json,b.json`` prints the tables of several sweeps together.
@@ -48,9 +51,10 @@ one drawn for the member whose replacement is still starting strikes nobody
 strike_starting=False)``); ``stalwart plan`` keeps the default (a host fails whatever it runs).
 
 **Mapping to the model**: N accelerators, one per node, one rack of N nodes, group size 1 (N
-live replicas); a kill is a ``crash``, a hang a ``hang``, an all-holder loss a ``rack`` loss
-(every host of the job at once); the durable tier is the model's ``remote`` tier (the tier that
-survives the loss of every host; the ``disk`` tier is switched off with a capacity of ~0);
+live replicas; 4 members: group size 2, 2 replicas, a killed rank's group out while it heals);
+a kill is a ``crash``, a hang a ``hang``, an all-holder loss a ``rack`` loss (every host of the
+job at once); the durable tier is the model's ``remote`` tier (the tier that survives the loss
+of every host; the ``disk`` tier is switched off with a capacity of ~0);
 strategy ``stalwart-no-memory``; the fault costs of the run's member count, the restart after
 an all-holder loss as the model's ``restart_s`` (a rollback's launch: no replacement waits for a
 survivor's boundary, so it is shorter than a heal); faults are taken at step boundaries
@@ -101,6 +105,10 @@ STEPS = 200
 HORIZON_S = 600.0
 QUIET_LOCK = os.environ.get("PLAN_VALIDATE_LOCK", "/tmp/quiet.lock")  # "": no lock
 SAVE_STALL_S = 0.4  # the interval configurations' save: a noticeable share of the interval
+GROUP_OF = {4: 2}
+"""Ranks per replica group by member count: 4 members run as 2 groups of 2 ranks (FSDP2 inside
+each, ``stalwart run --group-size 2``); other counts, groups of one rank."""
+MEMBERS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,8 @@ CONFIGS = (
     Config("mix-2", 2, 1 / 8, ("kill", "stop", "all"), "rec"),
     Config("mix-3", 3, 1 / 8, ("kill", "stop", "all"), "rec"),
     Config("all-10s", 2, 1 / 10, ("all",), "rec"),
+    Config("kill-g2", 4, 1 / 8, ("kill",), 20),  # a killed rank takes its group out
+    Config("all-g2", 4, 1 / 10, ("all",), "rec"),
     # where the interval matters: a save stalls 0.4 s (over 3 steps) and every member is lost
     # every 8 s on average, so saves and lost work both cost several percent of goodput (the
     # model: 1x ahead of 0.5x and 2x by ~3 pp, in ~60 % of single runs of this length)
@@ -181,12 +191,13 @@ def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ..
     # each run alone on the box: the exclusive quiet lock for this run only, released after
     # it so others' tests go between runs (the lock's wait is outside the job's clock)
     lock = ["flock", "-x", QUIET_LOCK] if QUIET_LOCK else []
-    cmd = [*lock, sys.executable, "-m", "stalwart", "run", "--nproc", str(members),
+    group = ["--group-size", str(GROUP_OF.get(members, 1))]
+    cmd = [*lock, sys.executable, "-m", "stalwart", "run", "--nproc", str(members), *group,
            "--max-restarts", "200", "--events", str(tmp / "events"), "--timeout",
            str(TIMEOUT_S), str(WORKER),
            "--steps", str(steps), "--batch-s", str(BATCH_S), "--members", str(members),
            "--ckpt", str(tmp / "ckpt"),
-           "--ckpt-every", str(every), "--save-stall-s", str(stall_s)]  # fmt: skip
+           "--ckpt-every", str(every), "--save-stall-s", str(stall_s), *group]  # fmt: skip
     started = time.time()
     done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=1800)
     load = os.getloadavg()  # the box's load as the run ends (uptime's three figures)
@@ -265,7 +276,7 @@ def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, l
             continue
         if claim["rank"] >= claim["size"]:
             continue  # it struck the member still starting: nobody died
-        if claim["size"] == 1 < members:
+        if claim["size"] == GROUP_OF.get(members, 1) < members:  # one group left
             # it struck the last live holder while a replacement was starting: the job stands
             # still until training begins again (from the tier); the replacement's start left
             spawns = [e for e in ev if e["kind"] == "spawned" and e["t"] < t]
@@ -286,7 +297,7 @@ def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, l
             continue
         # detection to the survivors' first commit, less that step (paced for the members
         # left): a survivor that waits out the collective timeout holds the others back
-        paced = step_s * members / (members - 1)
+        paced = step_s * members / (members - GROUP_OF.get(members, 1))
         out["resume_s"].append(max(resumed["t"] - found["t"] - paced, 0.0))
         if any(0 < c["t"] - t < 10.0 for c in run["claims"]):
             continue  # the next fault strikes during the heal (an overlap, measured apart)
@@ -344,7 +355,7 @@ def io_costs() -> dict[str, float]:
 
 def calibrate(out: Path, probes: dict[str, Any] | None = None) -> dict[str, Any]:
     cal: dict[str, Any] = {"io": io_costs(), "step_s": {}, "save_s": {}, **(probes or {})}
-    for n in () if probes else (2, 3):
+    for n in [m for m in MEMBERS if m not in (probes or {}).get("step_s", {})]:
         # a save's cost, within each probe: its window less its fault-free, save-free steps
         steps_s, saves_s = [], []
         for i in range(PROBE_REPEATS):
@@ -361,7 +372,11 @@ def calibrate(out: Path, probes: dict[str, Any] | None = None) -> dict[str, Any]
     (out / "calibration.json").write_text(json.dumps(cal, indent=1))  # the probes, kept
     cal["faults"], cal["fault_samples"] = {}, {}
     for n, (timed, steps) in FAULT_RUNS.items():
-        _fit_faults(cal, n, launch(out / f"faults-{n}", n, steps, 20, timed))
+        faults = out / f"faults-{n}"
+        if probes and (faults / "events").exists():  # measured with these probes: read again
+            _fit_faults(cal, n, read_run(faults, n, steps, 20))
+        else:
+            _fit_faults(cal, n, launch(faults, n, steps, 20, timed))
     return cal
 
 
@@ -388,7 +403,10 @@ def _fault_runs() -> dict[int, tuple[tuple[Any, ...], int]]:
     three = [("kill", 0.0), ("kill", 0.4), ("kill", 0.8), ("stop", 0.0), ("stop", 0.4),
              ("stop", 0.8), ("all", 0.0), ("all", 0.0), ("all", 0.0), ("all", 0.0)]  # fmt: skip
     timed3 = [Timed(3.0 + 14.0 * i, k, slot=s) for i, (k, s) in enumerate(three)]
-    return {2: (tuple(timed2), 1050), 3: (tuple(timed3), 1050)}
+    groups = [("kill", 0.0), ("kill", 0.5), ("all", 0.0), ("kill", 0.75), ("all", 0.0),
+              ("kill", 0.25), ("all", 0.0), ("all", 0.0)]  # fmt: skip  # a kill: its group out
+    timed4 = [Timed(3.0 + 14.0 * i, k, slot=s) for i, (k, s) in enumerate(groups)]
+    return {2: (tuple(timed2), 1050), 3: (tuple(timed3), 1050), 4: (tuple(timed4), 1050)}
 
 
 FAULT_RUNS = _fault_runs()
@@ -420,7 +438,8 @@ def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every
     heal, rack_detect = max(f["heal_s"] + start_shift_s, 0.0), f["crash_detect_s"]
     restart = max(f["restart_s"] + start_shift_s - rack_detect - io["load_s"], 0.0)
     return PlanInputs().replace(**{
-        "job.accelerators": members, "job.group_size": 1, "job.state_gb": gb,
+        "job.accelerators": members, "job.group_size": GROUP_OF.get(members, 1),
+        "job.state_gb": gb,
         "job.step_s": step_s, "job.accelerators_per_node": 1,
         "fleet.crash_per_hour": rates.get("kill", 0.0) / members * 3600,
         "fleet.hang_per_hour": rates.get("stop", 0.0) / members * 3600,
@@ -842,7 +861,7 @@ def _load_calibration(path: Path, refit: bool) -> dict[str, Any]:
     cal["save_s"] = {int(k): v for k, v in cal["save_s"].items()}
     cal["faults"] = {int(k): v for k, v in cal.get("faults", {}).items()}
     cal["fault_samples"] = {int(k): v for k, v in cal.get("fault_samples", {}).items()}
-    for n in (2, 3):  # the probes read again, as this version reads them
+    for n in cal["step_s"]:  # the probes read again, as this version reads them
         runs = [read_run(path.parent / f"probe-{n}-{i}", n, PROBE_STEPS, SAVE_EVERY)
                 for i in range(PROBE_REPEATS)]  # fmt: skip
         cal["probe_samples"][str(n)] = [
