@@ -579,9 +579,10 @@ def score(cal: dict[str, Any], r: dict[str, Any], run: dict[str, Any]) -> None:
     shift = r["process_start_s"] - cal["faults"][n]["process_start_s"]
     r["model_nominal"] = predict(cal, n, nominal, every, step_s, stall)
     realised = predict(cal, n, r["realised"], every, step_s, stall, whole=True)
-    r["model_realised"] = realised.ettr
+    faultless = isinstance(realised, float)  # no fault in the window: saves alone, no sim
+    r["model_realised"] = realised if faultless else realised.ettr
     r["rollbacks_lost_steps"] = rollbacks_lost_steps(run)
-    r["model_lost_steps"] = realised.lost_work_s / step_s
+    r["model_lost_steps"] = 0.0 if faultless else realised.lost_work_s / step_s
     r["model_mean_start"] = predict(cal, n, r["realised"], every, step_s, stall, spread=False)
     r["model_own_start"] = predict(cal, n, r["realised"], every, step_s, stall, shift)
     trace = trace_of(run, n, r["window_s"])
