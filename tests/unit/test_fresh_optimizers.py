@@ -1,8 +1,9 @@
 """Fresh optimizers primed before a load (``stalwart.checkpoint.fresh_optimizers``).
 
-A zero step at a learning rate of zero creates the state a load then fills in place; it must
-not move a parameter or lose a gradient, must skip what it cannot prime, and a load into a
-fresh optimizer must then train on exactly as the optimizer that was saved.
+A zero step at a learning rate of zero creates the state a load then fills in place (the loads
+prime optimizers of DTensors only: ``test_fresh_optimizer_dist.py``); it must not move a
+parameter or lose a gradient, must skip what it cannot prime, and a load into a fresh optimizer
+must then train on exactly as the optimizer that was saved.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ def test_what_cannot_be_primed_is_left_as_it_was() -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_fresh_optimizer_loads_in_place_and_trains_on_as_the_saved_one(
-    tmp_path: Path, kind: str
-) -> None:
+def test_a_fresh_optimizer_loads_and_trains_on_as_the_saved_one(tmp_path: Path, kind: str) -> None:
     model = _model()
     opt = OPTIMIZERS[kind](model.parameters())
     for s in range(2):

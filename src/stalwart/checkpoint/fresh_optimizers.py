@@ -10,7 +10,11 @@ exists, shaped and placed like its parameters, and the load fills it in place. T
 do not move (every update, AdamW's decay included, is scaled by the zero rate), the gradients
 are put back as they were, and what the step wrote into the state is overwritten by the load.
 
-An optimizer whose step needs a closure (L-BFGS) or refuses a zero step is left as it was.
+The loads prime only optimizers of sharded parameters (``sharded_only``): a plain optimizer
+takes the loaded plain tensors as they are, and its zero step would only cost time on the
+restart's path (here 0.1 to 0.4 s per GB of AdamW state, and 10 s the first time in a process).
+The step runs the optimizer's step hooks, as any step does. An optimizer whose step needs a
+closure (L-BFGS) or refuses a zero step is left as it was.
 A ``TrainingState`` built with ``fqn_optimizer_state`` is left alone: its loads go through
 ``set_state_dict``, which prepares the optimizer itself.
 """
@@ -31,11 +35,18 @@ __all__ = ["prime_fresh_optimizers"]
 log = logging.getLogger(__name__)
 
 
-def prime_fresh_optimizers(state: Any) -> None:
-    """Give every fresh optimizer held in ``state`` its state (module docstring)."""
+def prime_fresh_optimizers(state: Any, *, sharded_only: bool = False) -> None:
+    """Give every fresh optimizer held in ``state`` its state (module docstring); with
+    ``sharded_only``, those whose parameters include a DTensor."""
     for optimizer in _optimizers(state, set()):
-        if not optimizer.state:
+        if not optimizer.state and (not sharded_only or _sharded(optimizer)):
             _prime(optimizer)
+
+
+def _sharded(optimizer: Optimizer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
 
 
 def _optimizers(obj: Any, seen: set[int]) -> Iterator[Optimizer]:

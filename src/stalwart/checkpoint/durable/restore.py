@@ -122,7 +122,7 @@ def _prepare(
     m: Manifest, store: Storage, state: Any, strict: bool, where: str
 ) -> tuple[FlatTree, dict[str, torch.Tensor], list[str], dict[str, torch.Tensor]]:
     """The state's targets and every tensor to fill (those the state lacks allocated)."""
-    prime_fresh_optimizers(state)  # their moments are then targets, sharded as their params
+    prime_fresh_optimizers(state, sharded_only=True)  # moments then sharded too
     flat = flatten(state) if state is not None else FlatTree(skeleton={"k": "none"})
     targets, problems = match_targets(flat, m.tensors, _entry_problem, strict=strict, where=where)
     beyond = pack_problems(m, store)  # before any buffer is sized by a stored length

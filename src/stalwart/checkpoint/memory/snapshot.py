@@ -142,8 +142,9 @@ class Snapshot:
         report) and hands stateful objects their sub-tree, translating their refusals.
         ``state`` must hold the boxes it held at capture (same names, dtypes, global
         shapes and local boxes): memory snapshots are not resharded. Tensors the state lacks
-        (a fresh optimizer has no moments yet) are handed to their stateful owner as new
-        tensors (the local box, so a DTensor absent from ``state`` comes back as its shard).
+        (a fresh optimizer of plain parameters has no moments yet; one of DTensors is first
+        given them, ``fresh_optimizers``) are handed to their stateful owner as new tensors (the
+        local box, so a DTensor absent from ``state`` comes back as its shard).
 
         Raises:
             StateMismatchError: a tensor's dtype, shape or local box differs (``strict``).
@@ -157,7 +158,7 @@ class Snapshot:
 
         self._check_fresh()
         where = f"the memory snapshot of step {self.step}"
-        prime_fresh_optimizers(state)  # their moments are then targets, sharded as their params
+        prime_fresh_optimizers(state, sharded_only=True)  # moments then sharded too
         flat = flatten(state)
         by_fqn = {rec.fqn: rec for rec in self.tensors}
         out, problems = match_targets(flat, by_fqn, _box_problem, strict=strict, where=where)
