@@ -111,6 +111,11 @@ each, ``stalwart run --group-size 2``); other counts, groups of one rank."""
 MEMBERS = (2, 3, 4)
 
 
+def _group(members: int) -> int:
+    """Ranks per replica group of a job of ``members`` (``GROUP_OF``)."""
+    return GROUP_OF.get(members, 1)
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
@@ -191,7 +196,7 @@ def launch(tmp: Path, members: int, steps: int, every: int, timed: tuple[Any, ..
     # each run alone on the box: the exclusive quiet lock for this run only, released after
     # it so others' tests go between runs (the lock's wait is outside the job's clock)
     lock = ["flock", "-x", QUIET_LOCK] if QUIET_LOCK else []
-    group = ["--group-size", str(GROUP_OF.get(members, 1))]
+    group = ["--group-size", str(_group(members))]
     cmd = [*lock, sys.executable, "-m", "stalwart", "run", "--nproc", str(members), *group,
            "--max-restarts", "200", "--events", str(tmp / "events"), "--timeout",
            str(TIMEOUT_S), str(WORKER),
@@ -276,7 +281,7 @@ def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, l
             continue
         if claim["rank"] >= claim["size"]:
             continue  # it struck the member still starting: nobody died
-        if claim["size"] == GROUP_OF.get(members, 1) < members:  # one group left
+        if claim["size"] == _group(members) < members:  # one group left
             # it struck the last live holder while a replacement was starting: the job stands
             # still until training begins again (from the tier); the replacement's start left
             spawns = [e for e in ev if e["kind"] == "spawned" and e["t"] < t]
@@ -297,7 +302,7 @@ def fault_costs(run: dict[str, Any], step_s: float, members: int) -> dict[str, l
             continue
         # detection to the survivors' first commit, less that step (paced for the members
         # left): a survivor that waits out the collective timeout holds the others back
-        paced = step_s * members / (members - GROUP_OF.get(members, 1))
+        paced = step_s * members / (members - _group(members))
         out["resume_s"].append(max(resumed["t"] - found["t"] - paced, 0.0))
         if any(0 < c["t"] - t < 10.0 for c in run["claims"]):
             continue  # the next fault strikes during the heal (an overlap, measured apart)
@@ -438,7 +443,7 @@ def inputs_for(cal: dict[str, Any], members: int, rates: dict[str, float], every
     heal, rack_detect = max(f["heal_s"] + start_shift_s, 0.0), f["crash_detect_s"]
     restart = max(f["restart_s"] + start_shift_s - rack_detect - io["load_s"], 0.0)
     return PlanInputs().replace(**{
-        "job.accelerators": members, "job.group_size": GROUP_OF.get(members, 1),
+        "job.accelerators": members, "job.group_size": _group(members),
         "job.state_gb": gb,
         "job.step_s": step_s, "job.accelerators_per_node": 1,
         "fleet.crash_per_hour": rates.get("kill", 0.0) / members * 3600,
@@ -822,7 +827,6 @@ def report_intervals(rows: list[dict[str, Any]]) -> None:
             continue
         every = [str(got[n, s]["every"]) for n in trio for s in seeds[:1] if (n, s) in got]
         print(f"\n{c.name}: every {'/'.join(every)} steps (of 0.5x / 1x / 2x the recommendation)")
-
         for s in seeds:
             loads = "/".join(f"{got[n, s]['load']:.1f}" for n in trio if (n, s) in got)
             m, r, t = (" / ".join(_cell(got, n, s, k) for n in trio)
