@@ -9,7 +9,7 @@ full batch's gradient whatever the membership. Run as one plain process it is a 
 one with a one-rank mesh: the reference.
 
 Usage: groups_worker.py --steps N [--verify-every K] [--out DIR] [--hold-at STEP ...
-                        --hold-replicas R] [--step-sleep S]
+                        --hold-replicas R] [--step-sleep S] [--follow]
 """
 
 from __future__ import annotations
@@ -64,11 +64,12 @@ def main() -> None:
     )
     parser.add_argument("--hold-replicas", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--follow", action="store_true", help="Job(follow=True)")
     a = parser.parse_args()
     random.seed(0)  # the digest covers every generator: seed them alike
     np.random.seed(0)
     state = stalwart.TrainingState()  # filled once the model is sharded on the job's mesh
-    job = Job(state, verify_every=a.verify_every)
+    job = Job(state, verify_every=a.verify_every, follow=a.follow)
     model, opt = build(job)
     state.model, state.optimizer = model, opt  # before the first zero_grad(): the heal is there
     torch.manual_seed(0)  # the global generator is replicated state too

@@ -55,6 +55,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return _finals(out)["single"]["full"]
 
 
+def _shards_agree_at_every_step(events: dict[int, list[dict[str, Any]]],
+                                shard: dict[int, int]) -> None:  # fmt: skip
+    """Bit parity per shard across groups at every verified step (verify_every = 1: every
+    committed step, except where the check itself failed because a peer died after the
+    commit; the next epoch's heal verified it then)."""
+    by_step: dict[tuple[int, int], set[str]] = {}
+    for wid, lines in events.items():
+        faulted = {e["step"] for e in lines if e["kind"] == EventKind.FAULT_DETECTED}
+        for e in lines:
+            if e["kind"] == EventKind.STEP and e["committed"]:
+                assert e["digest"] or e["step"] in faulted, (wid, e)
+                if e["digest"]:
+                    by_step.setdefault((e["step"], shard[wid]), set()).add(e["digest"])
+    assert len({step for step, _ in by_step}) >= STEPS - 2
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+
+
 def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
@@ -81,19 +98,7 @@ def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
     assert shard == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 7: 1}
 
     events = read_events(events_dir)
-    # bit parity per shard across groups at every verified step (verify_every = 1: every
-    # committed step, except where the check itself failed because a peer died after the
-    # commit; the next epoch's heal verified it then)
-    by_step: dict[tuple[int, int], set[str]] = {}
-    for wid, lines in events.items():
-        faulted = {e["step"] for e in lines if e["kind"] == EventKind.FAULT_DETECTED}
-        for e in lines:
-            if e["kind"] == EventKind.STEP and e["committed"]:
-                assert e["digest"] or e["step"] in faulted, (wid, e)
-                if e["digest"]:
-                    by_step.setdefault((e["step"], shard[wid]), set()).add(e["digest"])
-    assert len({step for step, _ in by_step}) >= STEPS - 2
-    assert all(len(d) == 1 for d in by_step.values()), by_step
+    _shards_agree_at_every_step(events, shard)
     # a group's ranks committed the same steps in the same epochs: never half a step
     for first, second in ((0, 1), (2, 3), (4, 5), (6, 7)):
         steps = [
@@ -111,6 +116,46 @@ def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
     assert {f["step"] for f in finals.values()} == {STEPS}
     for rank in (0, 1):
         assert len({f["digest"] for f in finals.values() if f["shard_rank"] == rank}) == 1
+    for name, ref in reference.items():
+        torch.testing.assert_close(finals["4"]["full"][name], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_replacement_group_follows_per_shard_and_joins_with_nothing_sent(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    # Job(follow=True) with groups: rank 1 of group 0 dies at step 5 and its group is taken
+    # out; each rank of the replacement group follows the survivors' rank of its own shard
+    # (a copy of that rank's shard, then its reduced gradients step by step) while the
+    # survivors commit, and the group joins with equal digests: nothing is sent.
+    schedule = KillSchedule(kills=(Kill(worker=1, step=5, where="boundary"),))
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "4", "--group-size", "2",
+           "--max-restarts", "1", "--events", str(tmp_path / "events"), "--timeout", "20",
+           "--json", str(WORKER), "--steps", str(STEPS), "--hold-at", "20",
+           "--hold-replicas", "2", "--step-sleep", "0.2", "--follow",
+           "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=140)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
+    doc = json.loads(done.stdout)
+    assert doc["ok"] and doc["restarts"] == 1 and doc["final_digests_equal"], doc
+    assert (doc["summary"]["follows"], doc["summary"]["heals"]) == (2, 0), doc["summary"]
+    shard = {int(w): r for w, r in doc["summary"]["shard_ranks"].items()}
+    assert shard == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
+    events = read_events(tmp_path / "events")
+    follows = {w: {e["outcome"]: e for e in lines if e["kind"] == EventKind.FOLLOW}
+               for w, lines in events.items()}  # fmt: skip
+    assert not follows[0] and not follows[1], "the dead group takes no part"
+    for pusher, follower in ((2, 4), (3, 5)):  # the survivors' ranks, one pusher per shard
+        pushed, followed = follows[pusher], follows[follower]
+        assert set(pushed) == {"started", "promoted"}, pushed
+        assert pushed["started"]["peer"] == follower and shard[follower] == shard[pusher]
+        assert set(followed) == {"promoted"}, followed
+        assert followed["promoted"]["step"] == pushed["promoted"]["step"] >= 5
+    for kind in (EventKind.STATE_RECEIVED, EventKind.PARITY_MISMATCH):
+        assert not any(e["kind"] == kind for lines in events.values() for e in lines), kind
+    _shards_agree_at_every_step(events, shard)
+    finals = _finals(tmp_path / "out")
+    assert sorted(finals) == ["2", "3", "4", "5"]
+    assert {f["step"] for f in finals.values()} == {STEPS}
     for name, ref in reference.items():
         torch.testing.assert_close(finals["4"]["full"][name], ref, rtol=1e-4, atol=1e-5)
 

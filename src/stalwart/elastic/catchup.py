@@ -32,7 +32,9 @@ hyper-parameters did not change while it listened (an LR scheduler breaks this; 
 ``max_steps`` steps or ``max_bytes`` bytes (:attr:`Catchup.over`: then a full heal). The
 survivors send from a copy they already hold, from threads that share their cores. The
 listener sits in the survivors' all-reduce, which measured badly (docs/elastic.md);
-:mod:`stalwart.elastic.follow` takes it out. Replicated state only (no DTensor leaves).
+:mod:`stalwart.elastic.follow` takes it out. A lent copy may hold DTensor leaves (a replica
+group's shard: sent as local parts, rebuilt on the receiver's mesh); the listener itself
+(:class:`Catchup`) is tested on replicated state only.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.elastic.dtensors import is_dtensor
+from stalwart.elastic.dtensors import dtensor_spec, local_part
 from stalwart.elastic.groups import device_of
 from stalwart.elastic.heal import gather_addresses, open_listener, receive_leaves, send_slices
 from stalwart.elastic.reduce import average_
@@ -158,15 +160,13 @@ class Lender:
 
 
 def _lent(agreed: AgreedState) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The agreed copy as a heal's header and leaves (replicated state only)."""
+    """The agreed copy as a heal's header and leaves: a DTensor leaf (a replica group's
+    shard) is sent as its local part with its spec, and rebuilt on the receiver's mesh."""
     skeleton, step, leaves = agreed.lend()
-    if any(is_dtensor(t) for t in leaves.values()):
-        raise ConfigError(
-            "a heal in the background sends replicated state only; a sharded state "
-            "(DTensor leaves) heals at the epoch change"
-        )
-    meta = [[n, dtype_name(t.dtype), list(t.shape), None] for n, t in leaves.items()]
-    return {"skeleton": skeleton, "step": step, "leaves": meta}, list(leaves.values())
+    meta = [[n, dtype_name(t.dtype), list(local_part(t).shape), dtensor_spec(t)]
+            for n, t in leaves.items()]  # fmt: skip
+    tensors = [local_part(t) for t in leaves.values()]
+    return {"skeleton": skeleton, "step": step, "leaves": meta}, tensors
 
 
 def _options(streams: int | None, chunk_bytes: int | None) -> dict[str, int]:
@@ -323,9 +323,10 @@ def _rest(state: Any, skip: Sequence[torch.Tensor]) -> tuple[dict[str, Any], lis
     """The header and leaves of ``state`` that are none of ``skip``'s tensors (what a replay
     does not rebuild: RNG states, integer buffers), with the whole skeleton."""
     flat = flatten(canonical_tree(state))
-    rebuilt = {t.data_ptr() for t in skip if t.numel()}
+    rebuilt = {local_part(t).data_ptr() for t in skip if t.numel()}
     names = [n for n, leaf in flat.leaves.items()
-             if leaf.tensor.numel() == 0 or leaf.tensor.data_ptr() not in rebuilt]  # fmt: skip
+             if leaf.tensor.numel() == 0
+             or local_part(leaf.tensor).data_ptr() not in rebuilt]  # fmt: skip
     leaves = [flat.leaves[n].tensor.detach().cpu().contiguous() for n in names]
     meta = [[n, dtype_name(t.dtype), list(t.shape)] for n, t in zip(names, leaves, strict=True)]
     return {"skeleton": flat.skeleton, "leaves": meta}, leaves

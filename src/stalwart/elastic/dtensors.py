@@ -16,7 +16,7 @@ import torch
 
 from stalwart.errors import ConfigError
 
-__all__ = ["dtensor_spec", "is_dtensor", "local_part", "rebuild_dtensor"]
+__all__ = ["as_like", "dtensor_spec", "is_dtensor", "local_part", "rebuild_dtensor"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -69,3 +69,17 @@ def rebuild_dtensor(local: torch.Tensor, spec: dict[str, Any], like: torch.Tenso
     placements = [Shard(p[1]) if p[0] == "shard" else Replicate() for p in spec["placements"]]
     shape, stride = torch.Size(spec["shape"]), tuple(spec["stride"])
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` (a received local shard) as a tensor placed like ``like``: a DTensor on
+    ``like``'s mesh with its placements, shape and stride when ``like`` is one; else on its
+    device."""
+    if not is_dtensor(like):
+        return local.to(like.device)
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(like, DTensor)
+    local = local.to(like.to_local().device)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stalwart.elastic.dtensors import is_dtensor, local_part
+from stalwart.elastic.dtensors import local_part
 from stalwart.elastic.heal import IDLE_TIMEOUT_S, flat_bytes, gather_addresses, recv_into
 from stalwart.errors import ConfigError
 from stalwart.tree import dtype_name
@@ -138,9 +138,7 @@ class Feed:
         grads = [p.grad for p in params]
         if any(g is None for g in grads):
             raise ConfigError("push after the all-reduce: every parameter needs its gradient")
-        if any(is_dtensor(g) for g in grads):
-            raise ConfigError("a follow carries replicated state only; a sharded state "
-                              "(DTensor leaves) heals at the epoch change")  # fmt: skip
+        grads = [local_part(g) for g in grads]  # a replica group's shard: its local part
         ptrs = {g.data_ptr() for g in grads if g is not None and g.numel()}
         if not self.copy and ptrs & self._last_ptrs:
             raise ConfigError(
@@ -150,7 +148,7 @@ class Feed:
             )
         self._last_ptrs = ptrs
         tensors = [g.detach().clone() if self.copy else g.detach() for g in grads if g is not None]
-        tensors += [b.detach().clone() for b in buffers]
+        tensors += [local_part(b).detach().clone() for b in buffers]
         header = json.dumps({"step": step, "promote": promote,
                              "hyper": hyper_parameters(optimizer)}).encode()  # fmt: skip
         with self._cv:

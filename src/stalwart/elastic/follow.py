@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from stalwart.elastic.catchup import MAX_BYTES, MAX_STEPS, receive_copy
+from stalwart.elastic.dtensors import as_like, local_part
 from stalwart.elastic.feed import FRAME, set_hyper_parameters
 from stalwart.elastic.heal import (
     IDLE_TIMEOUT_S,
@@ -151,6 +152,11 @@ class Follower:
         recv_into(self._sock, memoryview(buf))
         return buf
 
+    def close(self) -> None:
+        """Stop following (the caller gives the follow up): the pusher's feed breaks."""
+        with self._cv:
+            self._stop("withdrawn")
+
     def _stop(self, why: str) -> None:  # with self._cv held
         if self.over is None:
             self.over = why
@@ -177,7 +183,7 @@ class Follower:
                 in full. ConfigError: the survivors' parameters or buffers differ from these.
         """
         layout = self._wait(lambda: self._layout, abandon, poll_s)
-        mine = [[dtype_name(t.dtype), list(t.shape)] for t in [*params, *buffers]]
+        mine = [[dtype_name(t.dtype), list(local_part(t).shape)] for t in [*params, *buffers]]
         if mine != layout["layout"] or layout["params"] != len(params):
             raise ConfigError(
                 "the survivors push gradients and buffers of other dtypes or shapes than this "
@@ -240,11 +246,11 @@ class Follower:
         n = len(params)
         set_hyper_parameters(optimizer, header["hyper"])
         for p, g in zip(params, tensors[:n], strict=True):
-            p.grad = g.to(p.device)
+            p.grad = as_like(g, p)
         optimizer.step()
         with torch.no_grad():
             for b, reduced in zip(buffers, tensors[n:], strict=True):
-                b.copy_(reduced)
+                local_part(b).copy_(reduced)
         for p in params:
             p.grad = None
         self.step = header["step"]

@@ -5,7 +5,7 @@ Without it, a replacement joins the next epoch and every member waits while the 
 to it (docs/elastic.md, "Heals peer to peer"). With it:
 
 1. **The ask.** A replacement (a worker that starts when the job already committed steps)
-   does not announce itself. It writes a token under ``job/follow`` (one follow at a time:
+   does not announce itself. It writes a token under ``job/follow/0`` (one follow at a time:
    the first writer wins; the others announce themselves and heal as before) and waits for
    the survivors.
 2. **The start.** The survivors' rank 0, the *pusher*, looks at the key at each step
@@ -32,9 +32,17 @@ to it (docs/elastic.md, "Heals peer to peer"). With it:
    differ: the pusher closes the feed, and the replacement announces itself (if it had not),
    keeps step 0 and is healed in full, as without ``follow``.
 
-Replicated state only (replica groups of one rank): a sharded state heals at the epoch
-change. Every step of a follow is written to the event log (``follow`` lines: role, what
-happened, step, peer).
+**Replica groups** (``--group-size G``): the follow runs per shard. Rank ``r`` of a
+replacement group asks under ``job/follow/<r>`` once its group's process group exists, and the
+group follows only if every rank was answered (else the answered ranks withdraw and the group
+announces itself, to heal at the change as one group). The pusher of shard ``r`` is rank ``r``
+of the survivors' first group: it lends its shard (DTensor leaves as local parts, rebuilt on
+the follower's mesh) and pushes its reduced local gradients. The pushers see the newer-epoch
+flag at the same step (their group agrees on it); a pair that does not promote leaves its
+group's digests unequal, and the group is healed in full at the change.
+
+Every step of a follow is written to the event log (``follow`` lines: role, what happened,
+step, peer).
 """
 
 from __future__ import annotations
@@ -52,12 +60,14 @@ from stalwart.elastic.catchup import Lender, send_rest, take_rest
 from stalwart.elastic.events import EventKind
 from stalwart.elastic.feed import Feed
 from stalwart.elastic.follow import Follower
-from stalwart.elastic.groups import build_group
+from stalwart.elastic.groups import agree, build_group
 from stalwart.elastic.ledger import StepLedger
 from stalwart.elastic.membership import Epoch, Membership
 from stalwart.elastic.parity import gather_digests
 from stalwart.elastic.protocol import decode, keys
 from stalwart.elastic.state import AgreedState, digest
+from stalwart.elastic.timeouts import Timeouts
+from stalwart.elastic.worlds import World, first_epoch
 from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["FollowHeal"]
@@ -108,24 +118,63 @@ class FollowHeal:
         if self._follower is not None:
             ledger.reconfigure()  # the follow (before_change), then the join
 
+    @property
+    def _key(self) -> str:
+        """The store key of this worker's shard rank: one follow per shard rank at a time."""
+        return keys.follow(self.membership.layout.group_rank)
+
     def _pair(self, token: str, rank: int) -> Any:
         store = PrefixStore(f"follow/{token}", self.membership.store)
         return build_group(store, rank, 2, device=_CPU, timeout=self.timeout)
 
     # -- the replacement --------------------------------------------------------------------
 
-    def first_epoch(self, group_size: int | None, device: torch.device) -> Epoch | None:
-        """At the job's start: a replacement of a replicated state asks to follow, and gets
-        the placeholder epoch it starts in (it follows, then joins, in :meth:`use`). None:
-        this worker announced itself (a first member, nobody answered, or replica groups)
-        and joins as usual."""
+    def first_epoch(self, world: World, membership: Membership | None,
+                    group_size: int | None, device: torch.device, timeouts: Timeouts,
+                    timeout_s: float | None) -> tuple[Epoch, Any]:  # fmt: skip
+        """The job's first epoch and its replica group's process group, as
+        :func:`~stalwart.elastic.worlds.first_epoch`'s, for a job that may follow. A
+        replacement of a replicated state asks to follow and gets the placeholder epoch it
+        starts in (it follows, then joins, in :meth:`use`); a replacement group asks once its
+        process group exists (:meth:`ask_in_group`); anyone else announces itself and joins
+        as usual."""
         m = self.membership
         m.device = device
-        replacement = m.layout.group_size == 1 and group_size in (None, 1) and m.progress() > 0
-        if replacement and self.ask():
-            return Epoch(0, (m.wid,), 0, None)
-        m.announce()
-        return None
+        grouped = m.layout.group_size > 1 or group_size not in (None, 1)
+        if not grouped and m.progress() > 0 and self.ask():
+            return Epoch(0, (m.wid,), 0, None), None
+        if not grouped:
+            m.announce()
+        first, shard_group = first_epoch(world, membership, group_size, device, timeouts,
+                                         timeout_s)  # fmt: skip
+        if shard_group is not None:
+            self.ask_in_group(shard_group)
+        return first, shard_group
+
+    def ask_in_group(self, shard_group: Any) -> None:
+        """Replica groups, at the job's start: every rank of a replacement group asks to
+        follow the survivors' rank of its shard; the group follows only if every rank was
+        answered (collective on ``shard_group``). Otherwise the answered ranks withdraw and
+        the whole group announces itself: it heals at the epoch change, as one group."""
+        m = self.membership
+        asked = m.progress() > 0 and self.ask()
+        try:
+            everyone = agree(shard_group, [float(asked)])[0] >= shard_group.size()
+        except RuntimeError:  # a rank of the group died: the launcher takes the group out
+            everyone = False
+        if asked and not everyone:
+            self._withdraw()
+        if not (asked and everyone):
+            m.announce()
+
+    def _withdraw(self) -> None:
+        """Give up an answered ask: the pusher's feed breaks, the key is free again."""
+        if self._follower is not None:
+            self._follower.close()
+        with contextlib.suppress(RuntimeError):
+            self.membership.store.compare_set(self._key, self._token, "")
+        self._follower = self._group = None
+        self._token = ""
 
     def ask(self) -> bool:
         """A replacement's ask (module docstring, 1); True when a pusher answered (the copy
@@ -134,7 +183,7 @@ class FollowHeal:
         store = self.membership.store
         token = f"{self.membership.wid}.{time.time_ns()}"
         try:
-            if bytes(store.compare_set(keys.FOLLOW, "", token)).decode() != token:
+            if bytes(store.compare_set(self._key, "", token)).decode() != token:
                 return False  # another replacement follows
             self._group = self._pair(token, 1)
             self._follower = Follower(1, self._group)
@@ -143,7 +192,7 @@ class FollowHeal:
                         "epoch change", self.membership.wid, e)  # fmt: skip
             self._follower = self._group = None
             with contextlib.suppress(RuntimeError):
-                store.compare_set(keys.FOLLOW, token, "")
+                store.compare_set(self._key, token, "")
             return False
         self._token = token
         return True
@@ -191,7 +240,7 @@ class FollowHeal:
         """Whether the pusher freed the key (it ended the follow): a signal through the store,
         whatever the feed's socket says."""
         try:
-            return bytes(self.membership.store.get(keys.FOLLOW)).decode() != self._token
+            return bytes(self.membership.store.get(self._key)).decode() != self._token
         except RuntimeError:
             return False
 
@@ -212,7 +261,7 @@ class FollowHeal:
             return
         store = self.membership.store
         try:
-            token = bytes(store.get(keys.FOLLOW)).decode() if store.check([keys.FOLLOW]) else ""
+            token = bytes(store.get(self._key)).decode() if store.check([self._key]) else ""
         except RuntimeError:  # the coordinator's trouble is membership's, at the next join
             return
         if not token:
@@ -224,8 +273,8 @@ class FollowHeal:
             copy.record(self.state, ledger.step)
             self._lender = Lender(copy, 0, [1], self._group)
             self._feed = Feed.connect(1, True, self._group, ledger.params, ledger.buffers)
-        except (RuntimeError, OSError, ConfigError) as e:  # ConfigError: a sharded leaf
-            self._end(ledger, f"could not start: {e}")
+        except (RuntimeError, OSError, ConfigError) as e:  # ConfigError: a placement
+            self._end(ledger, f"could not start: {e}")  # other than Shard and Replicate
             return
         ledger.events.write(EventKind.FOLLOW, role="pusher", outcome="started", step=ledger.step,
                             peer=self._peer, detail="")  # fmt: skip
@@ -289,7 +338,7 @@ class FollowHeal:
         ledger.events.write(EventKind.FOLLOW, role="pusher", outcome=outcome, step=ledger.step,
                             peer=self._peer, detail=why[:200])  # fmt: skip
         with contextlib.suppress(RuntimeError):
-            self.membership.store.compare_set(keys.FOLLOW, self._token, "")
+            self.membership.store.compare_set(self._key, self._token, "")
         self._feed = self._lender = self._group = None
         self._token, self._peer, self._promote = "", -1, False
 

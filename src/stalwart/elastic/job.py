@@ -144,9 +144,9 @@ class Job:
         events.record(Start(pid=os.getpid(), host=host_attributes(index)))
         self._follow = None if membership is None or not follow else FollowHeal(
             state, membership, self.timeouts.collective)  # fmt: skip
-        placeholder = self._follow and self._follow.first_epoch(group_size, self.device)
-        first, shard_group = (placeholder, None) if placeholder else first_epoch(
-            self.world, membership, group_size, self.device, self.timeouts, timeout_s)  # fmt: skip
+        start = first_epoch if self._follow is None else self._follow.first_epoch
+        first, shard_group = start(self.world, membership, group_size, self.device,
+                                   self.timeouts, timeout_s)  # fmt: skip
         self.ledger = StepLedger(
             state, events, membership, first, verify_every=verify_every,
             join_timeout_s=self.join_timeout_s, stats_window=stats_window,

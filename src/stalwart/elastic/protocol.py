@@ -83,7 +83,6 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     FINAL = "coord/final"
     PROGRESS = "job/progress"  # the newest committed step, written by the lowest rank
     FATAL = "job/fatal"  # a worker's error no replacement can fix: the launcher stops
-    FOLLOW = "job/follow"  # a replacement's token, asking to follow (elastic/follow_job.py)
 
     @staticmethod
     def exit(wid: int) -> str:
@@ -94,6 +93,12 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     def kill(wid: int) -> str:
         """Set by the host to have worker ``wid``'s launcher SIGKILL it."""
         return f"coord/kill/{wid}"
+
+    @staticmethod
+    def follow(shard_rank: int) -> str:
+        """A replacement's token asking to follow the survivors' rank ``shard_rank`` of their
+        first replica group (0 without groups; :mod:`stalwart.elastic.follow_job`)."""
+        return f"job/follow/{shard_rank}"
 
     @staticmethod
     def members(epoch: int) -> str:
