@@ -195,3 +195,56 @@ def refused(rank: int, world_size: int) -> dict[str, Any]:
         out["abandoned"] = str(e)
     dist.barrier()
     return out
+
+
+def group_ask(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """A replacement group of two ranks (0, 1; workers 10, 11) asks to follow at its start
+    (``FollowHeal.ask_in_group``); rank 2 plays the survivors' rank of shard 0 and answers its
+    ask, while shard 1's key is held by another replacement's token: the group must not
+    follow half-way. Rank 0 withdraws (its pusher's feed breaks, its key is freed) and both
+    ranks announce themselves, to heal at the epoch change as one group."""
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from stalwart.elastic.catchup import Lender
+    from stalwart.elastic.feed import Feed
+    from stalwart.elastic.follow_job import FollowHeal
+    from stalwart.elastic.groups import build_group
+    from stalwart.elastic.membership import Membership
+    from stalwart.elastic.protocol import WorkerEnv, keys
+    from stalwart.elastic.state import AgreedState
+
+    shard_group = dist.new_group([0, 1])
+    state = _state(rank)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=20))  # fmt: skip
+    if rank == 2:  # the pusher of shard 0, as FollowHeal.boundary starts a follow
+        deadline = time.monotonic() + 20
+        while not (store.check([keys.follow(0)]) and store.get(keys.follow(0))):
+            assert time.monotonic() < deadline, "no replacement asked"
+            time.sleep(0.01)
+        token = bytes(store.get(keys.follow(0))).decode()
+        pair = build_group(PrefixStore(f"follow/{token}", store), 0, 2,
+                           device=torch.device("cpu"), timeout=timedelta(seconds=20))  # fmt: skip
+        copy = AgreedState()
+        copy.record(state, 7)
+        Lender(copy, 0, [1], pair)
+        feed = Feed.connect(1, True, pair, *_parts(state))
+        deadline = time.monotonic() + 20
+        while feed.broken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.barrier()  # the replacement ranks are alive until here: the withdrawal broke it
+        return {"token": token, "broken": feed.broken}
+    env = WorkerEnv("127.0.0.1", port, 10 + rank, None, timeout_s=20, hang_s=0)
+    membership = Membership(env, 1, announce=False)
+    heal = FollowHeal(state, membership, timedelta(seconds=20))
+    heal.ask_in_group(shard_group)
+    out = {
+        "announced": membership.announced,
+        "ready": store.check([keys.ready(10 + rank)]),
+        "following": heal.following,
+        "key": bytes(store.get(keys.follow(rank))).decode(),
+    }
+    dist.barrier()
+    return out

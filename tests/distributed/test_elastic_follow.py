@@ -8,6 +8,8 @@ promotion its digest equals theirs bit for bit, and a step as three keeps them e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from stalwart.testing import run_ranks
@@ -43,3 +45,27 @@ def test_a_follower_refuses_another_model_and_can_be_abandoned() -> None:
     assert "same model" in follower["mismatch"]
     assert "abandoned" in follower["abandoned"]
     assert survivor["broken"] is not None
+
+
+def test_a_replacement_group_follows_whole_or_not_at_all() -> None:
+    # Shard 0's rank is answered, shard 1's key is another replacement's: the answered rank
+    # withdraws (its pusher's feed breaks, the key is free again) and the whole group
+    # announces itself, to be healed at the epoch change as one group.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from stalwart.elastic.groups import Layout
+    from stalwart.elastic.protocol import encode, keys
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=20))  # fmt: skip
+    for rank in (0, 1):
+        layout = Layout(group=5, group_rank=rank, group_size=2)
+        store.set(keys.layout(10 + rank), encode(dataclasses.asdict(layout)))
+    store.set(keys.PROGRESS, "7")  # the job committed steps: 10 and 11 are replacements
+    store.set(keys.follow(1), "99.1")
+    first, second, pusher = run_ranks(follow_ranks.group_ask, 3, store.port, timeout_s=60)
+    assert pusher["broken"] is not None and pusher["token"].startswith("10."), pusher
+    assert first == {"announced": True, "ready": True, "following": False, "key": ""}, first
+    assert second == {"announced": True, "ready": True, "following": False, "key": "99.1"}

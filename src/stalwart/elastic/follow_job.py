@@ -119,6 +119,11 @@ class FollowHeal:
             ledger.reconfigure()  # the follow (before_change), then the join
 
     @property
+    def following(self) -> bool:
+        """Whether this replacement asked, was answered and has not joined an epoch yet."""
+        return self._follower is not None
+
+    @property
     def _key(self) -> str:
         """The store key of this worker's shard rank: one follow per shard rank at a time."""
         return keys.follow(self.membership.layout.group_rank)
