@@ -12,6 +12,11 @@ shard that differ. Cycles run ``--cycles-per-run`` to a ``stalwart run``.
 
     .venv/bin/python bench/elastic_groups_bench.py --cycles 50            # the long run
     .venv/bin/python bench/elastic_groups_bench.py --cycles 4 --runs 0    # a short check
+    .venv/bin/python bench/elastic_groups_bench.py --cycles 50 --runs 0 --follow  # groups follow
+
+``--follow``: ``Job(follow=True)``: each rank of a new group follows the survivors' rank of its
+shard while they commit, instead of being healed at the epoch change; the totals count the
+follows promoted and the heals (a follow that fell back is healed).
 
 **Overhead** (``--runs R``, default 5): healthy per-step time, stalwart (``--group-size 2``,
 FSDP2 on ``job.shard_mesh``, the job's all-reduce across groups, digests every 50 steps as
@@ -78,7 +83,7 @@ def worker_stalwart(a: argparse.Namespace) -> None:
     random.seed(0)
     np.random.seed(0)
     state = stalwart.TrainingState()
-    job = Job(state, verify_every=a.verify_every)
+    job = Job(state, verify_every=a.verify_every, follow=a.follow)
     model = _model()
     _shard(model, job.shard_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -190,7 +195,8 @@ def schedule(seed: int, cycles: int) -> tuple[list[dict[str, Any]], list[int]]:
     return kills, holds
 
 
-def _chaos_run(seed: int, cycles: int, tmp: Path) -> dict[str, Any]:
+def _chaos_run(seed: int, cycles: int, tmp: Path, follow: bool) -> dict[str, Any]:
+    from stalwart.elastic import summarize
     from stalwart.elastic.recovery import digest_divergences, recoveries
 
     kills, holds = schedule(seed, cycles)
@@ -199,7 +205,7 @@ def _chaos_run(seed: int, cycles: int, tmp: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "4", "--group-size", "2",
            "--max-restarts", str(cycles), "--timeout", "30", "--events", str(ev),
            str(Path(__file__).resolve()), "--worker", "stalwart", "--total", str(total),
-           "--verify-every", "1"]  # fmt: skip
+           "--verify-every", "1", *(["--follow"] if follow else [])]  # fmt: skip
     for h in holds:
         cmd += ["--hold-at", str(h)]
     env = _env({"STALWART_CHAOS": json.dumps({"kills": kills})})
@@ -209,6 +215,7 @@ def _chaos_run(seed: int, cycles: int, tmp: Path) -> dict[str, Any]:
     divergent, verified = digest_divergences(ev)
     rec = recoveries(ev)
     deaths = sorted(r.worker for r in rec)
+    summary = summarize(ev)
     return {
         "seed": seed, "cycles": cycles, "rc": done.returncode, "wall_s": round(wall, 1),
         "divergent": divergent,
@@ -217,30 +224,33 @@ def _chaos_run(seed: int, cycles: int, tmp: Path) -> dict[str, Any]:
         "lost_steps": [r.lost_steps for r in rec],
         "resume_s": [round(r.resume_s, 3) for r in rec if r.resume_s is not None],
         "rejoin_s": [round(r.rejoin_s, 2) for r in rec if r.rejoin_s is not None],
+        "follows": summary.follows, "heals": summary.heals,
         "tail": "" if done.returncode == 0 else done.stderr.decode()[-1500:],
     }  # fmt: skip
 
 
 def campaign(a: argparse.Namespace) -> int:
     """Runs the cycles; prints one JSON line per run and the totals; returns divergences."""
-    divergent = failed = done_cycles = 0
+    divergent = failed = done_cycles = follows = heals = 0
     resume: list[float] = []
     rejoin: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         seed = a.first_seed
         while done_cycles < a.cycles:
             n = min(a.cycles_per_run, a.cycles - done_cycles)
-            r = _chaos_run(seed, n, Path(tmp))
+            r = _chaos_run(seed, n, Path(tmp), a.follow)
             print(json.dumps(r), flush=True)
             divergent += r["divergent"]
             failed += r["rc"] != 0 or not r["deaths_as_scheduled"]
             resume += r["resume_s"]
             rejoin += r["rejoin_s"]
+            follows, heals = follows + r["follows"], heals + r["heals"]
             done_cycles += n
             seed += 1
     print(
         f"\n{done_cycles} kill/rejoin cycles: {divergent} divergences (per-shard digests "
-        f"at every step and at the end); {failed} runs failed or missed a scheduled death"
+        f"at every step and at the end); {failed} runs failed or missed a scheduled death; "
+        f"{follows} rank follows promoted, {heals} heals"
     )
     if resume:
         print(f"survivors' next commit after a death: median {statistics.median(resume):.3f} s "
@@ -262,6 +272,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--verify-every", type=int, default=50)
     p.add_argument("--hold-at", type=int, action="append", default=[])
+    p.add_argument("--follow", action="store_true", help="Job(follow=True)")
     a = p.parse_args()
     if a.worker == "stalwart":
         worker_stalwart(a)

@@ -29,6 +29,12 @@ Medians and ranges over ``--runs`` runs (probe and job interleaved).
 
     .venv/bin/python bench/heal_bench.py --runs 3 --gib 4.0
 
+``--group-size 2``: the same job with replica groups (``stalwart run --nproc 4 --group-size 2``,
+each layer sharded with FSDP2 on ``job.shard_mesh``; ``--gib`` is then the state per group,
+half of it per rank). Worker 1 dies, so its group (0 and 1) is taken out; the survivor measured
+is worker 2, rank 0 of the other group, and the replacement group heals (or, ``--follow``,
+follows) shard by shard.
+
 Memory: each member holds the state, its gradients and the parity checks' agreed copy
 (about 2.4x the state), so ``--gib 4`` needs about 20 GiB of RAM for the two members.
 """
@@ -76,7 +82,6 @@ def worker(a: argparse.Namespace) -> None:
     """One elastic member (under ``stalwart run``)."""
     import stalwart
     from stalwart.elastic import Job
-    from stalwart.testing import chaos
 
     wid = os.environ.get("STALWART_ELASTIC_WORKER", "0")
     heal_log = logging.getLogger("stalwart.elastic.heal")
@@ -87,10 +92,17 @@ def worker(a: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the RNGs are state: seeded alike, the first members agree at once
     random.seed(0)
     np.random.seed(0)
+    timed: dict[str, Any] = {"warmup_s": None, "steps": []}
+    if a.group_size > 1:  # the model is sharded on the group's mesh, which the Job builds
+        state = stalwart.TrainingState()
+        job = Job(state, verify_every=0, follow=a.follow)
+        model, opt = _sharded(a.gib, job.shard_mesh)
+        state.model, state.optimizer = model, opt
+        torch.manual_seed(0)
+        _train(a, job, model, opt, timed, wid)
+        return
     model = _model(a.gib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    timed: dict[str, Any] = {"warmup_s": None, "steps": []}
 
     def warmup() -> None:  # a replacement's first backward, paid before it joins
         t0 = time.perf_counter()
@@ -102,6 +114,25 @@ def worker(a: argparse.Namespace) -> None:
     if a.follow:
         extra["follow"] = True
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0, **extra)
+    _train(a, job, model, opt, timed, wid)
+
+
+def _sharded(gib: float, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """:func:`_model` with each layer and the root sharded by FSDP2 on ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(gib)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+
+def _train(a: argparse.Namespace, job: Any, model: nn.Module, opt: torch.optim.Optimizer,
+           timed: dict[str, Any], wid: str) -> None:  # fmt: skip
+    """The timed training loop of one member (:func:`worker`), its digest and timings."""
+    from stalwart.testing import chaos
+
     chaos.install(job)
     model = job.data_parallel(model)
     optimizer = job.optimizer(opt)
@@ -118,7 +149,8 @@ def worker(a: argparse.Namespace) -> None:
         timed["steps"].append({"replicas": replicas, "boundary_s": t1 - t0,
                                "compute_s": t2 - t1, "commit_s": time.time() - t2})  # fmt: skip
     job.close()
-    (a.out / f"final-{wid}.json").write_text(json.dumps({"digest": job.digest()}))
+    final = {"digest": job.digest(), "shard_rank": job.shard_rank}
+    (a.out / f"final-{wid}.json").write_text(json.dumps(final))
     (a.out / f"timed-{wid}.json").write_text(json.dumps(timed))
 
 
@@ -411,9 +443,10 @@ def _kill_one(a: argparse.Namespace, tmp: Path, nproc: int,
     (tmp / "out").mkdir()
     me = [str(Path(__file__).resolve()), "--worker", "--gib", str(a.gib),
           "--steps", str(a.steps), "--out", str(tmp / "out"),
-          "--warmup" if a.warmup else "--no-warmup",
+          "--warmup" if a.warmup else "--no-warmup", "--group-size", str(a.group_size),
           *(["--follow"] if a.follow else [])]  # fmt: skip
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(nproc), *launcher,
+           "--group-size", str(a.group_size),
            "--max-restarts", "2", "--events", str(tmp / "events"),
            "--timeout", str(a.timeout), *me]  # fmt: skip
     sched = KillSchedule((Kill(worker=1, step=a.kill_at, where="boundary"),))
@@ -425,32 +458,36 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     """One kill/replace/heal run; the measures of the module docstring."""
     from stalwart.elastic import read_events
 
-    with tempfile.TemporaryDirectory() as tmp:
+    g = a.group_size  # workers per member: 0 .. g-1 the first group (worker 1 dies), g .. 2g-1
+    with tempfile.TemporaryDirectory() as tmp:  # the survivors, 2g .. 3g-1 the replacement
         ev, out = Path(tmp) / "events", Path(tmp) / "out"
-        done = _kill_one(a, Path(tmp), 2)
+        done = _kill_one(a, Path(tmp), 2 * g)
         if done.returncode != 0:
             raise SystemExit(f"the job failed:\n{done.stdout}\n{done.stderr[-3000:]}")
         events = read_events(ev)
-        finals = {json.loads(p.read_text())["digest"] for p in out.glob("final-*.json")}
+        finals = [json.loads(p.read_text()) for p in out.glob("final-*.json")]
         timed = {int(p.stem.split("-")[1]): json.loads(p.read_text())
                  for p in out.glob("timed-*.json")}  # fmt: skip
-        heal_lines = [ln for w in events if w >= 2  # the replacement (ids 0, 1: the first two)
-                      for ln in (out / f"heal-{w}.log").read_text().splitlines()
-                      if " healed " in ln]  # fmt: skip
-    survivor = events[0]
+        heal_lines = [[ln for ln in (out / f"heal-{w}.log").read_text().splitlines()
+                       if " healed " in ln] for w in events if w >= 2 * g]  # fmt: skip
+    equal = len(events) == 3 * g and all(  # per shard: one digest across the members
+        len({f["digest"] for f in finals if f["shard_rank"] == r}) == 1 for r in range(g)
+    )
+    survivor = events[g]
     steps = [e for e in survivor if e["kind"] == "step" and e["committed"]]  # not the discarded
     gaps = _gaps(steps)
     healthy = [gaps[s["step"]] for s in steps if s["step"] in gaps and s["step"] <= a.kill_at
-               and len(s["members"]) == 2]  # fmt: skip
+               and len(s["members"]) == 2 * g]  # fmt: skip
     fault = next(e for e in survivor if e["kind"] == "fault-detected")
     after_fault = next(s for s in steps if s["t"] > fault["t"])
-    rejoin = [e for e in survivor if e["kind"] == "reconfigured" and len(e["members"]) == 2
+    rejoin = [e for e in survivor if e["kind"] == "reconfigured" and len(e["members"]) == 2 * g
               and e["t"] > fault["t"]]  # fmt: skip
     heal_step = next(s for s in steps if rejoin and s["t"] > rejoin[0]["t"])
-    newcomer = next(lines for w, lines in events.items() if w >= 2)
+    newcomer = next(lines for w, lines in events.items() if w >= 2 * g)
     begins = next((e["t"] for e in survivor if e["kind"] == "follow"), rejoin[0]["t"])
-    cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer, begins)
-    mine = timed[0]["steps"]  # the survivor's steps: the first with 2 members after the kill
+    cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer, begins,
+                          g)  # fmt: skip
+    mine = timed[g]["steps"]  # the survivor's steps: the first with 2 members after the kill
     alone = next(i for i, s in enumerate(mine) if s["replicas"] == 1)
     heal_at = mine[next(i for i in range(alone, len(mine)) if mine[i]["replicas"] == 2)]
     healthy_at = mine[1 : alone - 1]  # 2 members: not the first (cold) nor the failed one
@@ -461,14 +498,16 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
         "newcomer_first_compute_s": theirs["steps"][0]["compute_s"],
     }  # fmt: skip
     if a.follow:
-        equal = len(finals) == 1 and len(list(events)) == 3
         return _followed(survivor, steps, gaps, healthy, fault, after_fault, heal_step,
-                         newcomer, equal, cost["alone_step_s"]) | cost | split  # fmt: skip
-    words = heal_lines[-1].split()  # "<t> healed <bytes> bytes from <n> holders in <s> s ..."
-    heal_end, nbytes, heal_s = float(words[0]), int(words[2]), float(words[8])
+                         newcomer, equal, cost["alone_step_s"], g) | cost | split  # fmt: skip
+    # each replacement rank's last "<t> healed <bytes> bytes from <n> holders in <s> s ...";
+    # with groups the ranks heal their shards at once: the bytes summed, the slowest's time
+    words = [lines[-1].split() for lines in heal_lines]
+    heal_end, heal_s = max(float(w[0]) for w in words), max(float(w[8]) for w in words)
+    nbytes = sum(int(w[2]) for w in words)
     received = next(e for e in newcomer if e["kind"] == "state-received")
     return {
-        "digests_equal": len(finals) == 1 and len(list(events)) == 3,
+        "digests_equal": equal,
         "heal_bytes": nbytes,
         "heal_s": heal_s,
         "heal_mb_s": nbytes / heal_s / 1e6,
@@ -493,17 +532,17 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
 
 def _survivor_cost(steps: list[dict[str, Any]], gaps: dict[int, float], healthy2: float,
                    after_fault: dict[str, Any], newcomer: list[dict[str, Any]],
-                   begins: float) -> dict[str, float]:  # fmt: skip
+                   begins: float, g: int = 1) -> dict[str, float]:  # fmt: skip
     """What the replacement cost the survivor, the same way for both designs: from the
     replacement's start to the survivor's first commit with it, each alone commit's gap over
     the survivor's alone step (the median alone gap before the design ``begins``: the follow
     starts, or the epoch change), and the first 2-member commit's over a healthy 2-member
-    step; summed (seconds lost) and the longest (a ratio)."""
+    step; summed (seconds lost) and the longest (a ratio). ``g``: workers per member."""
     born = next(e["t"] for e in newcomer if e["kind"] == "start")
     alone = [s for s in steps if s["t"] > after_fault["t"] and s["step"] in gaps]
-    solo = [(s["t"], gaps[s["step"]]) for s in alone if len(s["members"]) == 1]
-    base = statistics.median([g for t, g in solo if t <= begins] or [min(g for _, g in solo)])
-    first2 = next(s for s in alone if s["t"] > born and len(s["members"]) == 2)
+    solo = [(s["t"], gaps[s["step"]]) for s in alone if len(s["members"]) == g]
+    base = statistics.median([d for t, d in solo if t <= begins] or [min(d for _, d in solo)])
+    first2 = next(s for s in alone if s["t"] > born and len(s["members"]) == 2 * g)
     inside = [s for s in alone if born < s["t"] < first2["t"]]
     lost = sum(gaps[s["step"]] - base for s in inside) + gaps[first2["step"]] - healthy2
     longest = max([gaps[s["step"]] / base for s in inside] + [gaps[first2["step"]] / healthy2])
@@ -515,7 +554,7 @@ def _followed(survivor: list[dict[str, Any]], steps: list[dict[str, Any]],
               gaps: dict[int, float], healthy: list[float], fault: dict[str, Any],
               after_fault: dict[str, Any], heal_step: dict[str, Any],
               newcomer: list[dict[str, Any]], equal: bool,
-              alone_s: float) -> dict[str, Any]:  # fmt: skip
+              alone_s: float, g: int = 1) -> dict[str, Any]:  # fmt: skip
     """``--follow``'s measures (``Job(follow=True)``): the survivor's steps while it lent the
     copy and pushed, over its alone step (``alone_s``, :func:`_survivor_cost`'s), and the
     step holding the promotion."""
@@ -524,7 +563,7 @@ def _followed(survivor: list[dict[str, Any]], steps: list[dict[str, Any]],
     if "promoted" not in follow or "promoted" not in theirs:
         raise SystemExit(f"the follow did not promote: {follow} {theirs}")
     start, end = follow["started"], follow["promoted"]
-    alone = [s for s in steps if len(s["members"]) == 1 and s["t"] > after_fault["t"]]
+    alone = [s for s in steps if len(s["members"]) == g and s["t"] > after_fault["t"]]
     during = [gaps[s["step"]] for s in alone if s["t"] > start["t"] and s["step"] in gaps]
     if not during:
         raise SystemExit("no step alone during the follow: raise --steps")
@@ -607,6 +646,8 @@ def main() -> None:
     p.add_argument("--recovery", action="store_true",
                    help="the launcher's recovery record of one kill (--nproc members)")  # fmt: skip
     p.add_argument("--nproc", type=int, default=3, help="--recovery: members")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="ranks per replica group (FSDP2 inside; --gib per group)")  # fmt: skip
     p.add_argument("--follow", action="store_true",
                    help="the replacement follows (Job(follow=True)), no heal")  # fmt: skip
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

@@ -219,3 +219,15 @@ def test_json_of_demo_and_protect(tmp_path: Path) -> None:
     r = _invoke("protect", "mlp", "--trials", "10", "-p", "sbp", "--json")
     assert r.exit_code == 0, r.output
     assert [x["name"] for x in json.loads(r.stdout)["results"]]
+
+
+def test_run_leaves_everything_after_the_script_to_the_script() -> None:
+    # As torchrun does: an option after the script belongs to it, even one the launcher also
+    # knows (a worker's own --timeout or --json was taken by the launcher before).
+    run = get_command(app).commands["run"]  # type: ignore[attr-defined]
+    line = ["--nproc", "4", "--group-size", "2", "train.py", "--timeout", "5", "--json",
+            "--group-size", "3", "--lr", "0.1"]  # fmt: skip
+    params = run.make_context("run", list(line)).params  # (click consumes the list)
+    assert (params["nproc"], params["group_size"], params["timeout"]) == (4, 2, 10.0)
+    assert params["as_json"] is False and params["script"] == Path("train.py")
+    assert list(params["args"]) == line[5:]

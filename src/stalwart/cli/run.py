@@ -227,6 +227,8 @@ def _recovery_table(recoveries: list[Any]) -> Table:
 
 def register(app: typer.Typer) -> None:
     """Add the ``run`` command to ``app``."""
-    app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        run
-    )
+    # Everything after the script is the script's own (as torchrun does): an option the
+    # launcher also knows (--timeout, --json, ...) must not be taken from the script's line.
+    settings = {"allow_extra_args": True, "ignore_unknown_options": True,
+                "allow_interspersed_args": False}  # fmt: skip
+    app.command("run", context_settings=settings)(run)

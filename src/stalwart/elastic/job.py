@@ -91,7 +91,7 @@ class Job:
         save_every: a plain Checkpointer's interval, committed steps (tiers have their own).
         warmup: run by a replacement before it announces itself (a backward on zeros, say).
         follow: a replacement heals while the survivors commit, then joins with nothing to
-            send (:mod:`stalwart.elastic.follow_job`; replicated state, ``stalwart run``).
+            send (:mod:`stalwart.elastic.follow_job`; ``stalwart run``; groups: per shard).
 
     Attributes:
         ledger: the committed step and each step's outcome (:mod:`stalwart.elastic.ledger`).
