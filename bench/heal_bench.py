@@ -541,7 +541,10 @@ def _survivor_cost(steps: list[dict[str, Any]], gaps: dict[int, float], healthy2
     born = next(e["t"] for e in newcomer if e["kind"] == "start")
     alone = [s for s in steps if s["t"] > after_fault["t"] and s["step"] in gaps]
     solo = [(s["t"], gaps[s["step"]]) for s in alone if len(s["members"]) == g]
-    base = statistics.median([d for t, d in solo if t <= begins] or [min(d for _, d in solo)])
+    if solo:
+        base = statistics.median([d for t, d in solo if t <= begins] or [min(d for _, d in solo)])
+    else:  # the replacement came before any commit without it (a slow step, a quick start)
+        base = math.nan
     first2 = next(s for s in alone if s["t"] > born and len(s["members"]) == 2 * g)
     inside = [s for s in alone if born < s["t"] < first2["t"]]
     lost = sum(gaps[s["step"]] - base for s in inside) + gaps[first2["step"]] - healthy2

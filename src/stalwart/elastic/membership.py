@@ -47,7 +47,7 @@ from stalwart.elastic.groups import Layout, all_or_none, build_group, read_layou
 from stalwart.elastic.heartbeat import Heartbeat
 from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys, read_address
 from stalwart.elastic.timeouts import Timeouts
-from stalwart.errors import DistributedError
+from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["Epoch", "Membership"]
 
@@ -128,6 +128,12 @@ class Membership:
         self.moves = 0  # re-hosted coordinators followed
         self.store: Store = self._connect(self.address)
         self.layout: Layout = read_layout(self.store, self.wid)
+        if warmup is not None and self.layout.group_size > 1:
+            raise ConfigError(
+                "Job(warmup=...) with replica groups: the model is sharded on job.shard_mesh "
+                "after the job is built, so a warm-up would run before the model exists; "
+                "leave warmup out with --group-size > 1"
+            )
         self.shard_group: Any = None
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
         if warmup is not None and self.progress() > 0:  # paid while the others still train
