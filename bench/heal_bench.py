@@ -488,7 +488,9 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer, begins,
                           g)  # fmt: skip
     mine = timed[g]["steps"]  # the survivor's steps: the first with 2 members after the kill
-    alone = next(i for i, s in enumerate(mine) if s["replicas"] == 1)
+    # none alone: the replacement came before the survivor's first commit without it, and
+    # the step after the failed one (index kill_at) held the epoch change
+    alone = next((i for i, s in enumerate(mine) if s["replicas"] == 1), a.kill_at + 1)
     heal_at = mine[next(i for i in range(alone, len(mine)) if mine[i]["replicas"] == 2)]
     healthy_at = mine[1 : alone - 1]  # 2 members: not the first (cold) nor the failed one
     theirs = timed[max(timed)]  # the replacement's
