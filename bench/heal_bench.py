@@ -94,8 +94,15 @@ def worker(a: argparse.Namespace) -> None:
     np.random.seed(0)
     timed: dict[str, Any] = {"warmup_s": None, "steps": []}
     if a.group_size > 1:  # the model is sharded on the group's mesh, which the Job builds
+
+        def warm() -> None:  # run by the job once the model below exists (before it joins)
+            t0 = time.perf_counter()
+            F.mse_loss(model(torch.zeros(2, WIDTH))[:, :1], torch.zeros(2, 1)).backward()
+            opt.zero_grad()
+            timed["warmup_s"] = time.perf_counter() - t0
+
         state = stalwart.TrainingState()
-        job = Job(state, verify_every=0, follow=a.follow)
+        job = Job(state, verify_every=0, follow=a.follow, warmup=warm if a.warmup else None)
         model, opt = _sharded(a.gib, job.shard_mesh)
         state.model, state.optimizer = model, opt
         torch.manual_seed(0)

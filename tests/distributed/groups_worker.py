@@ -9,7 +9,7 @@ full batch's gradient whatever the membership. Run as one plain process it is a 
 one with a one-rank mesh: the reference.
 
 Usage: groups_worker.py --steps N [--verify-every K] [--out DIR] [--hold-at STEP ...
-                        --hold-replicas R] [--step-sleep S] [--follow]
+                        --hold-replicas R] [--step-sleep S] [--follow] [--warmup]
 """
 
 from __future__ import annotations
@@ -65,11 +65,20 @@ def main() -> None:
     parser.add_argument("--hold-replicas", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--follow", action="store_true", help="Job(follow=True)")
+    parser.add_argument("--warmup", action="store_true", help="Job(warmup=...): counted")
     a = parser.parse_args()
     random.seed(0)  # the digest covers every generator: seed them alike
     np.random.seed(0)
     state = stalwart.TrainingState()  # filled once the model is sharded on the job's mesh
-    job = Job(state, verify_every=a.verify_every, follow=a.follow)
+    warmups = []
+
+    def warmup() -> None:  # a replacement's first forward and backward, before it joins
+        F.mse_loss(model(torch.zeros(2, 8)), torch.zeros(2, 1)).backward()
+        opt.zero_grad()
+        warmups.append(job.step)
+
+    job = Job(state, verify_every=a.verify_every, follow=a.follow,
+              warmup=warmup if a.warmup else None)  # fmt: skip
     model, opt = build(job)
     state.model, state.optimizer = model, opt  # before the first zero_grad(): the heal is there
     torch.manual_seed(0)  # the global generator is replicated state too
@@ -90,7 +99,7 @@ def main() -> None:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         record = {"digest": job.digest(), "step": job.step, "shard_rank": job.shard_rank,
-                  "group_size": job.group_size, "full": full}  # fmt: skip
+                  "group_size": job.group_size, "full": full, "warmups": warmups}  # fmt: skip
         torch.save(record, a.out / f"final-{wid}.pt")
     print(f"worker {wid}: done at step {job.step} (replicas {job.replicas})")
 

@@ -84,7 +84,7 @@ def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "4", "--group-size", "2",
            "--max-restarts", "2", "--events", str(tmp_path / "events"), "--timeout", "20",
            "--json", str(WORKER), "--steps", str(STEPS), "--hold-at", "10", "--hold-at", "18",
-           "--hold-replicas", "2", "--out", str(tmp_path / "out")]  # fmt: skip
+           "--hold-replicas", "2", "--warmup", "--out", str(tmp_path / "out")]  # fmt: skip
     done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
     doc = json.loads(done.stdout)
@@ -114,25 +114,30 @@ def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == ["4", "5", "6", "7"]
     assert {f["step"] for f in finals.values()} == {STEPS}
+    # each new group's ranks warmed up once, before they joined (Job(warmup=...) waits for
+    # the model sharded on the group's mesh, then the group announces itself)
+    assert {w: f["warmups"] for w, f in finals.items()} == {w: [0] for w in "4567"}
     for rank in (0, 1):
         assert len({f["digest"] for f in finals.values() if f["shard_rank"] == rank}) == 1
     for name, ref in reference.items():
         torch.testing.assert_close(finals["4"]["full"][name], ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("warmup", [False, True], ids=["follow", "warm-up-then-follow"])
 def test_a_replacement_group_follows_per_shard_and_joins_with_nothing_sent(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    tmp_path: Path, reference: dict[str, torch.Tensor], warmup: bool
 ) -> None:
     # Job(follow=True) with groups: rank 1 of group 0 dies at step 5 and its group is taken
     # out; each rank of the replacement group follows the survivors' rank of its own shard
     # (a copy of that rank's shard, then its reduced gradients step by step) while the
-    # survivors commit, and the group joins with equal digests: nothing is sent.
+    # survivors commit, and the group joins with equal digests: nothing is sent. With a
+    # warm-up, each new rank runs it once its model is sharded, before it follows.
     schedule = KillSchedule(kills=(Kill(worker=1, step=5, where="boundary"),))
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "4", "--group-size", "2",
            "--max-restarts", "1", "--events", str(tmp_path / "events"), "--timeout", "20",
            "--json", str(WORKER), "--steps", str(STEPS), "--hold-at", "20",
            "--hold-replicas", "2", "--step-sleep", "0.2", "--follow",
-           "--out", str(tmp_path / "out")]  # fmt: skip
+           *(["--warmup"] if warmup else []), "--out", str(tmp_path / "out")]  # fmt: skip
     done = subprocess.run(cmd, env=_env(schedule), capture_output=True, text=True, timeout=140)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
     doc = json.loads(done.stdout)
@@ -156,6 +161,8 @@ def test_a_replacement_group_follows_per_shard_and_joins_with_nothing_sent(
     finals = _finals(tmp_path / "out")
     assert sorted(finals) == ["2", "3", "4", "5"]
     assert {f["step"] for f in finals.values()} == {STEPS}
+    warmed = {w: f["warmups"] for w, f in finals.items()}
+    assert warmed == {"2": [], "3": [], "4": [0] * warmup, "5": [0] * warmup}, warmed
     for name, ref in reference.items():
         torch.testing.assert_close(finals["4"]["full"][name], ref, rtol=1e-4, atol=1e-5)
 

@@ -27,9 +27,10 @@ def test_moved_names_still_work_with_a_warning(name: str) -> None:
         elastic.NoSuchName  # noqa: B018
 
 
-def test_a_warm_up_with_replica_groups_is_refused_with_the_fix() -> None:
-    # With groups the model is built on job.shard_mesh after the Job: a warm-up at the job's
-    # construction would run before it exists (a replacement would crash on its own closure).
+def test_a_replacement_groups_warm_up_waits_for_its_model_then_announces() -> None:
+    # With groups the model is built on job.shard_mesh after the Job: a replacement's warm-up
+    # is kept until its first join (or its follow), then it announces itself; a first member
+    # (nothing committed yet) has none to run.
     import dataclasses
     from datetime import timedelta
 
@@ -38,14 +39,21 @@ def test_a_warm_up_with_replica_groups_is_refused_with_the_fix() -> None:
     from stalwart.elastic.groups import Layout
     from stalwart.elastic.membership import Membership
     from stalwart.elastic.protocol import WorkerEnv, encode, keys
-    from stalwart.errors import ConfigError
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=10))  # fmt: skip
-    store.set(keys.layout(3), encode(dataclasses.asdict(Layout(group=1, group_rank=1,
-                                                               group_size=2))))  # fmt: skip
-    env = WorkerEnv("127.0.0.1", store.port, 3, None, timeout_s=10, hang_s=0)
-    with pytest.raises(ConfigError, match="leave warmup out with --group-size > 1"):
-        Membership(env, 1, warmup=lambda: None, announce=False)
-    assert not store.check([keys.ready(3)]), "refused before announcing"
-    assert Membership(env, 1, announce=False).layout.group_size == 2, "without it: as before"
+    for wid in (3, 4):
+        layout = Layout(group=wid, group_rank=1, group_size=2)
+        store.set(keys.layout(wid), encode(dataclasses.asdict(layout)))
+    calls: list[int] = []
+    first = Membership(WorkerEnv("127.0.0.1", store.port, 3, None, timeout_s=10, hang_s=0), 1,
+                       warmup=lambda: calls.append(3))  # fmt: skip
+    assert first.warmup is None and first.announced and calls == [], "a first member: none"
+    store.set(keys.PROGRESS, "7")  # the job committed steps: worker 4 is a replacement
+    env = WorkerEnv("127.0.0.1", store.port, 4, None, timeout_s=10, hang_s=0)
+    late = Membership(env, 1, warmup=lambda: calls.append(4))
+    assert calls == [] and not late.announced and not store.check([keys.ready(4)])
+    late.warm_up(announce=True)
+    assert calls == [4] and late.announced and store.check([keys.ready(4)])
+    late.warm_up(announce=True)
+    assert calls == [4], "once"

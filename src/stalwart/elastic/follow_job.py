@@ -116,7 +116,8 @@ class FollowHeal:
             raise ConfigError("Job(follow=True) with backup workers: use one or the other")
         self.optimizer = optimizer
         if self._follower is not None:
-            ledger.reconfigure()  # the follow (before_change), then the join
+            self.membership.warm_up(announce=False)  # while the copy arrives (it announces
+            ledger.reconfigure()  # once caught up); the follow (before_change), the join
 
     @property
     def following(self) -> bool:
@@ -169,7 +170,7 @@ class FollowHeal:
             everyone = False
         if asked and not everyone:
             self._withdraw()
-        if not (asked and everyone):
+        if not (asked and everyone) and m.warmup is None:  # else it warms up, then announces
             m.announce()
 
     def _withdraw(self) -> None:

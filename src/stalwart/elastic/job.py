@@ -89,7 +89,7 @@ class Job:
             (:mod:`stalwart.elastic.checkpointing`). Under ``stalwart run`` its default
             process group is the replica group (each group's ranks save their shards).
         save_every: a plain Checkpointer's interval, committed steps (tiers have their own).
-        warmup: run by a replacement before it announces itself (a backward on zeros; G = 1).
+        warmup: run by a replacement before it announces itself (a backward on zeros, say).
         follow: a replacement heals while the survivors commit, then joins with nothing to
             send (:mod:`stalwart.elastic.follow_job`; ``stalwart run``; groups: per shard).
 

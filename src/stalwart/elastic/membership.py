@@ -47,7 +47,7 @@ from stalwart.elastic.groups import Layout, all_or_none, build_group, read_layou
 from stalwart.elastic.heartbeat import Heartbeat
 from stalwart.elastic.protocol import WorkerEnv, decode, encode, keys, read_address
 from stalwart.elastic.timeouts import Timeouts
-from stalwart.errors import ConfigError, DistributedError
+from stalwart.errors import DistributedError
 
 __all__ = ["Epoch", "Membership"]
 
@@ -128,20 +128,29 @@ class Membership:
         self.moves = 0  # re-hosted coordinators followed
         self.store: Store = self._connect(self.address)
         self.layout: Layout = read_layout(self.store, self.wid)
-        if warmup is not None and self.layout.group_size > 1:
-            raise ConfigError(
-                "Job(warmup=...) with replica groups: the model is sharded on job.shard_mesh "
-                "after the job is built, so a warm-up would run before the model exists; "
-                "leave warmup out with --group-size > 1"
-            )
         self.shard_group: Any = None
         self.heartbeat = Heartbeat(env)  # before announcing: the launcher watches from then on
+        self.warmup: Callable[[], object] | None = None  # a replacement group's, deferred
         if warmup is not None and self.progress() > 0:  # paid while the others still train
-            started = time.perf_counter()
-            warmup()
-            log.info("worker %d warmed up in %.2f s", self.wid, time.perf_counter() - started)
+            self.warmup = warmup
+            if self.layout.group_size > 1:  # its model is sharded on the group's mesh after
+                announce = False  # the job is built: warm up and announce at the first join
+            else:
+                self.warm_up(announce=False)
         self.announced = False
         if announce:
+            self.announce()
+
+    def warm_up(self, *, announce: bool) -> None:
+        """Run the replacement's warm-up (``Job(warmup=...)``) once, if one is due; then
+        announce this worker if ``announce`` (with replica groups the warm-up waits for the
+        model, sharded on the group's mesh: :meth:`join` runs it, or the follow before it)."""
+        fn, self.warmup = self.warmup, None
+        if fn is not None:
+            started = time.perf_counter()
+            fn()
+            log.info("worker %d warmed up in %.2f s", self.wid, time.perf_counter() - started)
+        if announce and not self.announced:
             self.announce()
 
     def _connect(self, address: tuple[str, int]) -> Store:
@@ -275,6 +284,8 @@ class Membership:
         Raises:
             DistributedError: no epoch formed within ``deadline_s`` seconds.
         """
+        if self.warmup is not None:  # a replacement group's, deferred until its model exists
+            self.warm_up(announce=True)
         deadline = time.monotonic() + deadline_s
         floor = after
         while time.monotonic() < deadline:
