@@ -93,26 +93,9 @@ def worker(a: argparse.Namespace) -> None:
     random.seed(0)
     np.random.seed(0)
     timed: dict[str, Any] = {"warmup_s": None, "steps": []}
-    if a.group_size > 1:  # the model is sharded on the group's mesh, which the Job builds
 
-        def warm() -> None:  # run by the job once the model below exists (before it joins)
-            t0 = time.perf_counter()
-            F.mse_loss(model(torch.zeros(2, WIDTH))[:, :1], torch.zeros(2, 1)).backward()
-            opt.zero_grad()
-            timed["warmup_s"] = time.perf_counter() - t0
-
-        state = stalwart.TrainingState()
-        job = Job(state, verify_every=0, follow=a.follow, warmup=warm if a.warmup else None)
-        model, opt = _sharded(a.gib, job.shard_mesh)
-        state.model, state.optimizer = model, opt
-        torch.manual_seed(0)
-        _train(a, job, model, opt, timed, wid)
-        return
-    model = _model(a.gib)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def warmup() -> None:  # a replacement's first backward, paid before it joins
-        t0 = time.perf_counter()
+    def warmup() -> None:  # a replacement's first backward, paid before it joins (with groups
+        t0 = time.perf_counter()  # the job runs it once the model below is sharded)
         F.mse_loss(model(torch.zeros(2, WIDTH))[:, :1], torch.zeros(2, 1)).backward()
         opt.zero_grad()
         timed["warmup_s"] = time.perf_counter() - t0
@@ -120,6 +103,16 @@ def worker(a: argparse.Namespace) -> None:
     extra: dict[str, Any] = {"warmup": warmup} if a.warmup else {}  # runs on older Jobs too
     if a.follow:
         extra["follow"] = True
+    if a.group_size > 1:  # the model is sharded on the group's mesh, which the Job builds
+        state = stalwart.TrainingState()
+        job = Job(state, verify_every=0, **extra)
+        model, opt = _sharded(a.gib, job.shard_mesh)
+        state.model, state.optimizer = model, opt
+        torch.manual_seed(0)
+        _train(a, job, model, opt, timed, wid)
+        return
+    model = _model(a.gib)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     job = Job(stalwart.TrainingState(model=model, optimizer=opt), verify_every=0, **extra)
     _train(a, job, model, opt, timed, wid)
 
@@ -480,7 +473,8 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     equal = len(events) == 3 * g and all(  # per shard: one digest across the members
         len({f["digest"] for f in finals if f["shard_rank"] == r}) == 1 for r in range(g)
     )
-    survivor = events[g]
+    first = 0 if g == 1 else g  # the survivor measured: worker 0, or rank 0 of the live group
+    survivor = events[first]
     steps = [e for e in survivor if e["kind"] == "step" and e["committed"]]  # not the discarded
     gaps = _gaps(steps)
     healthy = [gaps[s["step"]] for s in steps if s["step"] in gaps and s["step"] <= a.kill_at
@@ -494,7 +488,7 @@ def job_run(a: argparse.Namespace) -> dict[str, Any]:
     begins = next((e["t"] for e in survivor if e["kind"] == "follow"), rejoin[0]["t"])
     cost = _survivor_cost(steps, gaps, statistics.median(healthy), after_fault, newcomer, begins,
                           g)  # fmt: skip
-    mine = timed[g]["steps"]  # the survivor's steps: the first with 2 members after the kill
+    mine = timed[first]["steps"]  # the survivor's steps: the first with 2 members after the kill
     # none alone: the replacement came before the survivor's first commit without it, and
     # the step after the failed one (index kill_at) held the epoch change
     alone = next((i for i, s in enumerate(mine) if s["replicas"] == 1), a.kill_at + 1)

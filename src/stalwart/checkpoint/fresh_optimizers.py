@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from stalwart.checkpoint.durable.plan import is_dtensor
 from stalwart.checkpoint.training_state import TrainingState
 
 __all__ = ["prime_fresh_optimizers"]
@@ -44,9 +45,7 @@ def prime_fresh_optimizers(state: Any, *, sharded_only: bool = False) -> None:
 
 
 def _sharded(optimizer: Optimizer) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+    return any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
 
 
 def _optimizers(obj: Any, seen: set[int]) -> Iterator[Optimizer]:
