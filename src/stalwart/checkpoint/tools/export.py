@@ -264,6 +264,11 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         fsync_dir(str(path.parent))
 
 
+# A legacy (pre-zip) torch.save file opens with its magic number pickled at protocol 2; a
+# bare b"\x80" matched 1 in 256 random files and sent them to the pickle refusal instead.
+_LEGACY_TORCH_HEAD = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
+
+
 def detect_kind(src: Path) -> str:
     """``safetensors``, ``dcp`` or ``torch`` for ``src``, judged by its content.
 
@@ -281,9 +286,9 @@ def detect_kind(src: Path) -> str:
             f"import accepts {_ACCEPTED}"
         )
     with open(src, "rb") as f:
-        head = f.read(9)
+        head = f.read(len(_LEGACY_TORCH_HEAD))
     size = src.stat().st_size
-    if len(head) == 9 and head[8:9] == b"{":
+    if len(head) >= 9 and head[8:9] == b"{":
         (n,) = struct.unpack("<Q", head[:8])
         if n > size - 8:
             raise CorruptCheckpointError(
@@ -291,7 +296,7 @@ def detect_kind(src: Path) -> str:
                 f"the file ({size} bytes): it is truncated; copy or export it again"
             )
         return "safetensors"
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch>=1.6) or legacy pickle
+    if head[:4] == b"PK\x03\x04" or head == _LEGACY_TORCH_HEAD:  # zip (torch>=1.6) or legacy
         return "torch"
     raise ConfigError(f"{src} is not a format stalwart can import; import accepts {_ACCEPTED}")
 
