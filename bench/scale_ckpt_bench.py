@@ -271,7 +271,7 @@ def save_and_load(rank: int, world: int, base: str, layers: int, dim: int, round
             res[name]["load_disk"].append(d)
         if rank == 0:
             print(f"round {rnd}: " + ", ".join(
-                f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.1f}s"
+                f"{n} save {res[n]['save'][-1]:.1f}s load {res[n]['load'][-1]:.2f}s"
                 for n in order)
                 + (f", B load {res[B_SIDE]['load'][-1]:.1f}s" if B_SIDE in res else ""),
                 flush=True)  # fmt: skip

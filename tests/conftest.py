@@ -4,6 +4,10 @@ At the session's start the package's bytecode is written once: the distributed t
 hundreds of processes, and where ``PYTHONDONTWRITEBYTECODE`` is set (these machines set it)
 each would compile every stalwart module it imports again (an editable install has no
 bytecode, unlike a wheel's, which pip compiles).
+
+Property tests draw the same examples on every run (hypothesis's ``derandomize``, no example
+database): a CI run tests what the last local run tested, and a failure is reproducible, not
+one draw in thousands that the next run never sees again.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import stalwart
 from stalwart.testing.s3_server import S3Server
+
+settings.register_profile("stalwart", derandomize=True, database=None)
+settings.load_profile("stalwart")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

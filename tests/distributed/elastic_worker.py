@@ -8,10 +8,13 @@ takes rows ``r::n``, so the averaged gradient is the full batch's whatever the m
 Usage: elastic_worker.py --steps N [--verify-every K] [--out DIR] [--step-sleep S]
                          [--min-size M] [--hold-at STEP --hold-size N] [--stats-window W]
                          [--batchnorm] [--corrupt-at STEP --corrupt-worker W]
-                         [--ckpt DIR --ckpt-every K [--memory-tier]] [--follow]
+                         [--ckpt DIR --ckpt-every K [--memory-tier] [--ckpt-wait]]
+                         [--follow]
 
 ``--ckpt`` attaches checkpoint tiers (``Job(state, checkpoint=...)``): a durable tier under
 ``DIR`` every ``K`` steps (``--memory-tier``: and a memory tier every step before it).
+``--ckpt-wait`` waits for each save to land before the next step, for tests whose kill must
+come after a save, not race its background write.
 
 ``--corrupt-at`` flips one bit of a weight on worker ``W`` right after it commits step
 ``STEP``, once per process (a silent data corruption that only the digests can see).
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, default=None)
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--memory-tier", action="store_true")
+    parser.add_argument("--ckpt-wait", action="store_true")
     parser.add_argument("--follow", action="store_true", help="Job(follow=True)")
     a = parser.parse_args()
     torch.manual_seed(0)  # and the other generators: the digest covers them (runs compare)
@@ -86,6 +90,8 @@ def main() -> None:
         F.mse_loss(model(x), y).backward()
         time.sleep(a.step_sleep)
         optimizer.step()
+        if a.ckpt_wait and job.step % a.ckpt_every == 0:
+            job.checkpoint.wait()  # the save of this step has landed before the next begins
         if corrupt and job.step == a.corrupt_at:
             corrupt = False  # once: a rollback recomputes this step without it
             with torch.no_grad():

@@ -16,7 +16,7 @@ from stalwart.testing import run_ranks
 
 from . import follow_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)  # run_ranks(timeout_s=60) inside
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["promoted-with-a-step", "promoted-bare"])

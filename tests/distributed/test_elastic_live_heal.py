@@ -16,7 +16,7 @@ from stalwart.testing import run_ranks
 
 from . import live_heal_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)  # a test may run two 50 s run_ranks
 
 
 def test_slices_cover_the_stream_once_in_order() -> None:

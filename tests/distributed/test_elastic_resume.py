@@ -23,11 +23,13 @@ from stalwart.testing import Kill, KillSchedule
 
 from .test_elastic import WORKER, _assert_close_to, _env, _finals, _launcher_log
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # three 60 s runs in the first test
 
 STEPS = 20
 EVERY = 3  # the durable tier's interval: steps 3, 6, ... are saved
 KILL_AT = 8  # both workers die at the start of step 8: the newest durable step is 6
+# The workers wait for each save to land (--ckpt-wait): step 6's background write must not race
+# the kill two short steps later (it did on a loaded box: the resume then came from step 3).
 RUN_TIMEOUT_S = 60
 
 
@@ -36,7 +38,7 @@ def _run(tmp: Path, every: int, *, max_restarts: int = 4) -> subprocess.Complete
     cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2",
            "--max-restarts", str(max_restarts), "--events", str(tmp / "events"),
            "--timeout", "10", str(WORKER), "--steps", str(STEPS), "--step-sleep", "0.05",
-           "--ckpt", str(tmp / "ckpt"), "--ckpt-every", str(every),
+           "--ckpt", str(tmp / "ckpt"), "--ckpt-every", str(every), "--ckpt-wait",
            "--out", str(tmp / "out")]  # fmt: skip
     return subprocess.run(cmd, env=_env(chaos), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)  # fmt: skip
