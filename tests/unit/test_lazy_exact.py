@@ -7,8 +7,10 @@ forward, backward, EMA update, scheduler step and in-place edits have all run (o
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +166,35 @@ def test_tiered_lazy_save_is_exact_and_copies_to_host_once(tmp_path: Path) -> No
                 k: leaf.tensor.numpy().tobytes() for k, leaf in flatten(disk).leaves.items()
             }
             assert got_disk == want
+
+
+def _closed_and_forgotten(make: Any, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+    """Guard ``opt`` with a new checkpointer, save lazily twice, close it, drop it: its weakref."""
+    ck = make()
+    ck.guard(opt)
+    for step in (1, 2):
+        ck.save_async(step, {"model": model.state_dict(), "optim": opt.state_dict()}, lazy=True)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    ck.wait()
+    ck.close()
+    return weakref.ref(ck)
+
+
+def test_a_closed_checkpointer_lets_go_of_the_guarded_optimizer(tmp_path: Path) -> None:
+    # A guard's hook refers to its checkpointer: left on the optimizer it kept every closed
+    # checkpointer alive with its host copy of the state (a script that made one per save
+    # grew by the state's size each time). close() now takes the hooks off.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    makers = {
+        "durable": lambda: Checkpointer(tmp_path / "ck"),
+        "tiered": lambda: TieredCheckpointer([Tier.memory(keep=KeepLast(1))]),
+    }
+    for name, make in makers.items():
+        ref = _closed_and_forgotten(make, opt, model)
+        gc.collect()
+        assert ref() is None, f"a closed {name} checkpointer is still referenced"
+        assert not opt._optimizer_step_pre_hooks, f"{name}: the guard stayed on the optimizer"
+        opt.step()  # the optimizer trains on without the closed checkpointer

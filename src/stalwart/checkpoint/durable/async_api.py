@@ -42,6 +42,7 @@ class AsyncSaves:
         self.ctx, self.saver, self.queue = ctx, saver, queue
         self.background: Group | None = None
         self.guarded: list[torch.optim.Optimizer] = []
+        self.guard_hooks: list[Any] = []  # removed at close: they hold this object alive
         self.newest: int | None = None  # the newest step checked here (None: root not listed)
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
@@ -165,7 +166,12 @@ class AsyncSaves:
 
     def close(self) -> None:
         """Give the background group back for the process's next Checkpointer (the saves
-        are already waited for)."""
+        are already waited for), and take the guards off the optimizers: a guard's hook
+        refers to this object, and would keep a closed Checkpointer alive with them."""
+        for handle in self.guard_hooks:
+            handle.remove()
+        self.guard_hooks.clear()
+        self.guarded.clear()
         if self.background is not None:
             BACKGROUND_GROUPS.give(self.background)
             self.background = None
@@ -181,7 +187,9 @@ class AsyncSaves:
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Install :func:`guard` on ``optimizer``; see :meth:`Checkpointer.guard`."""
         self.guarded.append(optimizer)  # held: a lazy save defers only its tensors
-        return guard(optimizer, self)
+        handle = guard(optimizer, self)
+        self.guard_hooks.append(handle)
+        return handle
 
     def deferrable(self) -> frozenset[int]:
         """Storages a lazy save may copy late: those of the guarded optimizers."""

@@ -206,7 +206,8 @@ class Checkpointer:
 
         Its parameters and state may then be copied lazily: they must change only in
         ``optimizer.step()`` (the usual case; an in-place edit of a parameter between
-        ``save_async`` and the step would leak into the checkpoint).
+        ``save_async`` and the step would leak into the checkpoint). :meth:`close` takes the
+        guard off again.
         """
         return self._async_saves.guard(optimizer)
 

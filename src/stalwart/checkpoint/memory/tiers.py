@@ -101,6 +101,7 @@ class TieredCheckpointer:
             keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, keep)
         self.memory = MemoryTier(keep, keeper)
         self._guarded: list[torch.optim.Optimizer] = []
+        self._guard_hooks: list[Any] = []  # removed at close: they hold this object alive
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
         self._staged: Future[None] | None = None
@@ -223,7 +224,7 @@ class TieredCheckpointer:
         """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
 
         Its parameters and state may then be copied lazily; they must change only in
-        ``optimizer.step()``.
+        ``optimizer.step()``. :meth:`close` takes the guard off again.
         """
         self._guarded.append(optimizer)  # held: a lazy save defers only its tensors
 
@@ -234,7 +235,9 @@ class TieredCheckpointer:
             if cap is not None:
                 cap.order_after_copies()
 
-        return optimizer.register_step_pre_hook(wait_copy)
+        handle = optimizer.register_step_pre_hook(wait_copy)
+        self._guard_hooks.append(handle)
+        return handle
 
     def _settle(self) -> None:
         """Wait for a lazy memory snapshot in flight (raising its error, if any)."""
@@ -356,8 +359,16 @@ class TieredCheckpointer:
         return ("memory+erasure" if lost else "memory"), tree
 
     def close(self) -> None:
-        """Flush and close every tier."""
+        """Flush and close every tier, and take the guards off the optimizers.
+
+        A guard's hook refers to this object: left on the optimizer it would keep a closed
+        checkpointer, and its memory snapshots, alive as long as the optimizer lives.
+        """
         self._settle()
+        for handle in self._guard_hooks:
+            handle.remove()
+        self._guard_hooks.clear()
+        self._guarded.clear()
         self._stager.shutdown(wait=True)
         self._snapshotter.shutdown(wait=True)
         for c in self.durable.values():
