@@ -232,3 +232,12 @@ def test_accelerate_hooks_keep_weights_in_the_root(tmp_path: pathlib.Path) -> No
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), k
     assert ck.steps() == [1]
+    # Closing the checkpointer takes its hooks off: the next root's hooks alone run (before,
+    # the closed one's hook ran first and save_state failed: its threads were shut down).
+    ck.close()
+    ck2 = register_accelerate_hooks(acc, tmp_path / "root2")
+    acc.save_state(str(tmp_path / "s2"))
+    assert ck2.steps() == [1]
+    ck2.close()
+    acc.save_state(str(tmp_path / "s3"))  # no stalwart hook left: accelerate writes the model
+    assert list((tmp_path / "s3").glob("model*.safetensors"))

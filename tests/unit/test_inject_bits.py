@@ -140,6 +140,21 @@ def test_activation_faults_hit_one_sample_each() -> None:
     assert torch.equal(model(x), golden)  # hooks removed
 
 
+def test_refused_activation_faults_leave_no_hook_on_the_model() -> None:
+    # One target is a typo: the refusal came after the good target's hook was on, and since
+    # the caller never got the injector it could not remove it; every later forward was
+    # corrupted. Now every target is checked before any hook goes on.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.randn(4, 8)
+    golden = model(x)
+    faults = [Fault(t, index=2, mask=1 << 30, kind="activation") for t in ("0", "nope")]
+    with pytest.raises(ConfigError, match="no module 'nope'"):
+        inject.activation_faults(model, faults)
+    assert not model[0]._forward_hooks
+    assert torch.equal(model(x), golden)
+
+
 def test_gradient_and_optimizer_state_faults() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)

@@ -11,10 +11,12 @@ import gc
 import random
 import threading
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from stalwart import Checkpointer, KeepLast, Tier, TieredCheckpointer, TrainingState
@@ -52,8 +54,6 @@ def _setup() -> tuple[Net, torch.optim.Optimizer, Any, dict[str, torch.Tensor], 
     state = TrainingState(model=model, optimizer=opt, scheduler=sched, extra=extra)
     return model, opt, sched, extra, state
 
-
-import pytest  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 
@@ -198,3 +198,19 @@ def test_a_closed_checkpointer_lets_go_of_the_guarded_optimizer(tmp_path: Path) 
         assert ref() is None, f"a closed {name} checkpointer is still referenced"
         assert not opt._optimizer_step_pre_hooks, f"{name}: the guard stayed on the optimizer"
         opt.step()  # the optimizer trains on without the closed checkpointer
+
+
+def test_a_tiered_checkpointer_whose_snapshot_failed_still_closes() -> None:
+    # close() raises the failed lazy snapshot's error, after it took the guard off and
+    # stopped its threads (before, the error skipped all of that).
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = TieredCheckpointer([Tier.memory(keep=KeepLast(1))])
+    ck.guard(opt)
+    failed: Future[None] = Future()
+    failed.set_exception(OSError("the snapshot's copy failed"))
+    ck._pending_snapshot = failed  # what a lazy snapshot that raised leaves behind
+    with pytest.raises(OSError, match="copy failed"):
+        ck.close()
+    assert not opt._optimizer_step_pre_hooks
+    assert ck._snapshotter._shutdown and ck._stager._shutdown

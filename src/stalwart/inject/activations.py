@@ -36,12 +36,13 @@ class ActivationInjector(AbstractContextManager["ActivationInjector"]):
         modules = dict(model.named_modules())
         self._handles = []
         self.calls = 0
-        for name in self.faults:
-            if name not in modules:
+        for name in self.faults:  # every target checked before any hook goes on: a refusal
+            if name not in modules:  # must not leave a fault-injecting hook on the model
                 raise ConfigError(
                     f"{type(model).__name__} has no module {name!r}; modules: "
                     + ", ".join(n for n in list(modules)[1:9] if n)
                 )
+        for name in self.faults:
             self._handles.append(modules[name].register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str) -> Any:

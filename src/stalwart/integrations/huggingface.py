@@ -273,7 +273,7 @@ def register_accelerate_hooks(accelerator: Any, root: str | os.PathLike[str]) ->
     them from the step the pointer names. Optimizer, scheduler and RNG files stay accelerate's.
 
     Returns:
-        The root's :class:`Checkpointer`.
+        The root's :class:`Checkpointer`; closing it takes the hooks off ``accelerator``.
     """
     ck = Checkpointer(root)
 
@@ -296,6 +296,9 @@ def register_accelerate_hooks(accelerator: Any, root: str | os.PathLike[str]) ->
         ck.load({"models": [accelerator.unwrap_model(m) for m in models]}, step)
         models.clear()  # accelerate loads no model files
 
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
+    for handle in (
+        accelerator.register_save_state_pre_hook(save_hook),
+        accelerator.register_load_state_pre_hook(load_hook),
+    ):  # off again when ck closes: a closed checkpointer's hook would fail every save_state
+        ck.on_close(handle.remove)
     return ck

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,6 +79,7 @@ class Checkpointer:
         self._saver = Saver(self._ctx)
         self._loader = Loader(self._ctx, self._async)
         self._async_saves = AsyncSaves(self._ctx, self._saver, self._async)
+        self._on_close: list[Callable[[], object]] = []
 
     # -- storage and listing -----------------------------------------------------------
 
@@ -310,11 +312,22 @@ class Checkpointer:
         grace = self.options.gc_grace_s if grace_s is None else grace_s
         return collect_garbage(store, grace_s=grace, report=report)
 
+    def on_close(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` when this checkpointer closes: an integration takes off there the
+        hooks it installed for it on the user's objects (a closed checkpointer must not be
+        called, nor kept alive, by them)."""
+        self._on_close.append(fn)
+
     def close(self) -> None:
         """Wait for saves in flight, then release threads and connections."""
-        self._async.close()
-        self._async_saves.close()
-        self._ctx.close()
+        try:
+            self._async.close()
+        finally:
+            callbacks, self._on_close = self._on_close, []
+            for fn in callbacks:
+                fn()
+            self._async_saves.close()
+            self._ctx.close()
 
     def __enter__(self) -> Checkpointer:
         return self

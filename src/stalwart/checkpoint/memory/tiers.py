@@ -364,15 +364,17 @@ class TieredCheckpointer:
         A guard's hook refers to this object: left on the optimizer it would keep a closed
         checkpointer, and its memory snapshots, alive as long as the optimizer lives.
         """
-        self._settle()
-        for handle in self._guard_hooks:
-            handle.remove()
-        self._guard_hooks.clear()
-        self._guarded.clear()
-        self._stager.shutdown(wait=True)
-        self._snapshotter.shutdown(wait=True)
-        for c in self.durable.values():
-            c.close()
+        try:
+            self._settle()  # a failed snapshot raises here, after everything below ran
+        finally:
+            for handle in self._guard_hooks:
+                handle.remove()
+            self._guard_hooks.clear()
+            self._guarded.clear()
+            self._stager.shutdown(wait=True)
+            self._snapshotter.shutdown(wait=True)
+            for c in self.durable.values():
+                c.close()
 
     def __enter__(self) -> TieredCheckpointer:
         return self
