@@ -138,6 +138,28 @@ def test_interpreter_exit_flushes_saves_in_flight(tmp_path: Path) -> None:
     assert torch.equal(ckpt.load(None)["w"], torch.arange(1 << 20, dtype=torch.float32))
 
 
+def test_one_exit_hook_for_every_checkpointer_and_it_still_flushes(tmp_path: Path) -> None:
+    # Each closed Checkpointer used to leave one more hook in the interpreter's exit list; a
+    # process making one per save grew it without end. The one hook must still flush the save
+    # of a Checkpointer made after others were closed.
+    code = textwrap.dedent(
+        f"""
+        import threading, torch, stalwart
+        hooks = lambda: len(getattr(threading, "_threading_atexits", []))
+        for i in range(5):
+            with stalwart.Checkpointer({str(tmp_path / "a")!r} + str(i)) as ck:
+                ck.save_async(1, {{"w": torch.ones(3)}})
+            if i == 0:
+                first = hooks()
+        assert hooks() == first, (first, hooks())
+        ckpt = stalwart.Checkpointer({str(tmp_path / "b")!r})
+        ckpt.save_async(7, {{"w": torch.arange(1 << 20, dtype=torch.float32)}})
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert stalwart.Checkpointer(tmp_path / "b").steps() == [7]
+
+
 def test_a_sync_save_waits_for_async_ones_so_steps_commit_in_order(tmp_path: Path) -> None:
     ckpt = stalwart.Checkpointer(tmp_path)
     a = ckpt.save_async(1, {"x": torch.ones(100_000)})

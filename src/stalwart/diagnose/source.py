@@ -22,6 +22,7 @@ is registered, stalwart's own connection loses external access (``access``).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -87,6 +88,8 @@ class Source:
     def close(self) -> None:
         if self.owns_connection:
             self.con.close()
+        else:  # a caller's connection: leave it as it was given, less our view and its data
+            _forget(self.con, self.name)
         for tmp in (*self.scratch, self._tmp, self._sink):
             if tmp is not None:
                 tmp.cleanup()
@@ -159,6 +162,8 @@ def open_source(
     except BaseException as e:
         if owns:
             con.close()
+        else:
+            _forget(con, name)
         for t in (tmp, where.sink):
             if t is not None:
                 t.cleanup()
@@ -168,6 +173,17 @@ def open_source(
     columns = [str(r[0]) for r in desc]
     types = {str(r[0]): str(r[1]) for r in desc}
     return Source(con, name, columns, types, notes, owns, tmp, where.sink)
+
+
+def _forget(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Drop from a caller's connection what ``open_source`` made there: the view or table
+    ``name`` (a full copy of a CSV or JSON-lines input) and the frames it was a view of."""
+    for kind in ("VIEW", "TABLE"):  # one of the two exists; dropping the other kind raises
+        with contextlib.suppress(duckdb.Error):
+            con.execute(f"DROP {kind} IF EXISTS {name}")
+    for frame in (name + "_arrow", name + "_frame"):
+        with contextlib.suppress(duckdb.Error):
+            con.unregister(frame)
 
 
 @dataclass

@@ -383,6 +383,7 @@ class Job:
         self._closed = True
         ledger.events.record(Finish(step=self.step, epoch=self.epoch, digest=final))
         ledger.events.close()
+        atexit.unregister(self._close_at_exit)  # the exit hook would keep the closed Job alive
 
     def _close_at_exit(self) -> None:
         if getattr(sys, "last_value", None) is not None:

@@ -185,3 +185,35 @@ def test_spark_engine_reads_json_lines(
     path = tmp_path / "log.jsonl"
     _write_jsonl(plain, path)
     assert _found(analyze_spark(str(path), "failed", spark=spark)) == expected
+
+
+def test_the_callers_connection_is_left_as_it_was_given(tmp_path: Path) -> None:
+    # Each open_source on a caller's connection left its view, a full temporary copy of a
+    # CSV input, and the registered frame (holding the caller's data alive) behind.
+    import gc
+    import weakref
+
+    import polars as pl
+
+    from stalwart.diagnose.source import open_source
+
+    table = pa.table({"a": ["x", "y", "x"], "failed": [True, False, True]})
+    pyarrow.csv.write_csv(table, tmp_path / "log.csv")
+    con = duckdb.connect()
+    con.execute("CREATE TABLE mine AS SELECT 1 AS one")  # the caller's own: kept
+    frame = pl.from_arrow(table)
+    ref = weakref.ref(frame)
+    for data in (str(tmp_path / "log.csv"), table, frame):
+        src = open_source(data, connection=con)
+        assert src.sql("SELECT count(*) FROM {src}").fetchall() == [(3,)]
+        src.close()
+    del frame, data
+    gc.collect()
+    names = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+    names |= {
+        r[0]
+        for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()
+    }
+    assert names == {"mine"}, names
+    assert ref() is None, "the caller's frame is still referenced by the connection"
+    con.close()

@@ -327,6 +327,7 @@ class AsyncSaver:
 
 
 _exit_flushes: list[Callable[[], None]] = []
+_exit_hook: list[bool] = []  # [True] once the process's one exit hook is registered
 
 
 def _register_exit_flush(fn: Callable[[], None]) -> None:
@@ -336,9 +337,11 @@ def _register_exit_flush(fn: Callable[[], None]) -> None:
     a save flushed from there fails with "cannot schedule new futures after interpreter
     shutdown" (seen in tests/unit/test_async_save.py). ``threading``'s exit hooks run
     earlier, newest first, so one registered after ``concurrent.futures`` is imported runs
-    before its pools shut. We register one hook for all savers, at the first saver.
+    before its pools shut. We register one hook for all savers, at the first saver (once a
+    process: registering again whenever the list emptied added a hook per closed saver).
     """
-    if not _exit_flushes:
+    if not _exit_hook:
+        _exit_hook.append(True)
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(_run_exit_flushes)
