@@ -392,3 +392,20 @@ def load_with_mismatch_on(rank: int, world: int, root: str, bad_rank: int) -> st
         except Exception as e:
             return type(e).__name__
     return "loaded"
+
+
+def lightning_loads_share_one_group(rank: int, world: int, base: str) -> tuple[int, float]:
+    """Each rank saves a Lightning checkpoint of its own and loads its pointer 5 times: the
+    process groups made by the loads (one a process), and the value loaded."""
+    from torch.distributed.distributed_c10d import _world
+
+    from stalwart.integrations.lightning import StalwartCheckpointIO, read_checkpoint
+
+    io = StalwartCheckpointIO(root=os.path.join(base, f"root{rank}"))
+    path = os.path.join(base, f"rank{rank}.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.full((3,), float(rank))}, "epoch": 1}, path)
+    io.teardown()
+    before = len(_world.pg_map)
+    for _ in range(5):
+        got = read_checkpoint(path)
+    return len(_world.pg_map) - before, float(got["state_dict"]["w"][0])

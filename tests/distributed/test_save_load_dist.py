@@ -274,3 +274,13 @@ def test_state_mismatch_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     )
     assert results[0] == "DistributedError", results
     assert results[1] in ("StateMismatchError", "DistributedError"), results
+
+
+def test_lightning_pointer_loads_reuse_one_process_group(tmp_path: Path) -> None:
+    # Each pointer load under torch.distributed made a new process group of its rank alone
+    # (sockets and all, never destroyed); a run that loads checkpoints often grew without end.
+    pytest.importorskip("lightning")
+    results = run_ranks(
+        ranks.lightning_loads_share_one_group, 2, str(tmp_path), timeout_s=RUN_TIMEOUT_S
+    )
+    assert results == [(0, 0.0), (0, 1.0)], results

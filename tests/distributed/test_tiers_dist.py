@@ -32,3 +32,11 @@ def test_more_losses_than_parity_fall_back_to_disk(tmp_path: Path) -> None:
         tier_ranks.lose_and_recover, 5, str(tmp_path / "ck"), (4, 1), [0, 3], timeout_s=180
     )
     assert all(r == {"source": "local", "step": 2, "rebuilt": []} for r in results)
+
+
+def test_closed_erasure_checkpointers_give_their_group_back() -> None:
+    # Each TieredCheckpointer with erasure coding made a gloo group over every rank (a
+    # connection to each) and never destroyed it: one more set of sockets per object.
+    counts = run_ranks(tier_ranks.erasure_checkpointers_share_groups, 3, timeout_s=120)
+    for rank_counts in counts:
+        assert rank_counts[0] == rank_counts[1] == rank_counts[2], counts

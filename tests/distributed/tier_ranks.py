@@ -44,3 +44,18 @@ def lose_and_recover(
         assert torch.equal(target[f"rank{rank}"][k], expected[f"rank{rank}"][k]), (rank, k)
     tc.close()
     return {"source": report.source, "step": report.step, "rebuilt": report.rebuilt_ranks}
+
+
+def erasure_checkpointers_share_groups(rank: int, world: int) -> list[int]:
+    """Three erasure-coded TieredCheckpointers one after the other, each saving and closed:
+    the process groups registered after each (its erasure group comes from the process's
+    pool and goes back to it at close)."""
+    from torch.distributed.distributed_c10d import _world
+
+    counts = []
+    for step in (1, 2, 3):
+        tc = TieredCheckpointer([Tier.memory(keep=KeepLast(1))], erasure=(world - 1, 1))
+        tc.save(step, state_at(step, rank))
+        tc.close()
+        counts.append(len(_world.pg_map))
+    return counts

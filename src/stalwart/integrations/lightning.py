@@ -78,12 +78,24 @@ def _root_url(root: str | os.PathLike[str]) -> str:
     return text if "://" in text else os.path.abspath(text)
 
 
+_LOCAL_GROUP: list[tuple[Any, Any]] = []  # (the default group it belongs to, the group)
+
+
 def _local_group() -> Any:
-    """A group of this process alone when torch.distributed runs (Lightning saves on rank 0)."""
+    """A group of this process alone when torch.distributed runs (Lightning saves on rank 0).
+
+    One per process and default group: every pointer load asks for it, and a new group each
+    time left one more set of sockets in torch's registry per load.
+    """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    world = dist.group.WORLD
+    if _LOCAL_GROUP and _LOCAL_GROUP[0][0] is world:
+        return _LOCAL_GROUP[0][1]
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    _LOCAL_GROUP[:] = [(world, group)]
+    return group
 
 
 def install_loader() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
-from stalwart.checkpoint.collective import Group, dedicated_group, resolve_group
+from stalwart.checkpoint.collective import BACKGROUND_GROUPS, Group, resolve_group
 from stalwart.checkpoint.durable.async_save import PendingSave, StagedCapture
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.commit import SaveRequest
@@ -258,7 +258,9 @@ class TieredCheckpointer:
             from stalwart.checkpoint.memory.erasure import ErasureGroup
 
             g = resolve_group(self._process_group)
-            pg = dedicated_group(g).pg if g.world > 1 else g.pg
+            if g.world > 1:  # taken from the process's pool; given back at close
+                self._ec_group = BACKGROUND_GROUPS.take(g)
+            pg = self._ec_group.pg if self._ec_group is not None else g.pg
             k, m = self._erasure_cfg
             self._eg = ErasureGroup(k, m, process_group=pg, codec=self._codec)
             self.memory.erasure = self._eg
@@ -373,6 +375,9 @@ class TieredCheckpointer:
             self._guarded.clear()
             self._stager.shutdown(wait=True)
             self._snapshotter.shutdown(wait=True)
+            if self._ec_group is not None:  # nothing runs on it once the snapshotter stopped
+                BACKGROUND_GROUPS.give(self._ec_group)
+                self._ec_group = None
             for c in self.durable.values():
                 c.close()
 
