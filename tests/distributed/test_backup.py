@@ -242,3 +242,18 @@ def test_wire_round_trip_is_bit_exact_for_any_dtype() -> None:
     assert torch.equal(again[3], expected[3])
     with pytest.raises(ValueError, match="same shapes"):
         decode(encode(None, tensors[:1]), tensors)
+
+
+def test_a_closed_backup_round_stops_its_store_cleaner() -> None:
+    # Each BackupRound started a thread (with its own store connection) that deleted old
+    # steps' keys forever; nothing stopped it. close() deletes what is queued, then stops.
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=20))  # fmt: skip
+    master.set("backup/0/0/old", "x")
+    before = {t for t in threading.enumerate() if t.name == "stalwart-backup-janitor"}
+    rnd = BackupRound(master, Static(1))
+    rnd._janitor.delete(["backup/0/0/old"])
+    rnd.close()
+    assert not master.check(["backup/0/0/old"]), "the queued key was deleted before it stopped"
+    left = {t for t in threading.enumerate() if t.name == "stalwart-backup-janitor"} - before
+    assert not left, "the cleaner thread outlived close()"

@@ -107,6 +107,10 @@ class BackupRound:
         self._janitor = Janitor(store)  # deletes old steps' keys off the critical path
         self._gave_up: tuple[int, int] | None = None  # (epoch, step) found too late
 
+    def close(self) -> None:
+        """Stop the thread that deletes old steps' keys (after the keys queued so far)."""
+        self._janitor.close()
+
     def _prefix(self, epoch: int, step: int) -> str:
         return f"backup/{epoch}/{step}"
 

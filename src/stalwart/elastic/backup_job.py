@@ -45,6 +45,10 @@ class BackupCommit:
         self.backups = backups
         self.alone = AllReduceCommit()  # a member alone has nobody to wait for
 
+    def close(self) -> None:
+        """Stop the backup round's store cleaner (its thread and connection)."""
+        self.backups.close()
+
     def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
         """Returns ``apply()``'s result for this member's step, or None when the step was
         discarded (the store timed out: a member died mid-step; the job reconfigures at the

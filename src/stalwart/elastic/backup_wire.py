@@ -150,10 +150,21 @@ class Janitor:
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
-        self._queue: queue.SimpleQueue[list[str]] | None = None
+        self._queue: queue.SimpleQueue[list[str] | None] | None = None
+        self._thread: threading.Thread | None = None
         if isinstance(store, dist.TCPStore):
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._run, name="stalwart-backup-janitor", daemon=True).start()
+            self._thread = threading.Thread(
+                target=self._run, name="stalwart-backup-janitor", daemon=True
+            )
+            self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Delete what is queued, then stop the thread and drop its connection."""
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
 
     def delete(self, keys: list[str]) -> None:
         """Delete ``keys`` soon (missing keys are fine)."""
@@ -172,6 +183,8 @@ class Janitor:
             return
         while True:
             batch = self._queue.get()
+            if batch is None:  # close()
+                return
             with contextlib.suppress(RuntimeError):  # the coordinator went away meanwhile
                 for key in batch:
                     own.delete_key(key)

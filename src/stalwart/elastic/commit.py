@@ -83,6 +83,9 @@ class AllReduceCommit:
         self.reduce, self.grad_norm_k = reduce, grad_norm_k
         self._nonfinite_at: int | None = None  # the step last discarded for non-finite gradients
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
         """Reduce gradients and buffers, then ``apply()`` if every member voted; else discard."""
         size, signals = ledger.epoch.size, ledger.group_size == 1

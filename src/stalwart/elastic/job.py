@@ -381,6 +381,7 @@ class Job:
         if ledger.checkpoint is not None:
             ledger.checkpoint.wait()  # the last saves land before the process leaves
         self._closed = True
+        self._strategy.close()
         ledger.events.record(Finish(step=self.step, epoch=self.epoch, digest=final))
         ledger.events.close()
         atexit.unregister(self._close_at_exit)  # the exit hook would keep the closed Job alive

@@ -64,6 +64,10 @@ class CommitStrategy(Protocol):
         ``ledger.discard(err)`` and return None."""
         ...
 
+    def close(self) -> None:
+        """Release what the strategy holds (threads, connections); the job is closing."""
+        ...
+
 
 class FollowHook(Protocol):
     """A replacement healing while the survivors commit (:mod:`.follow_job`): ``push`` after
