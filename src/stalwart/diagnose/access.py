@@ -11,11 +11,14 @@ frames and relations are in memory, and spilling to ``temp_directory`` still wor
 
 Left unlocked: a caller's own connection (locking it would change it for good), a SQL query
 as input (it may read whatever its author wrote, each time the view is scanned) and URLs,
-whose filesystem DuckDB reaches through fsspec under paths of its own.
+whose filesystem DuckDB reaches through fsspec under paths of its own. A caller's connection
+is given back as it came (``forget``): the view, the table and the frames the analysis put
+there are dropped when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import duckdb
@@ -23,7 +26,7 @@ import duckdb
 from stalwart.diagnose.quoting import literals
 from stalwart.errors import ConfigError
 
-__all__ = ["Reads", "first_line", "lock", "one_query"]
+__all__ = ["Reads", "first_line", "forget", "lock", "one_query"]
 
 _GLOB = "*?["
 
@@ -77,3 +80,14 @@ def one_query(text: str) -> None:
             f"the SQL input holds {len(kinds)} statement(s) ({', '.join(kinds) or 'none'}): "
             "pass exactly one query (SELECT/FROM/WITH/VALUES), without ';' and more SQL after it"
         )
+
+
+def forget(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Drop from a caller's connection what the source ``name`` made there: its view or table
+    (a full copy of a CSV or JSON-lines input) and the frames it was a view of."""
+    for kind in ("VIEW", "TABLE"):  # one of the two exists; dropping the other kind raises
+        with contextlib.suppress(duckdb.Error):
+            con.execute(f"DROP {kind} IF EXISTS {name}")
+    for frame in (name + "_arrow", name + "_frame"):
+        with contextlib.suppress(duckdb.Error):
+            con.unregister(frame)

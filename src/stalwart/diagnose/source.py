@@ -22,7 +22,6 @@ is registered, stalwart's own connection loses external access (``access``).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import os
@@ -36,7 +35,7 @@ from typing import Any
 import duckdb
 import fsspec
 
-from stalwart.diagnose.access import Reads, lock, one_query
+from stalwart.diagnose.access import Reads, forget, lock, one_query
 from stalwart.diagnose.access import first_line as _first_line
 from stalwart.diagnose.budget import duckdb_limit
 from stalwart.diagnose.quoting import identifier, literal
@@ -89,7 +88,7 @@ class Source:
         if self.owns_connection:
             self.con.close()
         else:  # a caller's connection: leave it as it was given, less our view and its data
-            _forget(self.con, self.name)
+            forget(self.con, self.name)
         for tmp in (*self.scratch, self._tmp, self._sink):
             if tmp is not None:
                 tmp.cleanup()
@@ -163,7 +162,7 @@ def open_source(
         if owns:
             con.close()
         else:
-            _forget(con, name)
+            forget(con, name)
         for t in (tmp, where.sink):
             if t is not None:
                 t.cleanup()
@@ -173,17 +172,6 @@ def open_source(
     columns = [str(r[0]) for r in desc]
     types = {str(r[0]): str(r[1]) for r in desc}
     return Source(con, name, columns, types, notes, owns, tmp, where.sink)
-
-
-def _forget(con: duckdb.DuckDBPyConnection, name: str) -> None:
-    """Drop from a caller's connection what ``open_source`` made there: the view or table
-    ``name`` (a full copy of a CSV or JSON-lines input) and the frames it was a view of."""
-    for kind in ("VIEW", "TABLE"):  # one of the two exists; dropping the other kind raises
-        with contextlib.suppress(duckdb.Error):
-            con.execute(f"DROP {kind} IF EXISTS {name}")
-    for frame in (name + "_arrow", name + "_frame"):
-        with contextlib.suppress(duckdb.Error):
-            con.unregister(frame)
 
 
 @dataclass

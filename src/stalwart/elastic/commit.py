@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,7 +32,7 @@ from stalwart.elastic.reduce import reduce_
 from stalwart.elastic.sdc import leave_if_excluded
 from stalwart.errors import ConfigError, DistributedError
 
-__all__ = ["DEFAULT_GRAD_NORM_K", "AllReduceCommit", "grad_signals"]
+__all__ = ["DEFAULT_GRAD_NORM_K", "AllReduceCommit", "CommitStrategy", "grad_signals"]
 
 _PARTNER_FAILED = "another rank of this replica group could not reduce: the group discards"
 DEFAULT_GRAD_NORM_K = 10.0  # a member's squared-norm root this many times the others' median
@@ -67,6 +67,18 @@ def _local_signals(params: list[torch.Tensor]) -> tuple[float, float]:
     device = norms[0].device
     sq = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))) ** 2
     return (0.0, sq) if math.isfinite(sq) else (1.0, 0.0)
+
+
+class CommitStrategy(Protocol):
+    """How a step's contributions are combined before its update is applied (the all-reduce
+    below, or backup workers in :mod:`stalwart.elastic.backup_job`); ``close()`` releases
+    what the strategy holds (threads, connections) when the job closes."""
+
+    def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
+        """Combine the contributions, ``apply()`` and ``ledger.commit(...)``; or
+        ``ledger.discard(err)`` and return None."""
+
+    def close(self) -> None: ...
 
 
 class AllReduceCommit:

@@ -14,7 +14,7 @@ member holds the committed state, the job resumes from its checkpoint tiers
 (``Job(checkpoint=...)``, :mod:`stalwart.elastic.checkpointing`).
 
 The job owns its step through a :class:`~stalwart.elastic.ledger.StepLedger` (``job.ledger``);
-:meth:`Job.commit` hands each step to one :class:`~stalwart.elastic.ledger.CommitStrategy`: the
+:meth:`Job.commit` hands each step to one :class:`~stalwart.elastic.commit.CommitStrategy`: the
 all-reduce (:mod:`stalwart.elastic.commit`) or backup workers (:mod:`stalwart.elastic.backup_job`).
 
 **Replica groups** (``Job(state, group_size=G)``; default ``stalwart run --group-size``):
@@ -46,11 +46,11 @@ from torch import nn
 from stalwart.elastic.backup import BackupRound, Dynamic, Static
 from stalwart.elastic.backup_job import BackupCommit, check_reduce
 from stalwart.elastic.checkpointing import JobCheckpoint
-from stalwart.elastic.commit import DEFAULT_GRAD_NORM_K, AllReduceCommit
+from stalwart.elastic.commit import DEFAULT_GRAD_NORM_K, AllReduceCommit, CommitStrategy
 from stalwart.elastic.events import EventLog, Finish, Start
 from stalwart.elastic.follow_job import FollowHeal
 from stalwart.elastic.groups import backend_for, build_solo_group, shard_mesh
-from stalwart.elastic.ledger import CommitStrategy, Listener, StepLedger
+from stalwart.elastic.ledger import Listener, StepLedger
 from stalwart.elastic.optimizer import ElasticOptimizer
 from stalwart.elastic.reduce import REDUCTIONS
 from stalwart.elastic.worlds import World, coordinator_client, first_epoch, pick_device
@@ -137,8 +137,7 @@ class Job:
             self.world, min_size, timeout_s, join_timeout_s, warmup, announce=not follow
         )
         self.join_timeout_s = self.timeouts.join_s
-        local_rank = membership.layout.local_rank if membership else 0
-        self.device = pick_device(device, state, local_rank)
+        self.device = pick_device(device, state, membership.layout.local_rank if membership else 0)
         events = EventLog(env.events_dir if env else None, env.worker_id if env else 0)
         index = self.device.index if self.device.type == "cuda" else None
         events.record(Start(pid=os.getpid(), host=host_attributes(index)))
@@ -149,8 +148,7 @@ class Job:
                                    self.timeouts, timeout_s)  # fmt: skip
         self.ledger = StepLedger(
             state, events, membership, first, verify_every=verify_every,
-            join_timeout_s=self.join_timeout_s, stats_window=stats_window,
-            shard_group=shard_group,
+            join_timeout_s=self.join_timeout_s, stats_window=stats_window, shard_group=shard_group,
         )  # fmt: skip
         self.ledger.follow = self._follow
         self.checkpoint = checkpoint

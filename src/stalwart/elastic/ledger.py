@@ -16,8 +16,8 @@ With replica groups (``G`` ranks per group, :mod:`stalwart.elastic.groups`) the 
 :meth:`StepLedger.agree` sums a step's outcome over the group before any rank applies it, so
 that no group ever holds half a step, and parity checks take one decision per group.
 
-How a step's contributions are combined is a :class:`CommitStrategy` that receives the
-ledger: the all-reduce (:mod:`stalwart.elastic.commit`), backup workers
+How a step's contributions are combined is a :class:`~stalwart.elastic.commit.CommitStrategy`
+that receives the ledger: the all-reduce (:mod:`stalwart.elastic.commit`), backup workers
 (:mod:`stalwart.elastic.backup_job`). DiLoCo's buffered mode and sharded state use the same
 public interface; none of them touches the ledger's or the job's private fields.
 """
@@ -49,24 +49,11 @@ from stalwart.elastic.state import BoundarySnapshot, digest
 from stalwart.elastic.stats import StepStats
 from stalwart.errors import CheckpointNotFoundError, DistributedError, StateMismatchError
 
-__all__ = ["CommitStrategy", "FollowHook", "Listener", "StepLedger"]
+__all__ = ["FollowHook", "Listener", "StepLedger"]
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, int], None]
-
-
-class CommitStrategy(Protocol):
-    """How a step's contributions are combined before its update is applied."""
-
-    def commit(self, ledger: StepLedger, apply: Callable[[], Any]) -> Any:
-        """Combine the contributions, ``apply()`` and ``ledger.commit(...)``; or
-        ``ledger.discard(err)`` and return None."""
-        ...
-
-    def close(self) -> None:
-        """Release what the strategy holds (threads, connections); the job is closing."""
-        ...
 
 
 class FollowHook(Protocol):

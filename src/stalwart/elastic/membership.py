@@ -165,6 +165,9 @@ class Membership:
         record = encode({"pid": os.getpid(), "min_size": self.min_size,
                          "group": layout.group, "group_rank": layout.group_rank})  # fmt: skip
         self.store.set(keys.ready(self.wid), record)  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        # A TCPStore set is not answered; a check on the same connection is, after it: on
+        # return the coordinator (another connection) sees this worker as ready.
+        self.store.check([keys.ready(self.wid)])
 
     def follow_coordinator(self, err: BaseException) -> None:
         """The store failed with ``err``: connect to a re-hosted coordinator if one appears.

@@ -337,7 +337,9 @@ def import_file(
             "overwrite=True (--overwrite) to replace it"
         )
     if kind == "dcp":
-        tree = _read_dcp(path, trust_pickle=trust_pickle)
+        from stalwart.checkpoint.tools.dcp_import import read_dcp  # loads torch's DCP
+
+        tree = read_dcp(path, trust_pickle=trust_pickle)
     else:
         tree = {"safetensors": _read_safetensors, "torch": _read_torch}[kind](path)
     meta = {**(metadata or {}), "stalwart.source": f"{kind}:{path.name}"}
@@ -386,12 +388,6 @@ def _read_torch(path: Path) -> Any:
             "copy it again"
         ) from e
     return _numpy_to_tensors(tree)
-
-
-def _read_dcp(path: Path, *, trust_pickle: bool = False) -> Any:
-    from stalwart.checkpoint.tools.dcp_import import read_dcp  # loads torch.distributed.checkpoint
-
-    return read_dcp(path, trust_pickle=trust_pickle)
 
 
 def _numpy_to_tensors(tree: Any) -> Any:
