@@ -236,6 +236,7 @@ def _run(
     for sel in chosen:
         sc = sel.scored
         lo, hi = wilson(sc.failures, sc.rows, z) if masses.counts else (sc.rate, sc.rate)
+        lo, hi = min(lo, sc.rate), max(hi, sc.rate)  # rounding put 1.0 past a 42-of-42 bound
         findings.append(
             Finding(
                 items={plan.columns[c]: v for c, v in sc.items},

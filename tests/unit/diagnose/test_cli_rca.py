@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pyarrow.csv as pacsv
@@ -65,6 +66,23 @@ def test_table_json_and_html(
     assert sorted(map(str, (f["items"] for f in json.loads(out)["findings"]))) == sorted(
         map(str, log2.causes)
     )
+
+
+def test_a_culprit_that_always_fails_renders_its_report(app: typer.Typer, tmp_path: Path) -> None:
+    # Every row of host h3 fails: its rate, 1.0, came out a rounding above its Wilson bound,
+    # and the report's plot refused the negative error bar (exit 3, no report written).
+    rng = random.Random(0)
+    rows = []
+    for _ in range(400):
+        host = f"h{rng.randint(0, 9)}"
+        rows.append(f"{host},{int(host == 'h3' or rng.random() < 0.05)}\n")
+    path = tmp_path / "log.csv"
+    path.write_text("host,failed\n" + "".join(rows))
+    code, out, _ = run(app, path, "--label", "failed", "--html", tmp_path / "r.html", "--json")
+    assert code == 0, out
+    (top,) = [f for f in json.loads(out)["findings"] if f["items"] == {"host": "h3"}]
+    assert top["lift_low"] <= top["lift"] <= top["lift_high"], top
+    assert "<svg" in (tmp_path / "r.html").read_text()
 
 
 def test_errors_are_one_red_line(app: typer.Typer, csv: Path) -> None:
