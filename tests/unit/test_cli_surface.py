@@ -149,13 +149,22 @@ def test_bad_choice_fails_before_any_work() -> None:
 
 
 def test_unexpected_error_exits_3_with_a_hint(tmp_path: Path, monkeypatch: Any) -> None:
+    # The factory builds; the model fails inside the campaign: not a usage error (a factory's
+    # own error is the user's, exit 2: test_pvf_factory_errors_are_the_users_to_fix).
     (tmp_path / "boom_factory.py").write_text(
-        "def make():\n    raise RuntimeError('kaboom in the factory')\n"
+        "import torch\nfrom torch import nn\n"
+        "class Boom(nn.Linear):\n"
+        "    calls = 0\n"
+        "    def forward(self, x):\n"
+        "        Boom.calls += 1\n"
+        "        if Boom.calls > 1: raise RuntimeError('kaboom in the model')\n"
+        "        return super().forward(x)\n"
+        "def make():\n    return Boom(4, 3), torch.randn(8, 4), torch.randint(0, 3, (8,))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     r = _invoke("pvf", "boom_factory:make", "--trials", "1")
     assert r.exit_code == 3, r.output
-    assert "kaboom in the factory" in r.output and "-v" in r.output
+    assert "kaboom in the model" in r.output and "-v" in r.output
     assert "Traceback" not in r.output
     r = _invoke("-v", "pvf", "boom_factory:make", "--trials", "1")
     assert r.exit_code == 3 and "Traceback" in r.output
@@ -231,3 +240,43 @@ def test_run_leaves_everything_after_the_script_to_the_script() -> None:
     assert (params["nproc"], params["group_size"], params["timeout"]) == (4, 2, 10.0)
     assert params["as_json"] is False and params["script"] == Path("train.py")
     assert list(params["args"]) == line[5:]
+
+
+def test_run_refuses_a_script_that_is_not_a_file(tmp_path: Path) -> None:
+    # Before, the launcher started the workers anyway: each died at once ("can't open file"),
+    # was respawned, and the run ended in a table of 0 workers with no reason given.
+    for script, what in ((tmp_path / "nope.py", "does not exist"), (tmp_path, "is a folder")):
+        r = _invoke("run", str(script))
+        assert r.exit_code == 2 and what in r.stderr and "check the path" in r.stderr, r.stderr
+        assert "Traceback" not in r.output
+
+
+def test_pvf_factory_errors_are_the_users_to_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A factory's own error, a module that does not import, a name that is not a function:
+    # each was exit 3, "this is a bug ... report it". And the console script could not import
+    # a module from the folder it ran in, which `python -m stalwart` can.
+    (tmp_path / "stalwart_user_models.py").write_text(
+        "import torch\nfrom torch import nn\nvalue = 3\n"
+        "def raises():\n    raise RuntimeError('boom in factory')\n"
+        "def needs(x):\n    return x\n"
+        "def ok():\n    return nn.Linear(4, 3), torch.randn(8, 4), torch.randint(0, 3, (8,))\n"
+    )
+    (tmp_path / "stalwart_user_broken.py").write_text("def fn(:\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    cases = {
+        "stalwart_user_models:raises": "failed while building the model (RuntimeError: boom",
+        "stalwart_user_models:needs": "failed while building the model (TypeError",
+        "stalwart_user_models:value": "is not a function (int)",
+        "stalwart_user_models:nothere": "has no 'nothere'",
+        "stalwart_user_broken:fn": "failed to import (SyntaxError",
+        "stalwart_no_such_module:fn": "run from the folder that holds it",
+        ":": "give the model factory as package.module:factory",
+    }
+    for spec, says in cases.items():
+        r = _invoke("pvf", spec, "--trials", "4")
+        assert r.exit_code == 2 and says in r.stderr, (spec, r.exit_code, r.output)
+    r = _invoke("pvf", "stalwart_user_models:ok", "--trials", "8")
+    assert r.exit_code == 0 and "model-level PVF" in r.stdout, r.output

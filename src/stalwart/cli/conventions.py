@@ -156,11 +156,11 @@ def _control_flow(e: Exception) -> bool:
 def _report(e: Exception, *, verbose: bool) -> int:
     """Print ``e`` on stderr the way its kind deserves; return the exit code."""
     err = Console(stderr=True)
+    if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):  # a user's error too: its
+        err.out("".join(traceback.format_exception(e)), highlight=False)  # cause is chained
     if isinstance(e, (StalwartError, OSError)):  # a command without its own handled()
         err.print(f"[red]error:[/] {escape(cli_hint(str(e)))}")
         return EXIT_FINDING if isinstance(e, CorruptCheckpointError) else EXIT_USAGE
-    if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
-        err.out("".join(traceback.format_exception(e)), highlight=False)
     err.print(
         f"[red]unexpected error:[/] {escape(type(e).__name__)}: {escape(str(e))}\n"
         "This is a bug or an unforeseen failure; run again with `stalwart -v ...` for the "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import tempfile
 from enum import StrEnum
 from pathlib import Path
@@ -71,11 +70,7 @@ def load_spec(spec: str, dtype: str = "fp32") -> Any:
     from stalwart import models
 
     if ":" in spec:
-        mod, _, fn = spec.partition(":")
-        try:
-            obj = getattr(importlib.import_module(mod), fn)()
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"cannot load {spec!r} ({e}); give package.module:factory") from e
+        obj = models.build_from(spec)
         if not isinstance(obj, models.ReferenceModel):
             if not isinstance(obj, tuple) or len(obj) not in (2, 3):
                 raise ConfigError(

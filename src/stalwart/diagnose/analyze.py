@@ -236,7 +236,6 @@ def _run(
     for sel in chosen:
         sc = sel.scored
         lo, hi = wilson(sc.failures, sc.rows, z) if masses.counts else (sc.rate, sc.rate)
-        lo, hi = min(lo, sc.rate), max(hi, sc.rate)  # rounding put 1.0 past a 42-of-42 bound
         findings.append(
             Finding(
                 items={plan.columns[c]: v for c, v in sc.items},
@@ -244,8 +243,8 @@ def _run(
                 rows=_round(sc.rows),
                 support=sc.failures / total_t,
                 lift=sc.rate / base,
-                lift_low=lo / base,
-                lift_high=hi / base,
+                lift_low=min(lo, sc.rate) / base,  # rounding put a 42-of-42 rate past its
+                lift_high=max(hi, sc.rate) / base,  # bound: the interval holds the estimate
                 explained=sel.attributable / total_t,
                 confidence=finding_confidence(1.0 - base / lo if lo > 0 else 0.0),
                 subsumed=tuple(_neighbours(sc, scored, plan.columns, base)),

@@ -176,8 +176,10 @@ def launch(
             its own non-finite gradients) leaves and is not replaced (:mod:`.sdc`); 0: off.
 
     Raises:
-        ConfigError: an argument is out of range, or the job already has MAX nodes.
+        ConfigError: the script is not a file, an argument is out of range, or the job
+            already has MAX nodes.
     """
+    _check_script(script)
     min_nodes, max_nodes = parse_nnodes(nnodes)
     _check_sizes(nproc, min_size, max_restarts, group_size, max_nodes, rdzv, exclude_suspect_after)
     folder, worker_env = _prepare(events_dir, env, timeout_s, hang_s)
@@ -191,6 +193,13 @@ def launch(
     sup = Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s,
                       straggler_factor, stdout, coord, min_nodes, group_size)  # fmt: skip
     return _result(sup, _run_with_drill(sup), folder)
+
+
+def _check_script(script: str | os.PathLike[str]) -> None:
+    """Refuse a script that is not a file: else every worker dies at once and is respawned."""
+    if not os.path.isfile(script):
+        what = "is a folder" if os.path.isdir(script) else "does not exist"
+        raise ConfigError(f"the worker script {os.fspath(script)} {what}; check the path")
 
 
 def _result(sup: Supervisor, code: int, folder: Path) -> LaunchResult:
