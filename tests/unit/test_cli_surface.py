@@ -280,3 +280,10 @@ def test_pvf_factory_errors_are_the_users_to_fix(
         assert r.exit_code == 2 and says in r.stderr, (spec, r.exit_code, r.output)
     r = _invoke("pvf", "stalwart_user_models:ok", "--trials", "8")
     assert r.exit_code == 0 and "model-level PVF" in r.stdout, r.output
+
+
+def test_a_negative_seed_is_a_usage_error() -> None:
+    # It reached numpy's seeding: exit 3, "ValueError: expected non-negative integer".
+    for cmd in (["pvf", "mlp"], ["protect", "digits-cnn"], ["plan"]):
+        r = _invoke(*cmd, "--seed", "-1")
+        assert r.exit_code == 2 and "--seed" in r.output, (cmd, r.output)

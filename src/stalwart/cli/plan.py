@@ -54,7 +54,7 @@ _Simulate = Annotated[
     bool, typer.Option("--simulate/--no-simulate", help="Run the discrete-event simulation.")
 ]
 _Failures = Annotated[int, typer.Option("--failures", min=20, help="Simulated failures.")]
-_Seed = Annotated[int, typer.Option("--seed", help="Root seed of the simulation.")]
+_Seed = Annotated[int, typer.Option("--seed", min=0, help="Root seed of the simulation.")]
 _Sizes = Annotated[
     str | None, typer.Option("--sizes", help="Job sizes for the scaling table: 1024,4096,16384.")
 ]

@@ -150,7 +150,7 @@ def protect_command(
         list[float] | None, typer.Option(help="Bit-error rates to sweep (repeatable).")
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Repeats per bit-error rate.")] = 3,
-    seed: Annotated[int, typer.Option(help="Fault-list and calibration-split seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Fault-list and calibration-split seed.")] = 0,
     calibration_fraction: Annotated[
         float,
         typer.Option(

@@ -112,7 +112,7 @@ def pvf_command(
     targets: Annotated[str, typer.Option(help="Glob of parameters to corrupt.")] = "*",
     error: Annotated[Error, typer.Option(help="Error model of each fault.")] = Error["bitflip"],
     dtype: Annotated[Dtype, typer.Option(help="Run the model in this dtype.")] = Dtype["fp32"],
-    seed: Annotated[int, typer.Option(help="Fault-list seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Fault-list seed.")] = 0,
     margin: Annotated[
         float | None,
         typer.Option(help="Add rounds until every interval half-width is at most this."),
