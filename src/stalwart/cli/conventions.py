@@ -75,10 +75,10 @@ def handled() -> Iterator[None]:
 
 
 _CLI_HINTS = (
-    (  # fallback=True is an argument of Checkpointer.load; the commands take a step
+    (  # fallback=True is an argument of Checkpointer.load; not every command takes --step
         re.compile(r"(?:load an earlier step,? or )?use fallback=True"),
-        "pass an earlier step with --step N (`stalwart ckpt verify ROOT` shows which steps "
-        "are intact)",
+        "use an earlier, intact step (`stalwart ckpt verify ROOT` shows which; "
+        "`stalwart ckpt rm ROOT N` removes a damaged one)",
     ),
     (  # overwrite=True of save, import_file, import_dcp, StalwartWriter is --overwrite
         re.compile(

@@ -157,8 +157,8 @@ def factory(spec: str) -> Callable[..., Any]:
         module = importlib.import_module(mod)
     except ModuleNotFoundError as e:
         raise ConfigError(
-            f"cannot load {spec!r} ({e}); run from the folder that holds it, set PYTHONPATH, "
-            "or install its package"
+            f"cannot load {spec!r} ({e}); give package.module:factory, and run from the folder "
+            "that holds it, set PYTHONPATH, or install its package"
         ) from e
     except Exception as e:  # the module's own error: a syntax error, an import inside it
         raise ConfigError(f"{mod} failed to import ({type(e).__name__}: {e}); fix it") from e

@@ -122,8 +122,9 @@ def collect_garbage(
         referenced = _referenced_packs(storage)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(
-            f"garbage collection stopped without deleting anything: {e}. Remove the "
-            "damaged manifest with `stalwart ckpt verify` / `stalwart ckpt rm`, then retry"
+            f"garbage collection stopped without deleting anything: {e}. Find the damaged "
+            "step with `stalwart ckpt verify ROOT`, remove it with `stalwart ckpt rm ROOT N`, "
+            "then retry"
         ) from e
     now = clock()
     for info in packs:
