@@ -287,3 +287,24 @@ def test_a_negative_seed_is_a_usage_error() -> None:
     for cmd in (["pvf", "mlp"], ["protect", "digits-cnn"], ["plan"]):
         r = _invoke(*cmd, "--seed", "-1")
         assert r.exit_code == 2 and "--seed" in r.output, (cmd, r.output)
+
+
+def test_outputs_the_command_could_not_write_are_refused_before_any_work(tmp_path: Path) -> None:
+    # They failed at the end with a bare errno ("[Errno 21] Is a directory", "[Errno 17] File
+    # exists"), after the whole campaign or analysis had run.
+    folder, file = tmp_path / "folder", tmp_path / "file.txt"
+    folder.mkdir()
+    file.write_text("x")
+    cases = [
+        (["rca", "log.csv", "-l", "failed", "--json-out", str(folder)], "is a folder"),
+        (["rca", "log.csv", "-l", "failed", "--html", str(tmp_path / "no" / "r.html")],
+         "create it first"),
+        (["ckpt", "diff", str(tmp_path), "1", "2", "--html", str(folder)], "is a folder"),
+        (["pvf", "mlp", "--out", str(file)], "is a file"),
+        (["pvf", "mlp", "--campaign-dir", str(file)], "is a file"),
+        (["protect", "digits-cnn", "--out", str(file)], "is a file"),
+        (["plan", "--plot", str(folder)], "is a folder"),
+    ]  # fmt: skip
+    for args, says in cases:
+        r = _invoke(*args)
+        assert r.exit_code == 2 and says in " ".join(r.output.split()), (args, r.output)

@@ -179,10 +179,7 @@ def verify(
                     for item in r.damaged:
                         table.add_row(str(r.step), escape(item))
                 out.print(table)
-                out.print(
-                    "remove a damaged step with `stalwart ckpt rm ROOT N`, or use an intact "
-                    "one (in Python: load(..., fallback=True))"
-                )
+                out.print("remove a damaged step with `stalwart ckpt rm ROOT N`, or use another")
         if not ok:
             raise typer.Exit(1)
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.cli.conventions import JSON_HELP, emit_json
+from stalwart.cli.conventions import JSON_HELP, emit_json, file_out
 from stalwart.errors import ConfigError, StalwartError
 from stalwart.integrations.lightning_pointer import POINTER_KEY, read_pointer
 
@@ -59,7 +59,9 @@ OPTS = typer.Option(
     "when it can be, e.g. anon=true).",
 )
 
-HTML = typer.Option(None, "--html", help="Also write a self-contained HTML report here.")
+HTML = typer.Option(
+    None, "--html", callback=file_out, help="Also write a self-contained HTML report here."
+)
 OUT_FILE = typer.Argument(..., help="File to write.")
 SRC = typer.Argument(..., help="safetensors file, torch.save file or DCP checkpoint folder.")
 

@@ -24,6 +24,7 @@ import logging
 import re
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -42,6 +43,8 @@ __all__ = [
     "GuardedGroup",
     "cli_hint",
     "emit_json",
+    "file_out",
+    "folder_out",
     "handled",
     "plain_switches",
 ]
@@ -57,6 +60,23 @@ JSON_HELP = "Print the result as JSON on stdout instead of tables."
 def emit_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON on stdout, alone (nothing else goes to stdout)."""
     Console().out(json.dumps(obj, indent=2, default=str), highlight=False)
+
+
+def file_out(value: Path | None) -> Path | None:
+    """Option callback: an output file the command can write at its end (checked before any
+    work): not a folder, in a folder that exists."""
+    if value is not None and value.is_dir():
+        raise typer.BadParameter(f"{value} is a folder; give a file name")
+    if value is not None and not value.parent.is_dir():
+        raise typer.BadParameter(f"no folder {value.parent}; create it first")
+    return value
+
+
+def folder_out(value: Path | None) -> Path | None:
+    """Option callback: an output folder (made if missing), not an existing file."""
+    if value is not None and value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} is a file; give a folder (made if missing)")
+    return value
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, file_out, handled
 
 __all__ = ["plan_command", "register"]
 
@@ -58,7 +58,9 @@ _Seed = Annotated[int, typer.Option("--seed", min=0, help="Root seed of the simu
 _Sizes = Annotated[
     str | None, typer.Option("--sizes", help="Job sizes for the scaling table: 1024,4096,16384.")
 ]
-_Plot = Annotated[Path | None, typer.Option("--plot", help="Write ETTR against job size here.")]
+_Plot = Annotated[Path | None, typer.Option(
+    "--plot", callback=file_out, help="Write ETTR against job size here."
+)]  # fmt: skip
 _Json = Annotated[bool, typer.Option("--json", metavar="", help=JSON_HELP)]
 
 

@@ -25,11 +25,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled
 from stalwart.cli.pvf import check_criteria, load_spec
 from stalwart.errors import ConfigError, require
 
 __all__ = ["protect_command", "register"]
+
+_OUT_HELP = "Write protect.json and report.html here."
 
 CHOICES = ("clip", "abft", "sbp", "shadow", "scrub")
 
@@ -160,9 +162,7 @@ def protect_command(
             "thresholds; the rest are scored. 0: calibrate on the scored inputs (in-sample).",
         ),
     ] = 0.5,
-    out: Annotated[
-        Path | None, typer.Option(help="Write protect.json and report.html here.")
-    ] = None,
+    out: Annotated[Path | None, typer.Option(callback=folder_out, help=_OUT_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Replay one fault list with and without each protection; report recovery and cost."""

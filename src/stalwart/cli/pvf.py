@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled
 from stalwart.errors import ConfigError
 
 __all__ = ["handled", "load_spec", "pvf_command", "register"]
@@ -55,6 +55,12 @@ Engine = StrEnum("Engine", "fast naive copy")
 """``--engine``: the campaign engine."""
 Backend = StrEnum("Backend", "local torch ray")
 """``--backend``: where the shards of a ``--workers`` campaign run."""
+_Out = Annotated[Path | None, typer.Option(
+    callback=folder_out, help="Write trials.parquet/csv, pvf.json, report.html here."
+)]  # fmt: skip
+_CampaignDir = Annotated[Path | None, typer.Option(
+    callback=folder_out, help="Keep finished shards here; rerun to resume (implies sharding)."
+)]  # fmt: skip
 
 
 def check_criteria(names: list[str]) -> None:
@@ -120,17 +126,12 @@ def pvf_command(
     confidence: Annotated[float, typer.Option(help="Interval confidence.")] = 0.95,
     interval: Annotated[Interval, typer.Option(help="Confidence interval.")] = Interval["wilson"],
     engine: Annotated[Engine, typer.Option(help="Campaign engine.")] = Engine["fast"],
-    out: Annotated[
-        Path | None, typer.Option(help="Write trials.parquet/csv, pvf.json, report.html here.")
-    ] = None,
+    out: _Out = None,
     workers: Annotated[int, typer.Option(min=1, help="Shard the trials over N workers.")] = 1,
     backend: Annotated[
         Backend, typer.Option(help="Where the shards run (with --workers or --campaign-dir).")
     ] = Backend["torch"],
-    campaign_dir: Annotated[
-        Path | None,
-        typer.Option(help="Keep finished shards here; rerun to resume (implies sharding)."),
-    ] = None,
+    campaign_dir: _CampaignDir = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""

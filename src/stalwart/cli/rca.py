@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stalwart.cli.conventions import JSON_HELP, handled
+from stalwart.cli.conventions import JSON_HELP, file_out, handled
 
 __all__ = ["rca", "register"]
 
@@ -43,6 +43,14 @@ def _pair(value: str | None, what: str) -> str | tuple[str, str] | None:
     if len(parts) == 2 and all(parts):
         return (parts[0], parts[1])
     raise typer.BadParameter(f"{what}: one column, or NUMERATOR,DENOMINATOR")
+
+
+_JsonOut = Annotated[Path | None, typer.Option(
+    "--json-out", callback=file_out, help="Also write the JSON result to this file."
+)]  # fmt: skip
+_HtmlOut = Annotated[
+    Path | None, typer.Option("--html", callback=file_out, help="Write an HTML report.")
+]
 
 
 def _names(values: list[str]) -> list[str]:
@@ -91,10 +99,8 @@ def rca(
         bool, typer.Option(metavar="", help="Skip malformed CSV lines.")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help=JSON_HELP)] = False,
-    json_out: Annotated[
-        Path | None, typer.Option("--json-out", help="Also write the JSON result to this file.")
-    ] = None,
-    html_out: Annotated[Path | None, typer.Option("--html", help="Write an HTML report.")] = None,
+    json_out: _JsonOut = None,
+    html_out: _HtmlOut = None,
 ) -> None:
     """Find the attribute combinations that single out failures, or explain a KPI deviation."""
     with handled():
