@@ -117,6 +117,25 @@ def test_shard_file_round_trips_bit_for_bit(tmp_path: Path, reference: CampaignR
     assert back.manifest == reference.manifest
 
 
+def test_a_damaged_campaign_folder_says_what_to_delete(tmp_path: Path) -> None:
+    # A truncated or foreign shard file, or a damaged campaign.json, raised BadZipFile,
+    # JSONDecodeError or numpy's pickle refusal (exit 3 from the CLI).
+    faults = cm.mixed_faults()
+    scale.run_sharded(cm.tiny, faults, tmp_path, CRITERIA, backend="local", shards=2)
+    plan, store = scale.plan_shards(len(faults), 2), CampaignDirectory(tmp_path)
+    shard = tmp_path / plan[1].name
+    intact = shard.read_bytes()
+    for damaged in (intact[: len(intact) // 2], b"", b"not a zip at all"):
+        shard.write_bytes(damaged)
+        with pytest.raises(ConfigError, match=r"is damaged .*delete it and run again"):
+            store.load(plan[1], faults)
+    shard.write_bytes(intact)
+    assert store.load(plan[1], faults).table().num_rows == plan[1].stop - plan[1].start
+    (tmp_path / "campaign.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match=r"is damaged .*to start the campaign over"):
+        scale.run_sharded(cm.tiny, faults, tmp_path, CRITERIA, backend="local", shards=2)
+
+
 def test_progress_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, _ = cm.tiny()
     faults = sample_faults(model, 20, seed=3)
