@@ -106,13 +106,18 @@ def event_masses(src: Source, label: str, weight: str | None) -> Masses:
     cond, used = _label_sql(src, label)
     w = "1"
     if weight is not None:
-        col = _column(src, weight, "weight")
-        kind = src.types[col].upper()
-        if kind in ("VARCHAR", "BOOLEAN", "DATE") or kind.startswith("TIMESTAMP"):
-            raise ConfigError(f"weight column {col!r} is {kind}; it must hold numbers (counts)")
-        w = f"greatest({as_double(col)}, 0)"
-        used.add(col)
+        w = f"greatest({_numeric(src, weight, 'weight', ' (counts)')}, 0)"
+        used.add(_column(src, weight, "weight"))
     return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
+
+
+def _numeric(src: Source, name: str, role: str, what: str = "") -> str:
+    """``name`` as DOUBLE in SQL, refusing a column of text, booleans or dates by name."""
+    col = _column(src, name, role)
+    kind = src.types[col].upper()
+    if kind in ("VARCHAR", "BOOLEAN", "DATE") or kind.startswith("TIMESTAMP"):
+        raise ConfigError(f"{role} column {col!r} is {kind}; it must hold numbers{what}")
+    return as_double(col)
 
 
 def kpi_masses(
@@ -125,8 +130,7 @@ def kpi_masses(
             "(numerator, denominator) pairs (ratio KPI)"
         )
     if isinstance(actual, str) and isinstance(expected, str):
-        a = as_double(_column(src, actual, "actual"))
-        e = as_double(_column(src, expected, "expected"))
+        a, e = _numeric(src, actual, "actual"), _numeric(src, expected, "expected")
         row = src.sql(f"SELECT sum({a} - {e}) FROM {{src}}").fetchall()[0]
         s = 1.0 if row is None or (row[0] or 0) >= 0 else -1.0
         return Masses(
@@ -137,8 +141,8 @@ def kpi_masses(
         )
     if len(actual) != 2 or len(expected) != 2:
         raise ConfigError("a ratio KPI needs (numerator, denominator) for actual and expected")
-    an, ad = (as_double(_column(src, c, "actual")) for c in actual)
-    en, ed = (as_double(_column(src, c, "expected")) for c in expected)
+    an, ad = (_numeric(src, c, "actual") for c in actual)
+    en, ed = (_numeric(src, c, "expected") for c in expected)
     row = src.sql(f"SELECT sum({an}), sum({ad}), sum({en}), sum({ed}) FROM {{src}}").fetchall()[0]
     assert row is not None
     tot_an, tot_ad, tot_en, tot_ed = (float(v or 0) for v in row)

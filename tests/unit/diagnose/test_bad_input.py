@@ -138,3 +138,13 @@ def test_kpi_pairs_must_match() -> None:
         localize(t, actual=("real", "den"), expected="pred")
     with pytest.raises(ConfigError, match="Did you mean 'real'"):
         localize(t, actual="reel", expected="pred")
+
+
+def test_kpi_columns_of_text_are_named() -> None:
+    # A text column reached DuckDB's cast: "ConversionException: Could not convert string"
+    # (exit 3 from the CLI), where --weight said which column and what it must hold.
+    t = pa.table({"a": ["x", "y"], "real": [1.0, 2.0], "pred": [1.0, 1.0], "den": [1.0, 1.0]})
+    with pytest.raises(ConfigError, match="actual column 'a' is VARCHAR; it must hold numbers"):
+        localize(t, actual="a", expected="pred")
+    with pytest.raises(ConfigError, match="expected column 'a' is VARCHAR"):
+        localize(t, actual=("real", "den"), expected=("a", "den"))
