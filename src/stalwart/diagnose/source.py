@@ -23,6 +23,7 @@ is registered, stalwart's own connection loses external access (``access``).
 from __future__ import annotations
 
 import difflib
+import glob
 import logging
 import os
 import re
@@ -205,12 +206,10 @@ def _register(con: duckdb.DuckDBPyConnection, name: str, data: Any, where: _Wher
             except duckdb.Error as e:
                 raise ConfigError(f"the SQL query failed: {_first_line(e)}") from e
             return
-        _register_file(con, name, text, where)
-        return
+        return _register_file(con, name, text, where)
     mod = type(data).__module__.split(".")[0]
     if mod == "polars" and type(data).__name__ == "LazyFrame":
-        _register_lazy(con, name, data, where)
-        return
+        return _register_lazy(con, name, data, where)
     if mod in ("pandas", "polars", "pyarrow"):
         arrow = data.to_arrow() if mod == "polars" else data
         con.register(name + "_frame", arrow)
@@ -288,6 +287,8 @@ def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: 
         if not is_glob:
             _check_remote(fs, path)
             is_dir = bool(fs.isdir(path))
+    elif is_glob and not glob.glob(path):  # DuckDB's own words blamed "the line" of a CSV
+        raise ConfigError(f"{path}: no file matches the pattern; check the path")
     elif not is_glob:
         p = Path(path)
         if not p.exists():

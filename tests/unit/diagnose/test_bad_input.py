@@ -148,3 +148,10 @@ def test_kpi_columns_of_text_are_named() -> None:
         localize(t, actual="a", expected="pred")
     with pytest.raises(ConfigError, match="expected column 'a' is VARCHAR"):
         localize(t, actual=("real", "den"), expected=("a", "den"))
+
+
+def test_a_pattern_that_matches_no_file_says_so(tmp_path: Path) -> None:
+    # DuckDB's "No files found that match the pattern" came out as "malformed CSV ... Fix the
+    # line".
+    with pytest.raises(ConfigError, match="no file matches the pattern; check the path"):
+        analyze(str(tmp_path / "nomatch*.csv"), "failed")
