@@ -179,9 +179,9 @@ def launch(
         ConfigError: the script is not a file, an argument is out of range, or the job
             already has MAX nodes.
     """
-    _check_script(script)
     min_nodes, max_nodes = parse_nnodes(nnodes)
     _check_sizes(nproc, min_size, max_restarts, group_size, max_nodes, rdzv, exclude_suspect_after)
+    _check_script(script)  # after the arguments: each says what is wrong with it alone
     folder, worker_env = _prepare(events_dir, env, timeout_s, hang_s)
     write_policy(folder, exclude_suspect_after)
     cmd = [sys.executable, str(script), *args]
