@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.elastic import read_events
+from stalwart.elastic import launch, read_events
 from stalwart.elastic.events import EventKind
 from stalwart.elastic.nodes import parse_nnodes, rendezvous
 from stalwart.errors import ConfigError
@@ -98,3 +98,6 @@ def test_rendezvous_hosts_once_and_refuses_nodes_past_max() -> None:
     assert parse_nnodes("1:3") == (1, 3) and parse_nnodes("2") == (2, 2)
     with pytest.raises(ConfigError, match="MIN:MAX"):
         parse_nnodes("3:1")
+    # Several nodes and no address to meet at: it waited the whole join timeout, then ran alone.
+    with pytest.raises(ConfigError, match="needs --rdzv HOST:PORT"):
+        launch(WORKER, nproc=1, nnodes="2:2")

@@ -126,6 +126,10 @@ def _check_sizes(nproc: int, min_size: int, max_restarts: int, group_size: int,
             f"group_size={group_size}): need nproc >= 1, 1 <= min_size <= nproc / group_size "
             "and max_restarts >= 0"
         )
+    if max_nodes > 1 and rdzv is None:  # else it waits its join timeout for nodes that
+        raise ConfigError(  # have no address to meet at, in silence, then runs on one
+            f"--nnodes with up to {max_nodes} nodes needs --rdzv HOST:PORT, where they meet"
+        )
     if group_size > 1 and rdzv is not None:
         raise ConfigError(
             "--group-size with --rdzv (several nodes) is not supported yet; run replica groups "
