@@ -76,7 +76,16 @@ def load_spec(spec: str, dtype: str = "fp32") -> Any:
     from stalwart import models
 
     if ":" in spec:
-        obj = models.build_from(spec)
+        from stalwart.vulnerability.scale.worker import factory_of  # the campaign's own loader
+
+        make = factory_of(spec)
+        try:
+            obj = make()
+        except Exception as e:  # the factory's own error is the user's to fix, not a crash
+            raise ConfigError(
+                f"{spec} failed while building the model ({type(e).__name__}: {e}); fix the "
+                "factory (run with -v for its traceback)"
+            ) from e
         if not isinstance(obj, models.ReferenceModel):
             if not isinstance(obj, tuple) or len(obj) not in (2, 3):
                 raise ConfigError(

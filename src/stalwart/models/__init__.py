@@ -8,16 +8,6 @@
 Each module is also a template for wrapping your own model.
 """
 
-from stalwart.models.base import (
-    ReferenceModel,
-    available,
-    build_from,
-    cache_folder,
-    factory,
-    load,
-    model_hash,
-)
+from stalwart.models.base import ReferenceModel, available, cache_folder, load, model_hash
 
-__all__ = [
-    "ReferenceModel", "available", "build_from", "cache_folder", "factory", "load", "model_hash",
-]  # fmt: skip
+__all__ = ["ReferenceModel", "available", "cache_folder", "load", "model_hash"]

@@ -9,10 +9,8 @@ on disk.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +23,7 @@ from torch import nn
 from stalwart.errors import ConfigError, require
 from stalwart.fingerprint import model_hash
 
-__all__ = [
-    "ReferenceModel", "available", "build_from", "cache_folder", "factory", "load", "model_hash",
-    "register",
-]  # fmt: skip
+__all__ = ["ReferenceModel", "available", "cache_folder", "load", "model_hash", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -138,45 +133,3 @@ def load(
     log.info("reference model %s ready in %.1f s", name, ref.train_s)
     _CACHE[name] = ref
     return ref
-
-
-def factory(spec: str) -> Callable[..., Any]:
-    """The function ``package.module:factory`` names, the current folder importable (as
-    ``python -m`` makes it; the ``stalwart`` console script does not by itself).
-
-    Raises:
-        ConfigError: the spec is malformed, its module does not import (missing, or its own
-            error), or it names nothing callable.
-    """
-    mod, _, name = spec.partition(":")
-    if not mod or not name:
-        raise ConfigError(f"{spec!r}: give the model factory as package.module:factory")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # after installed packages: a local file never shadows one
-    try:
-        module = importlib.import_module(mod)
-    except ModuleNotFoundError as e:
-        raise ConfigError(
-            f"cannot load {spec!r} ({e}); give package.module:factory, and run from the folder "
-            "that holds it, set PYTHONPATH, or install its package"
-        ) from e
-    except Exception as e:  # the module's own error: a syntax error, an import inside it
-        raise ConfigError(f"{mod} failed to import ({type(e).__name__}: {e}); fix it") from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ConfigError(f"{mod} has no {name!r}; give package.module:factory")
-    if not callable(fn):
-        raise ConfigError(f"{spec} is not a function ({type(fn).__name__}); name the factory")
-    return fn
-
-
-def build_from(spec: str) -> Any:
-    """Call the factory ``spec`` names; its own error is the user's to fix, not stalwart's."""
-    fn = factory(spec)
-    try:
-        return fn()
-    except Exception as e:
-        raise ConfigError(
-            f"{spec} failed while building the model ({type(e).__name__}: {e}); fix the factory "
-            "(run with -v for its traceback)"
-        ) from e
