@@ -16,7 +16,7 @@ import torch
 
 from stalwart.checkpoint.capture import optimizer_storages
 from stalwart.checkpoint.collective import BACKGROUND_GROUPS, Group
-from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture, guard
+from stalwart.checkpoint.durable.async_save import AsyncSaver, Guards, PendingSave, StagedCapture
 from stalwart.checkpoint.durable.commit import SaveRequest, refuse_replacing
 from stalwart.checkpoint.durable.context import CheckpointContext
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
@@ -41,8 +41,7 @@ class AsyncSaves:
     def __init__(self, ctx: CheckpointContext, saver: Saver, queue: AsyncSaver) -> None:
         self.ctx, self.saver, self.queue = ctx, saver, queue
         self.background: Group | None = None
-        self.guarded: list[torch.optim.Optimizer] = []
-        self.guard_hooks: list[Any] = []  # removed at close: they hold this object alive
+        self.guards = Guards()  # taken off at close: their hooks hold this object alive
         self.newest: int | None = None  # the newest step checked here (None: root not listed)
 
     def check_new_step(self, step: int, *, overwrite: bool = False) -> None:
@@ -104,7 +103,7 @@ class AsyncSaves:
         if cap is not None:
             return self._save_windowed(request, items, skeleton, err, cap, g)
         defer = self.deferrable() if lazy else frozenset()
-        if lazy and not self.guarded:
+        if lazy and not self.guards.optimizers:
             log.info("save_async(lazy=True) without guard(optimizer): every tensor copied now")
         pending = self.queue.submit(request.step, items, skeleton, lazy, write, defer=defer)
         if err is not None:
@@ -168,10 +167,7 @@ class AsyncSaves:
         """Give the background group back for the process's next Checkpointer (the saves
         are already waited for), and take the guards off the optimizers: a guard's hook
         refers to this object, and would keep a closed Checkpointer alive with them."""
-        for handle in self.guard_hooks:
-            handle.remove()
-        self.guard_hooks.clear()
-        self.guarded.clear()
+        self.guards.remove()
         if self.background is not None:
             BACKGROUND_GROUPS.give(self.background)
             self.background = None
@@ -185,12 +181,9 @@ class AsyncSaves:
         self.queue.wait_staged()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Install :func:`guard` on ``optimizer``; see :meth:`Checkpointer.guard`."""
-        self.guarded.append(optimizer)  # held: a lazy save defers only its tensors
-        handle = guard(optimizer, self)
-        self.guard_hooks.append(handle)
-        return handle
+        """Guard ``optimizer`` (its step waits for staging); see :meth:`Checkpointer.guard`."""
+        return self.guards.add(optimizer, self.wait_staged)
 
     def deferrable(self) -> frozenset[int]:
         """Storages a lazy save may copy late: those of the guarded optimizers."""
-        return optimizer_storages(self.guarded)
+        return optimizer_storages(self.guards.optimizers)

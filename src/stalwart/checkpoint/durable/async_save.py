@@ -46,7 +46,7 @@ from stalwart.errors import CheckpointError
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaver", "PendingSave", "StagedCapture", "guard"]
+__all__ = ["AsyncSaver", "Guards", "PendingSave", "StagedCapture"]
 
 log = logging.getLogger(__name__)
 
@@ -370,14 +370,29 @@ def _flush_at_exit(ref: weakref.ref[AsyncSaver], timeout_s: float) -> None:
         log.error("checkpoints not persisted at exit: %s", "; ".join(lost))
 
 
-def guard(optimizer: torch.optim.Optimizer, checkpointer: Any) -> Any:
-    """Make ``optimizer.step()`` wait until ``checkpointer``'s in-flight copies are done.
+class Guards:
+    """The optimizers a checkpointer guards, and their step pre-hooks.
 
-    Install it once; it costs nothing when no lazy save is staging. Returns the hook handle
-    (``handle.remove()`` uninstalls it).
+    A guarded optimizer's ``step()`` first waits for the lazy copies in flight (``wait``), so
+    its parameters and state may be copied after ``save_async`` returns. The hooks refer to
+    their checkpointer: :meth:`remove` (at its close) takes them off, or a closed checkpointer
+    would live, with its host copy of the state, as long as the optimizer.
     """
 
-    def wait(_opt: Any, _args: Any, _kwargs: Any) -> None:
-        checkpointer.wait_staged()
+    def __init__(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []  # a lazy save defers only theirs
+        self._hooks: list[Any] = []
 
-    return optimizer.register_step_pre_hook(wait)
+    def add(self, optimizer: torch.optim.Optimizer, wait: Callable[[], object]) -> Any:
+        """Guard ``optimizer`` (install once; free when nothing is staging); the hook's handle."""
+        self.optimizers.append(optimizer)
+        handle = optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: wait())
+        self._hooks.append(handle)
+        return handle
+
+    def remove(self) -> None:
+        """Take every hook off and forget the optimizers."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.optimizers.clear()

@@ -28,7 +28,7 @@ import torch
 
 from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
 from stalwart.checkpoint.collective import BACKGROUND_GROUPS, Group, resolve_group
-from stalwart.checkpoint.durable.async_save import PendingSave, StagedCapture
+from stalwart.checkpoint.durable.async_save import Guards, PendingSave, StagedCapture
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.plan import local_items
@@ -100,8 +100,7 @@ class TieredCheckpointer:
             rank = resolve_group(process_group).rank
             keeper = SnapshotKeeper(self.memory_tier.keep_in, rank, keep)
         self.memory = MemoryTier(keep, keeper)
-        self._guarded: list[torch.optim.Optimizer] = []
-        self._guard_hooks: list[Any] = []  # removed at close: they hold this object alive
+        self._guards = Guards()  # taken off at close: their hooks hold this object alive
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stalwart-stage")
         self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="stalwart-snapshot")
         self._staged: Future[None] | None = None
@@ -218,7 +217,7 @@ class TieredCheckpointer:
                 self.durable[t.name].check_new_step(step, overwrite=overwrite)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return list(self._guarded)
+        return list(self._guards.optimizers)
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait for lazy copies still in flight (install once).
@@ -226,18 +225,15 @@ class TieredCheckpointer:
         Its parameters and state may then be copied lazily; they must change only in
         ``optimizer.step()``. :meth:`close` takes the guard off again.
         """
-        self._guarded.append(optimizer)  # held: a lazy save defers only its tensors
+        return self._guards.add(optimizer, self._wait_copy)
 
-        def wait_copy(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            staged, cap = self._staged, self._staged_capture
-            if staged is not None:
-                staged.result()
-            if cap is not None:
-                cap.order_after_copies()
-
-        handle = optimizer.register_step_pre_hook(wait_copy)
-        self._guard_hooks.append(handle)
-        return handle
+    def _wait_copy(self) -> None:
+        """What a guarded ``optimizer.step()`` waits for: the lazy copies in flight."""
+        staged, cap = self._staged, self._staged_capture
+        if staged is not None:
+            staged.result()
+        if cap is not None:
+            cap.order_after_copies()
 
     def _settle(self) -> None:
         """Wait for a lazy memory snapshot in flight (raising its error, if any)."""
@@ -369,10 +365,7 @@ class TieredCheckpointer:
         try:
             self._settle()  # a failed snapshot raises here, after everything below ran
         finally:
-            for handle in self._guard_hooks:
-                handle.remove()
-            self._guard_hooks.clear()
-            self._guarded.clear()
+            self._guards.remove()
             self._stager.shutdown(wait=True)
             self._snapshotter.shutdown(wait=True)
             if self._ec_group is not None:  # nothing runs on it once the snapshotter stopped
