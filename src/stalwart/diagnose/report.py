@@ -36,8 +36,7 @@ def _plot(d: Diagnosis) -> str:
 
     labels = [f.label() if len(f.label()) < 60 else f.label()[:57] + "..." for f in d.findings]
     lifts = [f.lift for f in d.findings]
-    err = [[max(f.lift - f.lift_low, 0.0) for f in d.findings],
-           [max(f.lift_high - f.lift, 0.0) for f in d.findings]]  # fmt: skip
+    err = [[f.lift - f.lift_low for f in d.findings], [f.lift_high - f.lift for f in d.findings]]
     fig = Figure(figsize=(9, 0.5 + 0.45 * len(labels)))
     ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 2]})
     y = list(range(len(labels)))[::-1]
