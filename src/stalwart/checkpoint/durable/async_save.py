@@ -46,7 +46,7 @@ from stalwart.errors import CheckpointError
 if TYPE_CHECKING:
     from stalwart.checkpoint.durable.results import SaveResult
 
-__all__ = ["AsyncSaver", "Guards", "PendingSave", "StagedCapture"]
+__all__ = ["AsyncSaver", "Guards", "PendingSave", "StagedCapture", "guard"]
 
 log = logging.getLogger(__name__)
 
@@ -371,13 +371,9 @@ def _flush_at_exit(ref: weakref.ref[AsyncSaver], timeout_s: float) -> None:
 
 
 class Guards:
-    """The optimizers a checkpointer guards, and their step pre-hooks.
-
-    A guarded optimizer's ``step()`` first waits for the lazy copies in flight (``wait``), so
-    its parameters and state may be copied after ``save_async`` returns. The hooks refer to
-    their checkpointer: :meth:`remove` (at its close) takes them off, or a closed checkpointer
-    would live, with its host copy of the state, as long as the optimizer.
-    """
+    """Guarded optimizers (``step()`` first waits for the lazy copies) and their hooks, which
+    refer to their checkpointer: :meth:`remove`, at its close, takes them off, or a closed one
+    would live, with its host copy of the state, as long as the optimizer."""
 
     def __init__(self) -> None:
         self.optimizers: list[torch.optim.Optimizer] = []  # a lazy save defers only theirs
@@ -396,3 +392,9 @@ class Guards:
             handle.remove()
         self._hooks.clear()
         self.optimizers.clear()
+
+
+def guard(optimizer: torch.optim.Optimizer, checkpointer: Any) -> Any:
+    """The old ``stalwart.checkpoint.guard``: ``step()`` waits for ``checkpointer``'s staging
+    (prefer ``Checkpointer.guard``, which its ``close()`` undoes); returns the hook handle."""
+    return optimizer.register_step_pre_hook(lambda _opt, _a, _k: checkpointer.wait_staged())
