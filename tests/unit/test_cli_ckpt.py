@@ -193,6 +193,36 @@ def test_export_and_import(app: typer.Typer, root: Path, tmp_path: Path) -> None
     assert code == 0 and "(torch)" in out
 
 
+def test_export_format_follows_the_file_name(app: typer.Typer, root: Path, tmp_path: Path) -> None:
+    """No --format: the suffix decides; a --format the suffix contradicts is refused, and no
+    file is written (a model.pt holding safetensors would fail torch.load later)."""
+    pt = tmp_path / "model.pt"
+    code, out, _ = run(app, "export", root, pt, "--step", 20)
+    assert code == 0 and "as torch" in out
+    assert torch.load(pt, weights_only=True)["step"] == 20
+    code, out, _ = run(app, "export", root, tmp_path / "model.weights", "--json")
+    assert code == 0 and json.loads(out)["format"] == "safetensors"
+    wrong = tmp_path / "other.pth"
+    code, _, err = run(app, "export", root, wrong, "--format", "safetensors")
+    assert code == 2 and "names a torch file" in err and "other.safetensors" in err
+    assert not wrong.exists()
+    code, _, err = run(app, "export", root, tmp_path / "w.safetensors", "-f", "torch")
+    assert code == 2 and "w.pt" in err
+
+
+def test_import_of_a_file_without_tensors_is_refused(
+    app: typer.Typer, root: Path, tmp_path: Path
+) -> None:
+    """A torch.save of no tensors (an empty dict, a config) names the problem and saves no step."""
+    new_root = tmp_path / "imported"
+    for i, value in enumerate(({}, {"lr": 0.1, "epochs": [1, 2]})):
+        empty = tmp_path / f"empty{i}.pt"
+        torch.save(value, empty)
+        code, out, err = run(app, "import", empty, new_root, "--step", 1)
+        assert code == 2 and "holds no tensors" in err and "Traceback" not in out + err
+    assert not new_root.exists()  # nothing created for a refused import
+
+
 def test_gc(app: typer.Typer, root: Path) -> None:
     code, out, _ = run(app, "gc", root, "--grace-s", 0)
     assert code == 0 and "deleted 0 steps" in out

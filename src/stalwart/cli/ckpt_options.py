@@ -49,7 +49,11 @@ class Format(str, enum.Enum):
 
 
 FORMAT = typer.Option(
-    Format["safetensors"], "--format", "-f", help="File format, or dcp (a DCP folder)."
+    None,
+    "--format",
+    "-f",
+    help="File format, or dcp (a DCP folder). Default: the one OUT's suffix names (.pt, .pth, "
+    ".bin: torch), else safetensors.",
 )
 OPTS = typer.Option(
     [],

@@ -1,4 +1,4 @@
-"""Export a step to one safetensors or torch file, and import such files or a DCP checkpoint.
+"""Export a step to one safetensors or torch.save file.
 
 Export writes the consolidated view (every tensor whole, as one process would load it with
 ``Checkpointer.load(None, step)``) to a temporary file next to ``out``, fsyncs it and renames it
@@ -7,17 +7,7 @@ unless asked. A safetensors export keys tensors by FQN and keeps the whole tree 
 skeleton, with every non-tensor value) in the header metadata under ``stalwart.skeleton``, so
 importing it back rebuilds the same tree.
 
-Import recognises, by content rather than by name:
-
-* a **safetensors** file (``safetensors.safe_open``; no code can run);
-* a **DCP checkpoint** folder (it has a ``.metadata`` file), read without a process group;
-* a **torch.save** file, loaded with ``torch.load(weights_only=True)``.
-
-Trust: no pickle from the source runs by default. DCP's ``.metadata`` is read with an
-unpickler that resolves only DCP's metadata classes, and its non-tensor entries and torch.save
-files with ``torch.load(weights_only=True)`` (see :mod:`stalwart.checkpoint.tools.dcp_import`);
-a DCP folder that needs more is refused unless ``trust_pickle=True`` (``--trust-pickle``), and a
-torch.save file that needs more is rejected with a hint to re-save it as plain tensors.
+Import lives in :mod:`stalwart.checkpoint.tools.importing`; its names stay importable from here.
 """
 
 from __future__ import annotations
@@ -26,21 +16,22 @@ import contextlib
 import json
 import logging
 import os
-import pickle
-import struct
 import uuid
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
-from stalwart.checkpoint.durable.results import SaveResult
-from stalwart.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from stalwart.checkpoint.tools.importing import (  # import_file, ImportResult: the old path
+    SKELETON_KEY,
+    ImportResult,
+    import_file,
+    numpy_to_tensors,
+)
+from stalwart.errors import CheckpointNotFoundError, ConfigError
 from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten
 
@@ -58,6 +49,28 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "torch")
+# A file's suffix names its format; a name no format claims is written as safetensors.
+SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def format_for(path: Path, format: str | None) -> str:
+    """The format to write ``path`` in: ``format``, else the one its suffix names.
+
+    Raises:
+        ConfigError: ``format`` is unknown, or contradicts the format ``path``'s suffix names
+            (``model.pt`` written as safetensors would fail ``torch.load`` later).
+    """
+    named = SUFFIXES.get(path.suffix.lower())
+    if format is None:
+        return named or "safetensors"
+    if format not in FORMATS:
+        raise ConfigError(f"export format {format!r} is not supported; use one of {FORMATS}")
+    if named is not None and named != format:
+        raise ConfigError(
+            f"{path.name} names a {named} file but the format asked is {format}; rename it "
+            f"(e.g. {path.stem}{'.pt' if format == 'torch' else '.safetensors'}) or drop the format"
+        )
+    return format
 
 
 def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,10 +87,6 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[fqn] = t.clone() if ptr in seen and t.numel() else t.contiguous()
         seen.add(ptr)
     return out
-
-
-SKELETON_KEY = "stalwart.skeleton"
-_ACCEPTED = "a safetensors file, a torch.save file, or a DCP checkpoint folder (with .metadata)"
 
 
 @dataclass(frozen=True)
@@ -99,27 +108,12 @@ class ExportResult:
     bytes: int
 
 
-@dataclass(frozen=True)
-class ImportResult:
-    """What :func:`import_file` read and saved.
-
-    Attributes:
-        kind: ``safetensors``, ``dcp`` or ``torch``.
-        tensors: number of tensors saved.
-        save: the checkpointer's result for the new step.
-    """
-
-    kind: str
-    tensors: int
-    save: SaveResult
-
-
 def export_step(
     ckpt: Checkpointer,
     out: str | os.PathLike[str],
     *,
     step: int | None = None,
-    format: str = "safetensors",
+    format: str | None = None,
     overwrite: bool = False,
     subtree: str | None = None,
 ) -> ExportResult:
@@ -131,21 +125,21 @@ def export_step(
         step: the step; the newest committed one when None.
         format: ``safetensors`` (tensors by FQN, the tree in the metadata) or ``torch``
             (``torch.save`` of the nested tree; numpy arrays become tensors so that the file
-            loads with ``torch.load(weights_only=True)``).
+            loads with ``torch.load(weights_only=True)``); None: the one ``out``'s suffix
+            names (``.pt``, ``.pth``, ``.bin``: torch), else safetensors.
         overwrite: replace ``out`` when it exists.
         subtree: export only this model state dict of the tree (``model`` in a
             ``TrainingState``), its prefix stripped, as ``from_pretrained`` and
             ``load_state_dict`` expect; see :func:`model_subtree`.
 
     Raises:
-        ConfigError: unknown format, ``out`` exists and ``overwrite`` is False, or
-            ``subtree`` is not a state dict of tensors.
+        ConfigError: unknown format or one ``out``'s suffix contradicts, ``out`` exists and
+            ``overwrite`` is False, or ``subtree`` is not a state dict of tensors.
         CheckpointNotFoundError: no such root or step.
         CorruptCheckpointError: the step's data is damaged.
     """
-    if format not in FORMATS:
-        raise ConfigError(f"export format {format!r} is not supported; use one of {FORMATS}")
     path = Path(out)
+    format = format_for(path, format)
     if path.exists() and not overwrite:
         raise ConfigError(
             f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
@@ -185,7 +179,7 @@ def export_step(
             meta["stalwart.metadata"] = json.dumps(user)
         _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     else:
-        plain = _numpy_to_tensors(tree)
+        plain = numpy_to_tensors(tree)
         _atomic_write(path, lambda tmp: torch.save(plain, tmp))
     return ExportResult(path, step, format, len(tensors), path.stat().st_size)
 
@@ -262,139 +256,3 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise
     with contextlib.suppress(OSError):  # some platforms cannot open folders; still atomic
         fsync_dir(str(path.parent))
-
-
-# A legacy (pre-zip) torch.save file opens with its magic number pickled at protocol 2; a
-# bare b"\x80" matched 1 in 256 random files and sent them to the pickle refusal instead.
-_LEGACY_TORCH_HEAD = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
-
-
-def detect_kind(src: Path) -> str:
-    """``safetensors``, ``dcp`` or ``torch`` for ``src``, judged by its content.
-
-    Raises:
-        CheckpointNotFoundError: ``src`` does not exist.
-        ConfigError: it is none of the accepted kinds.
-    """
-    if not src.exists():
-        raise CheckpointNotFoundError(f"{src} does not exist; check the path to import")
-    if src.is_dir():
-        if (src / ".metadata").is_file():
-            return "dcp"
-        raise ConfigError(
-            f"{src} is a folder without a .metadata file, so not a DCP checkpoint; "
-            f"import accepts {_ACCEPTED}"
-        )
-    with open(src, "rb") as f:
-        head = f.read(len(_LEGACY_TORCH_HEAD))
-    size = src.stat().st_size
-    if len(head) >= 9 and head[8:9] == b"{":
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > size - 8:
-            raise CorruptCheckpointError(
-                f"{src} looks like a safetensors file whose header ({n} bytes) is longer than "
-                f"the file ({size} bytes): it is truncated; copy or export it again"
-            )
-        return "safetensors"
-    if head[:4] == b"PK\x03\x04" or head == _LEGACY_TORCH_HEAD:  # zip (torch>=1.6) or legacy
-        return "torch"
-    raise ConfigError(f"{src} is not a format stalwart can import; import accepts {_ACCEPTED}")
-
-
-def import_file(
-    src: str | os.PathLike[str],
-    ckpt: Checkpointer,
-    *,
-    step: int,
-    overwrite: bool = False,
-    metadata: dict[str, str] | None = None,
-    trust_pickle: bool = False,
-) -> ImportResult:
-    """Read a safetensors file, a torch.save file or a DCP checkpoint and save it as ``step``.
-
-    No pickle from ``src`` runs unless ``trust_pickle`` (see the module docstring).
-
-    Args:
-        src: the file or DCP folder to import.
-        ckpt: the checkpointer of the root to save into.
-        step: the step to save as.
-        overwrite: replace ``step`` when it is already committed.
-        metadata: string metadata for the new manifest (``stalwart.source`` is added).
-        trust_pickle: let a DCP folder's pickles (``.metadata``, non-tensor values) run
-            unrestricted; only for folders from a source you trust.
-
-    Raises:
-        CheckpointNotFoundError: ``src`` does not exist.
-        ConfigError: unknown format, the step exists, or the source needs unsafe pickle
-            (a DCP folder: unless ``trust_pickle``).
-        CorruptCheckpointError: ``src`` is truncated or damaged.
-    """
-    path = Path(src)
-    kind = detect_kind(path)
-    if not overwrite and step in ckpt.steps():
-        raise ConfigError(
-            f"step {step} already exists in {ckpt.url}; pick another --step or pass "
-            "overwrite=True (--overwrite) to replace it"
-        )
-    if kind == "dcp":
-        from stalwart.checkpoint.tools.dcp_import import read_dcp  # loads torch's DCP
-
-        tree = read_dcp(path, trust_pickle=trust_pickle)
-    else:
-        tree = {"safetensors": _read_safetensors, "torch": _read_torch}[kind](path)
-    meta = {**(metadata or {}), "stalwart.source": f"{kind}:{path.name}"}
-    n = len(flatten(tree).leaves)
-    return ImportResult(kind, n, ckpt.save(step, tree, metadata=meta, overwrite=overwrite))
-
-
-def _read_safetensors(path: Path) -> Any:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CorruptCheckpointError(
-            f"{path} is not a readable safetensors file ({e}); it may be truncated — copy or "
-            "export it again"
-        ) from e
-    skeleton = meta.get(SKELETON_KEY)
-    if skeleton is None:
-        return tensors
-    try:
-        return unflatten(json.loads(skeleton), tensors.__getitem__)
-    except (ValueError, KeyError) as e:
-        raise CorruptCheckpointError(
-            f"{path}: its {SKELETON_KEY} metadata does not match its tensors ({e!r}); "
-            "remove that metadata entry to import the tensors as a flat dict"
-        ) from e
-
-
-def _read_torch(path: Path) -> Any:
-    try:
-        tree = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Weights only" in str(e):
-            raise ConfigError(
-                f"{path} holds objects that torch.load(weights_only=True) refuses, and stalwart "
-                "does not run untrusted pickle. Re-save it with plain tensors, e.g. "
-                "torch.save(model.state_dict(), path), and import that"
-            ) from e
-        raise CorruptCheckpointError(f"{path} is damaged or truncated ({e})") from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpointError(
-            f"{path} is not a readable torch.save file ({e}); it may be truncated — save or "
-            "copy it again"
-        ) from e
-    return _numpy_to_tensors(tree)
-
-
-def _numpy_to_tensors(tree: Any) -> Any:
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(tree))
-    if isinstance(tree, dict):
-        return {k: _numpy_to_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_numpy_to_tensors(v) for v in tree)
-    return tree
