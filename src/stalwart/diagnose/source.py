@@ -39,7 +39,8 @@ import fsspec
 from stalwart.diagnose.access import Reads, forget, lock, one_query
 from stalwart.diagnose.access import first_line as _first_line
 from stalwart.diagnose.budget import duckdb_limit
-from stalwart.diagnose.quoting import identifier, literal
+from stalwart.diagnose.quoting import literal
+from stalwart.diagnose.text_logs import register_csv, register_jsonl
 from stalwart.errors import ConfigError, require
 
 __all__ = ["Source", "open_source", "suggest"]
@@ -305,96 +306,8 @@ def _register_file(con: duckdb.DuckDBPyConnection, name: str, path: str, where: 
         where.reads.add_parquet(path, is_dir)
         return
     if lower.endswith(_JSONL_SUFFIXES):
-        _register_jsonl(con, name, path, lit, where)
+        register_jsonl(con, name, path, skip_bad=where.skip_bad, notes=where.notes)
         return
     if not lower.endswith(_CSV_SUFFIXES) and not is_glob:
         log.info("%s: no known suffix, reading it as CSV", path)
-    _register_csv(con, name, path, lit, where)
-
-
-def _register_jsonl(
-    con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, where: _Where
-) -> None:
-    """One JSON object per line, parsed once into a temporary table (types sniffed by DuckDB)."""
-    opts = ", ignore_errors=true" if where.skip_bad else ""
-    try:
-        con.execute(
-            f"CREATE TEMP TABLE {name} AS SELECT * FROM "
-            f"read_json_auto({lit}, format='newline_delimited'{opts})"
-        )
-    except duckdb.Error as e:
-        line = re.search(r"[Ll]ine:?\s*(\d+)", str(e))
-        at = f" at line {line.group(1)}" if line else ""
-        raise ConfigError(
-            f"{path}: malformed JSON lines{at}: {_first_line(e)}. Fix the line, or skip such "
-            "lines with skip_bad_lines=True (CLI: --skip-bad-lines)"
-        ) from e
-    if where.skip_bad:
-        # DuckDB keeps a skipped JSON line as a row of NULLs: drop those rows, and say so.
-        cols = [str(r[0]) for r in con.sql(f"DESCRIBE {name}").fetchall()]
-        empty = " AND ".join(f"{identifier(c)} IS NULL" for c in cols) or "false"
-        dropped = con.execute(f"DELETE FROM {name} WHERE {empty}").fetchall()[0][0]
-        if dropped:
-            where.notes.append(f"skipped {dropped} malformed or empty line(s) of {path}")
-
-
-def _register_csv(
-    con: duckdb.DuckDBPyConnection, name: str, path: str, lit: str, where: _Where
-) -> None:
-    skip, notes = where.skip_bad, where.notes
-    opts = ", ignore_errors=true" if skip else ""
-    delim = _delimiter(path, where.fs)
-    if delim:
-        # Without a hint a single bad line can make the sniffer settle on one column.
-        opts += f", delim='{delim}'"
-    attempts = [("", None), (", encoding='latin-1'", "decoded as Latin-1 (it is not valid UTF-8)")]
-    last: duckdb.Error | None = None
-    for enc, note in attempts:
-        try:
-            con.execute(f"CREATE TEMP TABLE {name} AS SELECT * FROM read_csv({lit}{enc}{opts})")
-        except duckdb.Error as e:
-            last = e
-            msg = str(e)
-            if "unicode" in msg.lower() or "utf-8" in msg.lower() or "utf8" in msg.lower():
-                continue
-            line = re.search(r"[Ll]ine:?\s*(\d+)", msg)
-            at = f" at line {line.group(1)}" if line else ""
-            raise ConfigError(
-                f"{path}: malformed CSV{at}: {_first_line(e)}. Fix the line, or skip such "
-                "lines with skip_bad_lines=True (CLI: --skip-bad-lines)"
-            ) from e
-        if note:
-            notes.append(f"{Path(path).name}: {note}")
-        if skip:
-            total = _count_lines(path, where.fs)
-            kept = con.sql(f"SELECT count(*) FROM {name}").fetchall()[0]
-            if total is not None and total - 1 > kept[0]:
-                notes.append(f"skipped {total - 1 - kept[0]} malformed line(s) of {path}")
-        return
-    raise ConfigError(f"{path}: could not decode the text: {_first_line(last or Exception())}")
-
-
-def _open_binary(path: str, fs: Any) -> Any:
-    return fs.open(path, "rb") if fs is not None else open(path, "rb")
-
-
-def _count_lines(path: str, fs: Any = None) -> int | None:
-    try:
-        with _open_binary(path, fs) as f:
-            return sum(1 for line in f if line.strip())
-    except OSError:
-        return None
-
-
-def _delimiter(path: str, fs: Any = None) -> str | None:
-    """The delimiter of the header line, when one stands out (None for globs and gzip)."""
-    if any(ch in path for ch in "*?[") or not path.lower().endswith((".csv", ".tsv", ".txt")):
-        return None
-    try:
-        with _open_binary(path, fs) as f:
-            header = f.readline().decode("latin-1")
-    except OSError:
-        return None
-    counts = {d: header.count(d) for d in (",", "\t", ";", "|")}
-    best = max(counts, key=lambda d: counts[d])
-    return best if counts[best] else None
+    register_csv(con, name, path, skip_bad=where.skip_bad, notes=where.notes, fs=where.fs)

@@ -78,6 +78,17 @@ def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
                 "DECIMAL",
             )
         ):
+            odd = src.sql(
+                f"SELECT DISTINCT {q} FROM {{src}} WHERE {q} IS NOT NULL AND {q} NOT IN (0, 1) "
+                "LIMIT 3"
+            ).fetchall()
+            if odd:
+                raise ConfigError(
+                    f"label column {label!r} holds numbers other than 0 and 1, such as "
+                    f"{[r[0] for r in odd]}: to count each row that many times pass it as "
+                    f"weight={label!r} (--weight), or say which rows failed with a condition "
+                    f'such as label="{label} > 0"'
+                )
             return f"coalesce({q} <> 0, false)", {label}
         values = [
             str(r[0]).strip().lower()

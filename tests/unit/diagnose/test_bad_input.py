@@ -100,11 +100,31 @@ def test_malformed_csv_line_names_the_line_and_can_be_skipped(tmp_path: Path) ->
     ]
     rows.insert(50, "r1,k1,true,unexpected,extra")
     (tmp_path / "bad.csv").write_text("\n".join(rows))
-    with pytest.raises(ConfigError, match=r"malformed CSV.*skip_bad_lines"):
+    with pytest.raises(ConfigError, match=r"malformed CSV at line 51\b.*skip_bad_lines"):
         analyze(tmp_path / "bad.csv", "failed")
     d = analyze(tmp_path / "bad.csv", "failed", skip_bad_lines=True)
     assert any("skipped 1 malformed" in n for n in d.notes)
     assert [f.items for f in d.findings] == [{"rack": "r1"}]
+
+
+@pytest.mark.parametrize("delim", [",", ";", "\t"])
+def test_a_short_malformed_csv_names_the_line_duckdb_does_not(tmp_path: Path, delim: str) -> None:
+    """In a short file DuckDB's sniffer fails without a line number; we find the first row
+    whose field count is not the header's."""
+    rows = ["host,status,n", "a,ok,1", "b,fail,2", "c,ok,x,extra", "d,fail"]
+    (tmp_path / "short.csv").write_text("\n".join(r.replace(",", delim) for r in rows) + "\n")
+    with pytest.raises(ConfigError, match=r"at line 4 \(4 fields where the header has 3\)"):
+        analyze(tmp_path / "short.csv", "status != 'ok'")
+
+
+def test_a_numeric_label_of_counts_is_refused_with_the_weight_named() -> None:
+    """A label column is boolean, 0/1 or text; counts in it would mark every row failed."""
+    t = _table().append_column("n", pa.array([1 + i % 5 for i in range(400)]))
+    with pytest.raises(ConfigError, match=r"other than 0 and 1.*weight='n'.*n > 0"):
+        analyze(t, "n")
+    flags = _table().append_column("bad", pa.array([float(i % 8 == 1) for i in range(400)]))
+    d = analyze(flags, "bad")  # 0.0 / 1.0 is a label
+    assert d.total_failures == 50 and [f.items for f in d.findings] == [{"rack": "r1"}]
 
 
 def test_unknown_option_and_bad_values() -> None:
