@@ -94,9 +94,9 @@ def test_protect_cli(tmp_path) -> None:
             "--bit",
             "30",
             "-p",
-            "sbp",
+            "sbp,clip",  # comma-separated, and a repeat that runs once
             "-p",
-            "clip",
+            "sbp",
             "--ber",
             "1e-3",
             "--repeats",
@@ -112,8 +112,8 @@ def test_protect_cli(tmp_path) -> None:
     assert [r["name"] for r in data["results"]] == ["sbp", "clip"]
     assert "data:image/png" in (tmp_path / "report.html").read_text()
     assert data["calibration"]["note"].startswith("in-sample")  # a graph: said, not hidden
-    bad = CliRunner().invoke(app, ["protect", "gcn", "-p", "tmr"])
-    assert bad.exit_code == 2 and "choose from" in bad.output
+    bad = CliRunner().invoke(app, ["protect", "gcn", "-p", "clip,tmr"])
+    assert bad.exit_code == 2 and "'tmr': choose from" in bad.output
     graph = CliRunner().invoke(app, ["protect", "gcn", "-p", "clip", "--trials", "5"])
     assert graph.exit_code == 2 and "--calibration-fraction 0" in " ".join(graph.output.split())
 

@@ -141,7 +141,11 @@ def protect_command(
     ],
     protection: Annotated[
         list[str] | None,
-        typer.Option("--protection", "-p", help="clip, abft, sbp, shadow, scrub (repeatable)."),
+        typer.Option(
+            "--protection",
+            "-p",
+            help="clip, abft, sbp, shadow, scrub (repeatable, or comma-separated).",
+        ),
     ] = None,
     trials: Annotated[int, typer.Option(min=1, help="Replayed single-fault trials.")] = 500,
     bit: Annotated[int | None, typer.Option(help="Flip this bit only (default: any bit).")] = None,
@@ -169,7 +173,9 @@ def protect_command(
     from stalwart import inject, protect, vulnerability
 
     with handled(), tempfile.TemporaryDirectory() as tmp:
-        names = protection or list(CHOICES)
+        # -p clip,abft and -p clip -p abft say the same; a name given twice runs once.
+        names = list(dict.fromkeys(x.strip() for n in protection or () for x in n.split(",")))
+        names = [n for n in names if n] or list(CHOICES)
         bad = [n for n in names if n not in CHOICES]
         if bad:
             raise ConfigError(f"--protection {bad[0]!r}: choose from {', '.join(CHOICES)}")

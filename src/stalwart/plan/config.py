@@ -11,6 +11,7 @@ Every mistake is a :class:`~stalwart.errors.ConfigError` naming the file, sectio
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +94,24 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
         node = node[part]
     if leaf not in node or isinstance(node[leaf], dict):
         known = ", ".join(sorted(k for k, v in node.items() if not isinstance(v, dict)))
-        raise ConfigError(f"no input {dotted!r}; the fields there are: {known}")
+        close = [d for d in _leaves(tree) if d.endswith("." + leaf)]  # the section left out
+        close += difflib.get_close_matches(dotted, _leaves(tree), n=3, cutoff=0.8)
+        hint = f" Did you mean {' or '.join(list(dict.fromkeys(close))[:3])}?" if close else ""
+        if not known:  # no section given: name the form an input takes
+            raise ConfigError(
+                f"no input {dotted!r}: an input is SECTION.FIELD (e.g. costs.crash_detect_s), "
+                f"with SECTION one of {_sections()}.{hint}"
+            )
+        raise ConfigError(f"no input {dotted!r}; the fields there are: {known}.{hint}")
     node[leaf] = value
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every input's dotted name in ``tree``."""
+    out: list[str] = []
+    for k, v in tree.items():
+        out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
 
 
 def _sections() -> str:

@@ -92,6 +92,14 @@ def test_replace_refuses_unknown_names() -> None:
         PlanInputs().replace(**{"job.gpus": 8})
     with pytest.raises(ConfigError, match=r"no input 'jobs\.accelerators'"):
         PlanInputs().replace(**{"jobs.accelerators": 8})
+    # No section: the form of a name and the sections, and the input the user likely meant.
+    with pytest.raises(ConfigError, match=r"SECTION\.FIELD.*costs.*Did you mean costs\.resume_s\?"):
+        PlanInputs().replace(resume_s=2.0)
+    with pytest.raises(ConfigError, match=r"SECTION\.FIELD") as e:
+        PlanInputs().replace(foo=1)
+    assert "Did you mean" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"Did you mean costs\.crash_detect_s\?"):
+        PlanInputs().replace(**{"costs.crash_detec_s": 1.0})
 
 
 def test_records_are_frozen_and_keyword_only() -> None:
