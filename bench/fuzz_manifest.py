@@ -162,7 +162,7 @@ def build_fixture(root: Path) -> Fixture:
     fx = Fixture(root, data, {p: (root / p).read_bytes() for p in sorted(packs)})
     for t in doc["tensors"].values():
         for sh in t["shards"]:
-            for h, _n, pack, off, length, _codec in sh["chunks"]:
+            for h, _n, pack, off, length, *_codec_and_check in sh["chunks"]:
                 fx.chunks[h] = fx.packs[pack][off : off + length]
     with stalwart.Checkpointer(root) as ck:
         fx.trees = {1: ck.load(None, step=1), 2: ck.load(None, step=2)}

@@ -30,8 +30,9 @@ def golden_state() -> dict:
 
 if __name__ == "__main__":
     import stalwart
+    from stalwart.checkpoint.format import FORMAT_VERSION
 
-    out = HERE / f"v{stalwart.checkpoint.FORMAT_VERSION}"
+    out = HERE / f"v{FORMAT_VERSION}"
     if out.exists():
         sys.exit(f"{out} exists; golden files are never rewritten")
     ckpt = stalwart.Checkpointer(out, stalwart.CheckpointOptions(chunk_bytes=4096))

@@ -118,7 +118,7 @@ def test_manifest_is_json_and_packs_are_raw_tensor_bytes(tmp_path: Path) -> None
     t = torch.arange(1000, dtype=torch.float32)
     stalwart.Checkpointer(tmp_path).save(1, {"t": t})
     doc = json.loads((tmp_path / manifest_key(1)).read_bytes())
-    assert doc["format"] == "stalwart.checkpoint" and doc["version"] == 2
+    assert doc["format"] == "stalwart.checkpoint" and doc["version"] == 3
     (pack,) = packs(tmp_path)
     assert pack.read_bytes() == t.numpy().tobytes()  # no pickle, no framing
 

@@ -19,7 +19,7 @@ import torch
 import stalwart
 from bench.fuzz_manifest import HOLE, reseal
 from stalwart.checkpoint.durable.integrity import MAX_TREE_DEPTH
-from stalwart.checkpoint.durable.manifest import MAX_STEP, Manifest, manifest_key
+from stalwart.checkpoint.durable.manifest import FORMAT_VERSION, MAX_STEP, Manifest, manifest_key
 from stalwart.checkpoint.tools.verify import verify_step
 from stalwart.errors import (
     ConfigError,
@@ -113,10 +113,12 @@ def test_every_single_byte_flip_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_v1_manifest_with_a_checksum_is_checked(tmp_path: Path) -> None:
-    # A "version":2 damaged into 1 must not skip the checksum.
+    # A "version":3 (or 2) damaged into 1 must not skip the checksum.
     root = _root(tmp_path)
     path = root / manifest_key(2)
-    path.write_bytes(path.read_bytes().replace(b'"version":2', b'"version":1'))
+    now = f'"version":{FORMAT_VERSION}'.encode()
+    assert now in path.read_bytes()
+    path.write_bytes(path.read_bytes().replace(now, b'"version":1'))
     _assert_refused(root, "does not match its checksum")
 
 
@@ -131,6 +133,18 @@ def test_a_v2_manifest_without_checksum_is_refused(tmp_path: Path) -> None:
 
 BAD: dict[str, tuple[Callable[[dict[str, Any]], str | None], str]] = {
     "stats 1e400": (lambda d: d["stats"].update(seconds=HOLE) or "1e400", "finite"),
+    "chunk check not hex": (
+        lambda d: d["tensors"]["w"]["shards"][0]["chunks"][0].__setitem__(6, "z" * 32),
+        "malformed XXH3-128 check",
+    ),
+    "chunk check too short": (
+        lambda d: d["tensors"]["w"]["shards"][0]["chunks"][0].__setitem__(6, "0" * 31),
+        "malformed XXH3-128 check",
+    ),
+    "chunk ref of 8 members": (
+        lambda d: d["tensors"]["w"]["shards"][0]["chunks"][0].append("0" * 32),
+        "malformed chunk reference",
+    ),
     "chunk offset 2**63": (
         lambda d: d["tensors"]["w"]["shards"][0]["chunks"][0].__setitem__(3, 2**63),
         "offset must be an int",

@@ -36,13 +36,22 @@ _OUT_HELP = "Write protect.json and report.html here."
 CHOICES = ("clip", "abft", "sbp", "shadow", "scrub")
 
 
+def _names(given: list[str] | None) -> list[str]:
+    """The protections asked for: ``-p clip,abft`` and ``-p clip -p abft`` say the same, a
+    name given twice runs once, and none given means all."""
+    names = list(dict.fromkeys(x.strip() for n in given or () for x in n.split(",")))
+    names = [n for n in names if n] or list(CHOICES)
+    bad = [n for n in names if n not in CHOICES]
+    if bad:
+        raise ConfigError(f"--protection {bad[0]!r}: choose from {', '.join(CHOICES)}")
+    return names
+
+
 def _build(names: list[str], ref: Any, calibration: tuple[Any, ...], tmp: str) -> list[Any]:
     from stalwart import protect
 
     out: list[Any] = []
-    for n in names:
-        if n not in CHOICES:
-            raise ConfigError(f"--protection {n!r}: choose from {', '.join(CHOICES)}")
+    for n in names:  # checked by _names
         if n == "clip":
             out.append(protect.ActivationClipping(ref.model, calibration))
         elif n == "abft":
@@ -142,9 +151,7 @@ def protect_command(
     protection: Annotated[
         list[str] | None,
         typer.Option(
-            "--protection",
-            "-p",
-            help="clip, abft, sbp, shadow, scrub (repeatable, or comma-separated).",
+            "--protection", "-p", help="clip, abft, sbp, shadow, scrub (repeatable; or a,b)."
         ),
     ] = None,
     trials: Annotated[int, typer.Option(min=1, help="Replayed single-fault trials.")] = 500,
@@ -173,12 +180,7 @@ def protect_command(
     from stalwart import inject, protect, vulnerability
 
     with handled(), tempfile.TemporaryDirectory() as tmp:
-        # -p clip,abft and -p clip -p abft say the same; a name given twice runs once.
-        names = list(dict.fromkeys(x.strip() for n in protection or () for x in n.split(",")))
-        names = [n for n in names if n] or list(CHOICES)
-        bad = [n for n in names if n not in CHOICES]
-        if bad:
-            raise ConfigError(f"--protection {bad[0]!r}: choose from {', '.join(CHOICES)}")
+        names = _names(protection)
         check_criteria([criterion] if criterion else [])
         ref = load_spec(model_spec)
         calibration, scored, split = _split(ref, model_spec, calibration_fraction, seed)

@@ -1,4 +1,4 @@
-"""The manifest: what a committed checkpoint holds and where its bytes live (format v2).
+"""The manifest: what a committed checkpoint holds and where its bytes live (format v3).
 
 A manifest is one JSON object per checkpoint, written last (see ``commit.py``). Its presence
 is the commit: a checkpoint without a manifest does not exist. ``docs/format.md`` is the
@@ -9,8 +9,8 @@ storage key passes ``validate_key``, and the structure is checked (``integrity.p
 anything is allocated or read, so that an untrusted manifest can neither run code, point
 outside its store, ask for absurd amounts of memory, nor leave part of a tensor unread.
 Version 2 adds a BLAKE3 checksum of the manifest itself (the last member, ``checksum``),
-so that a flipped byte in a plain value is caught too; version 1 manifests (no checksum)
-still load.
+so that a flipped byte in a plain value is caught too; version 3 adds each chunk's XXH3-128,
+which loads check (:mod:`~stalwart.checkpoint.durable.chunk_ref`). Versions 1 and 2 still load.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import blake3
 
 from stalwart.checkpoint.durable.aliases import TensorAlias, parse_aliases
+from stalwart.checkpoint.durable.chunk_ref import HASH_RE, ChunkRef
 from stalwart.checkpoint.durable.integrity import (
     MAX_INT,
     brief,
@@ -33,7 +34,7 @@ from stalwart.checkpoint.durable.integrity import (
 )
 from stalwart.checkpoint.durable.summary import inspect_manifest, render_inspection
 from stalwart.errors import CorruptCheckpointError
-from stalwart.storage.base import ObjectInfo, Storage, validate_key
+from stalwart.storage.base import ObjectInfo, Storage
 from stalwart.tree import dtype_from_name
 
 __all__ = [
@@ -51,9 +52,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "stalwart.checkpoint"
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
-"""Versions this reader understands: v1 (no manifest checksum) and v2."""
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+"""Versions this reader understands: v1 (no manifest checksum), v2, and v3 (chunk checks)."""
 MANIFEST_PREFIX = "manifests/"
 MAX_STEP = 10**20 - 1
 """Largest step: the manifest key holds the step in 20 digits."""
@@ -61,12 +62,8 @@ MAX_BYTES = MAX_INT
 """Bound on every byte count, offset and length (and a tensor's size) a manifest may state."""
 MAX_NDIM = 64
 MAX_WORLD_SIZE = (1 << 31) - 1
-ZSTD_MAX_RATIO = 1 << 16
-"""A zstd frame cannot expand more than this (an RLE block: 4 bytes for 128 KiB)."""
 _MANIFEST_RE = re.compile(r"^manifests/step-(\d{20})\.json$")
-_HASH_RE = re.compile(r"[0-9a-f]{64}")  # used with fullmatch
 _CHECKSUM_HEAD = b',"checksum":"'
-CODECS = ("none", "zstd")
 
 
 def manifest_key(step: int) -> str:
@@ -87,54 +84,6 @@ def committed_manifests(store: Storage) -> dict[int, ObjectInfo]:
     """
     found = {step_from_key(i.key): i for i in store.list(MANIFEST_PREFIX)}
     return {s: found[s] for s in sorted(s for s in found if s is not None)}
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """One content-addressed chunk of a shard's bytes.
-
-    Attributes:
-        hash: BLAKE3-256 of the chunk's raw (uncompressed) bytes, lowercase hex. It names the
-            chunk and is its checksum.
-        nbytes: raw length in bytes.
-        pack: storage key of the pack file holding the stored bytes.
-        offset: byte offset of the stored bytes in the pack.
-        length: stored length in bytes (differs from ``nbytes`` when compressed).
-        codec: ``none`` or ``zstd``.
-    """
-
-    hash: str
-    nbytes: int
-    pack: str
-    offset: int
-    length: int
-    codec: str = "none"
-
-    def to_json(self) -> list[Any]:
-        return [self.hash, self.nbytes, self.pack, self.offset, self.length, self.codec]
-
-    @classmethod
-    def from_json(cls, obj: Any) -> ChunkRef:
-        if not (isinstance(obj, list) and len(obj) == 6):
-            raise CorruptCheckpointError(f"malformed chunk reference {obj!r}")
-        h, nbytes, pack, offset, length, codec = obj
-        if not (isinstance(h, str) and _HASH_RE.fullmatch(h)):
-            raise CorruptCheckpointError(f"malformed chunk hash {brief(h)}")
-        for name, v in (("nbytes", nbytes), ("offset", offset), ("length", length)):
-            uint(v, f"chunk {h}: {name}")
-        if offset + length > MAX_BYTES:
-            raise CorruptCheckpointError(f"chunk {h}: offset + length exceeds {MAX_BYTES}")
-        if codec not in CODECS:
-            raise CorruptCheckpointError(f"chunk {h}: unknown codec {brief(codec)}")
-        if codec == "none" and nbytes != length:
-            raise CorruptCheckpointError(
-                f"chunk {h}: uncompressed, yet {nbytes} raw bytes are stored in {length}"
-            )
-        if codec == "zstd" and nbytes > ZSTD_MAX_RATIO * length:
-            raise CorruptCheckpointError(
-                f"chunk {h}: {length} zstd bytes cannot hold {nbytes} raw bytes"
-            )
-        return cls(h, nbytes, validate_key(pack), offset, length, codec)
 
 
 @dataclass(frozen=True)
@@ -324,7 +273,7 @@ def _check_checksum(doc: dict[str, Any], data: bytes) -> None:
             f"a version {doc['version']} manifest must end with its checksum, and this one has none"
         )
     want = doc["checksum"]
-    ok = isinstance(want, str) and _HASH_RE.fullmatch(want) is not None
+    ok = isinstance(want, str) and HASH_RE.fullmatch(want) is not None
     tail = _CHECKSUM_HEAD + (want.encode("ascii") if ok else b"") + b'"}'
     if not (ok and data.endswith(tail)):
         raise CorruptCheckpointError(

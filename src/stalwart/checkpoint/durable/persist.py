@@ -10,6 +10,7 @@ uncompressed tensor bytes on the way to the disk.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -17,11 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import blake3
 import torch
-import xxhash
 
-from stalwart.checkpoint.durable.manifest import ChunkRef, ShardEntry
+from stalwart.checkpoint.durable.chunk_ref import ChunkRef, chunk_check, chunk_hash
+from stalwart.checkpoint.durable.manifest import ShardEntry
 from stalwart.checkpoint.durable.plan import BoxKey, LocalItem
 from stalwart.checkpoint.options import CheckpointOptions
 from stalwart.storage.base import Buffer, Storage
@@ -39,11 +39,6 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def chunk_hash(data: Buffer) -> str:
-    """BLAKE3-256 of ``data`` as lowercase hex: a chunk's name and checksum."""
-    return blake3.blake3(data).hexdigest()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -83,7 +78,7 @@ def ordered_map(
         yield pending.popleft().result()
 
 
-FastIndex = dict[tuple[BoxKey, int], tuple[bytes, str]]
+FastIndex = dict[tuple[BoxKey, int], tuple[str, str]]
 """(box, byte offset in the box) -> (XXH3-128 of the chunk, its BLAKE3 name) at the last save."""
 
 
@@ -92,7 +87,7 @@ class _Chunk:
     key: BoxKey
     start: int
     raw: memoryview
-    fast: bytes = b""
+    fast: str = ""  # XXH3-128 hex of raw
     hash: str = ""
     payload: Buffer | None = None  # stored bytes for a new chunk; None when reused
     codec: str = "none"
@@ -186,7 +181,7 @@ def persist_pieces(
             else:
                 assert c.payload is not None
                 c.ref = ChunkRef(
-                    c.hash, len(c.raw), pack_key, state["offset"], len(c.payload), c.codec
+                    c.hash, len(c.raw), pack_key, state["offset"], len(c.payload), c.codec, c.fast
                 )
                 new_in_pack[c.hash] = c.ref
                 state["offset"] += len(c.payload)
@@ -231,15 +226,15 @@ class _Preparer:
         # whose bytes match what the same position held at the last save (and whose chunk
         # is still committed) reuses that save's BLAKE3 name without hashing it again.
         known = self.known
-        c.fast = xxhash.xxh3_128_digest(c.raw)
+        c.fast = chunk_check(c.raw)  # also the check the new reference records (format 3)
         prev = self.previous.get((c.key, c.start)) if self.previous else None
         if prev is not None and prev[0] == c.fast and prev[1] in known:
             c.hash = prev[1]
-            c.ref = known[c.hash]
+            c.ref = _checked(known[c.hash], c.fast)
             return c
         c.hash = chunk_hash(c.raw)
         if c.hash in known:
-            c.ref = known[c.hash]
+            c.ref = _checked(known[c.hash], c.fast)
             return c
         c.payload = c.raw
         if self.options.compression == "zstd" and len(c.raw) > 0:
@@ -253,3 +248,9 @@ class _Preparer:
             if len(packed) < len(c.raw):
                 c.payload, c.codec = packed, "zstd"
         return c
+
+
+def _checked(ref: ChunkRef, check: str) -> ChunkRef:
+    """A known chunk's reference with the check this save computed from the same bytes (a
+    reference from a format 2 manifest has none)."""
+    return ref if ref.check == check else dataclasses.replace(ref, check=check)

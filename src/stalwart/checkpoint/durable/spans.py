@@ -6,8 +6,9 @@ the disk never waits for the hash (``Pipeline``). From a store that reads fastes
 (``ReadsInOrder``: files on this host), each pack's spans are read by one thread, in order,
 through one open descriptor, so the kernel's read-ahead runs in front of them. A store with
 ``read_view`` (``LocalStorage``) reads each span into a reused buffer, no allocation per read.
-Each chunk's BLAKE3 hash (which releases the GIL) is checked where it was read; only then are
-its bytes copied to their sinks, so a damaged chunk never lands in a caller's tensor. What to
+Each chunk is checked where it was read (its XXH3-128 from format 3, else its BLAKE3 name:
+``ChunkRef.matches``); only then are its bytes copied to their sinks, so a damaged chunk never
+lands in a caller's tensor. What to
 read and where it goes is planned in ``reshard.py``.
 """
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stalwart.checkpoint.durable.manifest import ChunkRef
-from stalwart.checkpoint.durable.persist import chunk_hash
 from stalwart.errors import CorruptCheckpointError, ObjectNotFoundError
 from stalwart.storage.base import ReadsInOrder, ReadsLeaveHost, ReadsViews, Storage
 
@@ -74,6 +74,7 @@ class Need:
     sinks: list[tuple[memoryview, int, int]] = field(default_factory=list)
     boxes: set[int] = field(default_factory=set)  # the boxes it fills (read_boxes' order)
     landed: Callable[[Need], None] | None = None  # called once its bytes are in every sink
+    audit: bool = False  # check the chunk's BLAKE3 name too, not only its XXH3-128
 
 
 def chunk_what(prefix: str, c: ChunkRef) -> str:
@@ -82,14 +83,15 @@ def chunk_what(prefix: str, c: ChunkRef) -> str:
 
 
 def verify_chunk(storage: Storage, c: ChunkRef, what: str, out: memoryview | None = None) -> int:
-    """Read chunk ``c``, check its hash and length; return the stored bytes read.
+    """Read chunk ``c``, check its length, XXH3-128 and BLAKE3 name; return the bytes read.
 
-    With ``out`` (``c.nbytes`` long), the verified raw bytes are copied there.
+    With ``out`` (``c.nbytes`` long), the verified raw bytes are copied there. This is the
+    audit (``ckpt verify``); loads check the XXH3-128 alone when the reference records one.
 
     Raises:
         CorruptCheckpointError: missing pack, truncated data, or a hash mismatch.
     """
-    need = Need(c, what)
+    need = Need(c, what, audit=True)
     if out is not None:
         need.sinks.append((out, 0, c.nbytes))
     return read_span(storage, c.pack, c.offset, c.offset + c.length, [need])
@@ -116,7 +118,7 @@ def check_and_copy(stored_all: memoryview, start: int, needs: list[Need]) -> Non
                 )
             except zstandard.ZstdError as e:
                 raise CorruptCheckpointError(f"{what}: cannot decompress ({e})", [what]) from e
-        if len(raw) != c.nbytes or chunk_hash(raw) != c.hash:
+        if not c.matches(raw, audit=need.audit):
             raise CorruptCheckpointError(
                 f"{what}: content does not match its hash (bit rot or tampering); "
                 "load an earlier step or use fallback=True",

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from stalwart.checkpoint.capture import BoxRecord, Capture, HostBuffer, box_view, stage
-from stalwart.checkpoint.durable.persist import chunk_hash
+from stalwart.checkpoint.durable.chunk_ref import chunk_hash
 from stalwart.checkpoint.durable.plan import local_box, local_items
 from stalwart.checkpoint.fresh_optimizers import prime_fresh_optimizers
 from stalwart.errors import CorruptCheckpointError
