@@ -67,22 +67,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_load_bench as dlb  # DCP's recipe, the cold-cache timer
 
 from stalwart.checkpoint import Checkpointer
+from stalwart.checkpoint.durable.chunk_ref import ChunkRef, chunk_hash
 from stalwart.storage.local import MAP_READS as ORIGINAL_MAP_READS
 
 NAMES = ["stalwart", "dcp", "bytecheckpoint"]
-B_SIDE = "stalwart_b"  # --map-ab: stalwart's checkpoint loaded again, the other MAP_READS
+B_SIDE = "stalwart_b"  # --map-ab / --check-ab: stalwart's checkpoint loaded again, differently
+CHECKED_BY_XXH3 = ChunkRef.matches  # --check-ab's A side (format 3); B checks BLAKE3 names
 MAP_MODES = {"always": True, "never": False}  # --map-ab: storage.local.MAP_READS of the B side
 ASYNC = ["stalwart", "stalwart_capped", "dcp", "bytecheckpoint"]
 Done = Callable[[], None]
 ROWS = 1 << 20  # elements generated at a time by the checks
 
 
-LAYOUT: dict[str, Any] = {"layout": "fsdp2", "map_ab": None}  # the ranks' options, from argv
+LAYOUT: dict[str, Any] = {"layout": "fsdp2", "map_ab": None, "check_ab": False}  # from argv
 
 
 def _loaders() -> list[str]:
-    """The loads of a round: the contenders, and stalwart's B side under --map-ab."""
-    return [*NAMES, B_SIDE] if LAYOUT["map_ab"] else list(NAMES)
+    """The loads of a round: the contenders, and stalwart's B side under an A/B option."""
+    return [*NAMES, B_SIDE] if LAYOUT["map_ab"] or LAYOUT["check_ab"] else list(NAMES)
+
+
+def _by_name(ref: ChunkRef, raw: Any, *, audit: bool = False) -> bool:
+    """--check-ab's B side: a chunk checked by its BLAKE3 name, as formats 1 and 2 load."""
+    return len(memoryview(raw)) == ref.nbytes and chunk_hash(raw) == ref.hash
 
 
 def _rotated(names: list[str], rnd: int) -> list[str]:
@@ -196,8 +203,12 @@ def _op(name: str, op: str, model: nn.Module, opt: torch.optim.Optimizer, where:
     if name in ("stalwart", B_SIDE):
         from stalwart.storage import local
 
-        # the A/B of issue 25: page-cache maps or buffers; stalwart itself keeps the default
-        local.MAP_READS = MAP_MODES[LAYOUT["map_ab"]] if name == B_SIDE else ORIGINAL_MAP_READS
+        # the A/Bs of issue 25: page-cache maps or buffers; XXH3-128 checks or BLAKE3 names.
+        # stalwart itself keeps the defaults
+        b_map = name == B_SIDE and LAYOUT["map_ab"]
+        local.MAP_READS = MAP_MODES[LAYOUT["map_ab"]] if b_map else ORIGINAL_MAP_READS
+        b_check = name == B_SIDE and LAYOUT["check_ab"]
+        ChunkRef.matches = _by_name if b_check else CHECKED_BY_XXH3  # type: ignore[method-assign]
         with Checkpointer(where) as ck:
             state = {"model": model, "optim": opt}
             ck.save(1, state) if op == "save" else ck.load(state)
@@ -418,7 +429,7 @@ def _report_sync(
     for label, res, _ in (r for r in rows if B_SIDE in r[1] and r[2] == "load"):
         b_side, a_side = res[B_SIDE]["load"], res["stalwart"]["load"]
         paired = [y / x for y, x in zip(b_side, a_side, strict=True)]
-        mode = f"MAP_READS={MAP_MODES[a.map_ab]}"
+        mode = f"MAP_READS={MAP_MODES[a.map_ab]}" if a.map_ab else "chunks checked by BLAKE3 name"
         best = min(statistics.median(res[n]["load"]) for n in NAMES if n != "stalwart")
         print(f"| {label}, B: {mode} (s) | {_fmt(b_side)}; B / stalwart, paired by "
               f"round: {_fmt(paired)}; B / best peer: "
@@ -461,7 +472,8 @@ def _torchrun(
            "--body", body, "--layers", str(a.layers), "--dim", str(a.dim),
            "--rounds", str(a.rounds), "--base", base, "--out", str(out),
            "--cap-mib", str(a.cap_mib), "--layout", a.layout,
-           *(("--map-ab", a.map_ab) if a.map_ab else ()), *extra]  # fmt: skip
+           *(("--map-ab", a.map_ab) if a.map_ab else ()),
+           *(("--check-ab",) if a.check_ab else ()), *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -491,6 +503,7 @@ def _rank_main(a: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     LAYOUT["layout"] = a.layout
     LAYOUT["map_ab"] = a.map_ab
+    LAYOUT["check_ab"] = a.check_ab
     if a.body == "async_saves":
         res = async_saves(rank, world, a.base, a.layers, a.dim, a)
     else:
@@ -519,6 +532,12 @@ def main() -> None:
         default=None,
         help="also load stalwart's checkpoint with storage.local.MAP_READS set so (always: "
         "mapped; never: buffered), interleaved with the default load",
+    )
+    ap.add_argument(
+        "--check-ab",
+        action="store_true",
+        help="also load stalwart's checkpoint checking each chunk by its BLAKE3 name (as "
+        "formats 1 and 2 load) instead of its XXH3-128, interleaved with the default load",
     )
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
