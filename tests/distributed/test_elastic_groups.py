@@ -99,14 +99,20 @@ def test_group_deaths_take_the_group_out_and_a_new_group_heals_per_shard(
 
     events = read_events(events_dir)
     _shards_agree_at_every_step(events, shard)
-    # a group's ranks committed the same steps in the same epochs: never half a step
+    # A group's ranks commit the same steps in the same epochs: never half a step. A rank
+    # killed (or taken out with its group) after the group agreed may not live to record the
+    # step its partner records, so in a group that died one rank may be one step ahead.
     for first, second in ((0, 1), (2, 3), (4, 5), (6, 7)):
         steps = [
             [(e["step"], e["epoch"]) for e in events[w]
              if e["kind"] == EventKind.STEP and e["committed"]]
             for w in (first, second)
         ]  # fmt: skip
-        assert steps[0] == steps[1], (first, second)
+        if first >= 4:  # the groups that finished
+            assert steps[0] == steps[1], (first, second)
+        else:
+            short, long = sorted(steps, key=len)
+            assert long[: len(short)] == short and len(long) - len(short) <= 1, (first, second)
     healed = {w for w, lines in events.items()
               for e in lines if e["kind"] == EventKind.STATE_RECEIVED}  # fmt: skip
     assert {4, 5, 6, 7} <= healed, "every rank of each new group received its shard"
