@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +138,33 @@ def test_reads_held_open_share_one_descriptor_and_outlive_the_objects_deletion(
         pass
     with pytest.raises(ObjectNotFoundError):  # and nothing held stays behind
         store.read("packs/p")
+
+
+def test_a_direct_write_reserves_its_blocks_ahead_and_keeps_none_past_its_end(
+    tmp_path: Path,
+) -> None:
+    """Blocks are allocated ahead of the data (so files written at once do not interleave
+    their extents), and what was not used is given back: the file ends at its last byte."""
+    from stalwart.storage.direct_io import RESERVE_MIN
+
+    size = 5 * BS + 123
+    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    seen: list[tuple[bool, int]] = []
+
+    def pieces() -> Iterator[memoryview]:
+        for i in range(0, size, BS):
+            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+            seen.append((direct, os.fstat(fd).st_size))
+            yield memoryview(data)[i : i + BS]
+
+    try:
+        assert write_stream(fd, pieces(), AlignedBufferPool(BS)) == size
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+    assert st.st_size == size and st.st_blocks * 512 <= size + BS, "the reservation's rest"
+    if seen[-1][0]:  # O_DIRECT on this filesystem: the reservation ran ahead of the data
+        assert seen[-1][1] >= RESERVE_MIN, seen
