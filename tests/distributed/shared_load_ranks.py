@@ -74,6 +74,28 @@ def save_then_load(
         return ck.last_load.bytes_read
 
 
+def collectives_of_a_load(rank: int, world: int, root: str, shared: bool | None) -> int:
+    """Save version 1, then count the object collectives one load of it runs."""
+    import torch.distributed as dist
+
+    shared_read.SHARED_READS = shared
+    with Checkpointer(root, options=CheckpointOptions(chunk_bytes=4096)) as ck:
+        ck.save(1, replicated(1))
+        state, calls, gather = _zeros(), [0], dist.all_gather_object
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return gather(*args, **kwargs)
+
+        dist.all_gather_object = counting
+        try:
+            ck.load(state)
+        finally:
+            dist.all_gather_object = gather
+        _same(state, replicated(1))
+        return calls[0]
+
+
 def save_then_load_capped(rank: int, world: int, root: str) -> int:
     """``save_then_load`` with shared reads forced, and rank 1 unable to make a file past 8 KiB
     once saved (``RLIMIT_FSIZE``; ``SIGXFSZ`` ignored, so the call fails with ``EFBIG``)."""

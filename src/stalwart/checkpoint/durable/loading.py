@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.collective import Group
+from stalwart.checkpoint.durable import shared_read
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
 from stalwart.checkpoint.durable.reshard import read_box
@@ -72,8 +73,15 @@ class Loader:
         self.queue.raise_unobserved()
         t0 = time.perf_counter()
         g = self.ctx.group
-        # Rank 0 lists; every rank learns if that failed.
-        steps = g.run("listing checkpoints", lambda: self.ctx.steps() if g.rank == 0 else [])[0]
+        # Rank 0 lists; every rank learns if that failed, and whether every rank's store would
+        # share reads: when one stays on its host the ranks read alone, and the load spends no
+        # collective planning a shared read (4 ranks on 2 cores: 15 ms of 0.4 s).
+        listed = g.run(
+            "listing checkpoints",
+            lambda: (self.ctx.steps() if g.rank == 0 else [], self._shares(g)),
+        )
+        steps = listed[0][0]
+        shared = g if all(shares for _, shares in listed) else None
         if not steps:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.ctx.url}; save one first or check the path"
@@ -91,7 +99,7 @@ class Loader:
             candidates = candidates[:1]
         s, tree, read, mismatched, skipped = load_first_that_verifies(
             candidates,
-            lambda s: self._load_step(s, state, strict, g),
+            lambda s: self._load_step(s, state, strict, shared),
             g,
             fallback=fallback,
             where=self.ctx.url,
@@ -106,14 +114,28 @@ class Loader:
         )
         return tree
 
+    def _shares(self, g: Group) -> bool:
+        """Whether this rank would read boxes all ranks want once for the group and share
+        them (``shared_read.SHARED_READS``; None: when its store's reads leave the host)."""
+        if not shared_read.can_share(g):
+            return False
+        if shared_read.SHARED_READS is not None:
+            return shared_read.SHARED_READS
+        try:
+            return shared_read.reads_leave_host(self.ctx.store(create=False))
+        except Exception:  # the load itself reports it
+            return False
+
     def _load_step(
-        self, step: int, state: Any, strict: bool, g: Group
+        self, step: int, state: Any, strict: bool, g: Group | None
     ) -> tuple[Any, int, list[str]]:
+        """Load ``step``; with ``g``, reads are shared (a collective), else each rank's own."""
         try:
             store = self.ctx.store(create=False)
             m = self.ctx.manifest(step)
         except BaseException:
-            withdraw(g)  # the other ranks are about to plan a shared read with this one
+            if g is not None:
+                withdraw(g)  # the other ranks are about to plan a shared read with this one
             raise
         return load_step(
             m,
