@@ -261,11 +261,12 @@ class _Reservation:
             return
         if self.end == 0:  # the first write: only direct ones reserve
             self.on = bool(fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT)
-        step = min(max(self.end, RESERVE_MIN), RESERVE_MAX)
-        if self.on and _FALLOCATE is not None and _FALLOCATE(self.fd, 0, self.end, step) == 0:
-            self.end += step
-        else:
-            self.on = False
+        while self.on and end > self.end:
+            step = min(max(self.end, RESERVE_MIN), RESERVE_MAX)
+            if _FALLOCATE is not None and _FALLOCATE(self.fd, 0, self.end, step) == 0:
+                self.end += step
+            else:
+                self.on = False
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:

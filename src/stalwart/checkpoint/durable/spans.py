@@ -8,8 +8,7 @@ through one open descriptor, so the kernel's read-ahead runs in front of them. A
 ``read_view`` (``LocalStorage``) reads each span into a reused buffer, no allocation per read.
 Each chunk is checked where it was read (its XXH3-128 from format 3, else its BLAKE3 name:
 ``ChunkRef.matches``); only then are its bytes copied to their sinks, so a damaged chunk never
-lands in a caller's tensor. What to
-read and where it goes is planned in ``reshard.py``.
+lands in a caller's tensor. What to read and where it goes is planned in ``reshard.py``.
 """
 
 from __future__ import annotations
