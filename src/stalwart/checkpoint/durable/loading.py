@@ -117,12 +117,10 @@ class Loader:
     def _shares(self, g: Group) -> bool:
         """Whether this rank would read boxes all ranks want once for the group and share
         them (``shared_read.SHARED_READS``; None: when its store's reads leave the host)."""
-        if not shared_read.can_share(g):
-            return False
-        if shared_read.SHARED_READS is not None:
-            return shared_read.SHARED_READS
         try:
-            return shared_read.reads_leave_host(self.ctx.store(create=False))
+            return shared_read.can_share(g) and shared_read.would_share(
+                self.ctx.store(create=False)
+            )
         except Exception:  # the load itself reports it
             return False
 

@@ -1,12 +1,11 @@
 """Boxes every rank loads alike are read once by the group, then shared.
 
 A replicated tensor (DDP, a ``Replicate`` DTensor, a tensor the state lacks) is the same box
-on every rank. Read rank by rank it costs the node its bytes once per rank: reads, hashes
-and copies all multiplied by the world size. Here the ranks agree (one ``all_gather`` of box
-keys) which boxes they all want; those are cut into pieces of at most ``PIECE_BYTES`` rows,
-each piece given to one rank (the least loaded, counting the boxes only it reads). A rank
-reads and verifies its pieces with the usual pipeline (``read_boxes``: every chunk's hash
-checked before its bytes land), and the pieces reach the other ranks:
+on every rank; read rank by rank, its reads, checks and copies are multiplied by the world
+size. Here the ranks agree (one ``all_gather`` of box keys) which boxes they all want; those
+are cut into pieces of at most ``PIECE_BYTES`` rows, each given to the least loaded rank,
+which reads and verifies it with the usual pipeline (``read_boxes``: every chunk checked
+before its bytes land), and the pieces reach the other ranks:
 
 * **one host**: through ``/dev/shm`` as each lands (``shm_stream.py``): the reader lands its
   verified chunks in its segment, every rank copies each piece out as soon as it is ready,
@@ -14,17 +13,14 @@ checked before its bytes land), and the pieces reach the other ranks:
 * **several hosts**: broadcast from its reader over the process group once every rank's
   reads succeeded (small pieces coalesced per reader).
 
-Then every rank learns every rank's outcome (an ``all_gather``). A damaged chunk makes its
-reader raise ``CorruptCheckpointError`` naming tensor, shard and chunk, and the other ranks
-``PeerDamageError`` (a ``DistributedError`` carrying the same message), which a fallback
-load treats as damage: every rank moves on to an older step together. Groups whose backend
-cannot move CPU tensors (NCCL alone) read rank by rank.
+Then every rank learns every rank's outcome (an ``all_gather``): a damaged chunk makes its
+reader raise ``CorruptCheckpointError`` naming tensor, shard and chunk, the others
+``PeerDamageError`` (the same message), which a fallback load treats as damage, all ranks
+moving on together. Groups whose backend cannot move CPU tensors (NCCL) read rank by rank.
 
-When: ``SHARED_READS = None`` (the default) shares where it pays: ranks of one host (the
-hash and the copies are the cost there, the page cache already reads each byte once), and
-ranks whose reads leave the host (an object store: ``reads_leave_host``); ranks of several
-hosts reading disks of their own read alone. Collective order: ``plan_shared`` (or
-``withdraw`` on a rank that failed before it), then the exchange, on every rank.
+When: ``SHARED_READS = None`` (the default) shares where every rank's reads leave the host
+(``would_share``); ranks on local disks read alone, the page cache reading each byte once per
+host. Collective order: ``plan_shared`` (or ``withdraw``), then the exchange, on every rank.
 """
 
 from __future__ import annotations
@@ -60,6 +56,7 @@ __all__ = [
     "reads_leave_host",
     "share_pieces",
     "withdraw",
+    "would_share",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,9 +67,9 @@ PIECE_BYTES = 32 << 20
 SHARED_READS: bool | None = None
 """Whether boxes every rank loads alike are read once by the group and shared.
 
-None (default): where it pays, on every load (``plan_shared``): ranks of one host, or
-reads that leave the host (``bench/scale_ckpt_bench.py``, ``bench/remote_load_bench.py``).
-True or False: forced, whatever the store; every rank must set the same value."""
+None (default): where every rank's store reads off its host (``would_share``,
+``bench/remote_load_bench.py``). True or False: forced, whatever the store; every rank must
+set the same value."""
 
 SHM_READS = True
 """Ranks of one host pass pieces through files in ``SHM_DIR`` (False: the process group)."""
@@ -102,6 +99,12 @@ def reads_leave_host(store: Storage) -> bool:
     """True when reading ``store`` fetches bytes from another machine, for every rank anew:
     the store says so (``ReadsLeaveHost``); one that says nothing counts as local."""
     return isinstance(store, ReadsLeaveHost) and store.reads_leave_host
+
+
+def would_share(store: Storage | None) -> bool:
+    """This rank's say: ``SHARED_READS``, or when None, whether ``store`` reads off its host."""
+    auto = SHARED_READS is None
+    return (store is not None and reads_leave_host(store)) if auto else bool(SHARED_READS)
 
 
 def can_share(g: Group) -> bool:
@@ -171,12 +174,10 @@ def _pieces(b: Box) -> list[Box]:
 def plan_shared(g: Group, boxes: list[Box], store: Storage | None = None) -> SharedPlan | None:
     """Agree which boxes every rank wants and who reads each piece; None: read alone.
 
-    Collective. None when some rank withdrew (it failed before reading and raises), when
-    ``SHARED_READS`` is None and some rank's ``store`` does not read off its host
-    (``reads_leave_host``; no ``store``: local), or when the ranks want no box in common.
+    Collective. None when some rank withdrew (it failed before reading and raises), when some
+    rank's say is no (``would_share``), or when the ranks want no box in common.
     """
-    share = reads_leave_host(store) if SHARED_READS is None and store is not None else SHARED_READS
-    keys = [(_key(b), _nbytes(b)) for b in boxes] if share else None
+    keys = [(_key(b), _nbytes(b)) for b in boxes] if would_share(store) else None
     gathered = g.all_gather(
         (socket.gethostname(), uuid.uuid4().hex, keys, SHM_READS and os.path.isdir(SHM_DIR))
     )
