@@ -94,8 +94,9 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
         node = node[part]
     if leaf not in node or isinstance(node[leaf], dict):
         known = ", ".join(sorted(k for k, v in node.items() if not isinstance(v, dict)))
-        close = [d for d in _leaves(tree) if d.endswith("." + leaf)]  # the section left out
-        close += difflib.get_close_matches(dotted, _leaves(tree), n=3, cutoff=0.8)
+        names = _leaves(tree)
+        close = [d for d in names if d.endswith("." + leaf)]  # the section left out
+        close += difflib.get_close_matches(dotted, names, n=3, cutoff=0.8)
         hint = f" Did you mean {' or '.join(list(dict.fromkeys(close))[:3])}?" if close else ""
         if not known:  # no section given: name the form an input takes
             raise ConfigError(

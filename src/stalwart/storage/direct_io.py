@@ -253,20 +253,20 @@ class _Reservation:
     """
 
     def __init__(self, fd: int) -> None:
-        self.fd, self.end, self.on = fd, 0, _FALLOCATE is not None and hasattr(os, "O_DIRECT")
+        self.fd, self.end = fd, 0
+        self.fallocate = _FALLOCATE if hasattr(os, "O_DIRECT") else None  # None: stopped
 
     def cover(self, end: int) -> None:
         """Make sure the blocks up to byte ``end`` are allocated."""
-        if not self.on or end <= self.end:
-            return
-        if self.end == 0:  # the first write: only direct ones reserve
-            self.on = bool(fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT)
-        while self.on and end > self.end:
+        first = self.fallocate is not None and self.end == 0
+        if first and not fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT:
+            self.fallocate = None  # only direct writes reserve
+        while self.fallocate is not None and end > self.end:
             step = min(max(self.end, RESERVE_MIN), RESERVE_MAX)
-            if _FALLOCATE is not None and _FALLOCATE(self.fd, 0, self.end, step) == 0:
+            if self.fallocate(self.fd, 0, self.end, step) == 0:
                 self.end += step
             else:
-                self.on = False
+                self.fallocate = None
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
