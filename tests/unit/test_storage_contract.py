@@ -37,6 +37,7 @@ from stalwart.storage import (
     Storage,
     open_storage,
 )
+from stalwart.storage.base import WritesUnsynced
 from stalwart.storage.local import TEMP_PREFIX, translate_os_error
 from stalwart.storage.retry import call_with_retry, is_transient
 from stalwart.testing import FlakyStorage
@@ -202,6 +203,52 @@ def test_local_failed_write_leaves_no_object_and_no_temp(tmp_path: Path) -> None
     assert _all_files(tmp_path) == []
     with pytest.raises(ObjectNotFoundError):
         store.read("packs/p1")
+
+
+def test_local_unsynced_write_is_atomic_and_skips_only_the_flushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease's write (``WritesUnsynced``): replaced whole, no temporary left, no fsync, and a
+    failed one keeps the object it would have replaced; ``write`` still flushes."""
+    store = LocalStorage(tmp_path)
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    assert isinstance(store, WritesUnsynced)
+    assert store.write_unsynced("leases/a.json", [b"{", b"}"]) == 2
+    assert store.write_unsynced("leases/a.json", [b"[1]"]) == 3
+    assert store.read("leases/a.json") == b"[1]" and synced == []
+    with pytest.raises(OSError, match="disk vanished"):
+        store.write_unsynced("leases/a.json", _failing_chunks(b"x", OSError("disk vanished")))
+    assert store.read("leases/a.json") == b"[1]"
+    assert _all_files(tmp_path) == ["leases/a.json"]
+    store.write("leases/b.json", [b"{}"])
+    assert len(synced) >= 2  # the file and its folder
+
+
+def test_a_lease_is_written_unsynced_where_the_store_can_and_durably_elsewhere(
+    tmp_path: Path,
+) -> None:
+    from stalwart.checkpoint.durable.lease import Lease, read_leases
+
+    class Plain(MemoryStorage):
+        writes: list[str]
+
+        def write(self, key: str, data: Any) -> int:
+            self.writes.append(key)
+            return super().write(key, data)
+
+    class Unsynced(Plain):
+        def write_unsynced(self, key: str, data: Any) -> int:
+            self.writes.append("unsynced " + key)
+            return MemoryStorage.write(self, key, data)
+
+    for store, kind in ((Plain(), ""), (Unsynced(), "unsynced ")):
+        store.writes = []
+        with Lease(store, steps=[3], packs=["p"], lease_s=60.0, reading=True) as lease:
+            assert store.writes == [kind + lease.key]
+            assert read_leases(store).read_steps == {3}
+        assert read_leases(store).steps == set()
 
 
 def test_local_missing_root_without_create(tmp_path: Path) -> None:

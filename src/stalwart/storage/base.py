@@ -15,7 +15,9 @@ Optional capabilities are declared, not guessed: a backend that can lend a read-
 a byte range implements :class:`ReadsViews`; one whose reads of an object run fastest in order
 through one open handle, :class:`ReadsInOrder`; one that leaves temporaries a crashed writer
 may strand implements :class:`RemovesStaleTemps`; one whose every read fetches bytes from
-another machine says so with :class:`ReadsLeaveHost`. Callers test ``isinstance(store, ...)``.
+another machine says so with :class:`ReadsLeaveHost`; one whose durable ``write`` costs a flush
+it can skip for a record no crash needs to keep implements :class:`WritesUnsynced`. Callers
+test ``isinstance(store, ...)``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "ReadsViews",
     "RemovesStaleTemps",
     "Storage",
+    "WritesUnsynced",
     "validate_key",
 ]
 
@@ -180,4 +183,18 @@ class ReadsLeaveHost(Protocol):
     @property
     def reads_leave_host(self) -> bool:
         """True when every read reaches another machine, for every rank anew."""
+        ...
+
+
+@runtime_checkable
+class WritesUnsynced(Protocol):
+    """A store whose durable ``write`` pays for a flush (``fsync`` on a disk) that it can skip.
+
+    For records that only matter while the process that wrote them runs, so that losing them
+    in a crash of the host loses nothing (a lease: it protects a read or save in flight, which
+    the crash ends anyway). Leases use it when present and ``Storage.write`` otherwise.
+    """
+
+    def write_unsynced(self, key: str, data: Iterable[Buffer]) -> int:
+        """``Storage.write``, atomic and visible to other readers as before, but not durable."""
         ...

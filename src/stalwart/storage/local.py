@@ -190,16 +190,25 @@ class LocalStorage:
         A failure (including an exception from ``data`` itself) leaves no object and no
         temporary behind; an existing object under ``key`` stays as it was.
         """
+        return self._write(key, data, sync=True)
+
+    def write_unsynced(self, key: str, data: Iterable[Buffer]) -> int:
+        """:meth:`write` without its two ``fsync`` calls (``WritesUnsynced``): atomic and seen
+        at once by every process of this host, but a crash of the host may lose it."""
+        return self._write(key, data, sync=False)
+
+    def _write(self, key: str, data: Iterable[Buffer], *, sync: bool) -> int:
         with self._object(key, "write", create=True) as (folders, name):
             refuse_link(folders, name, "replace")  # the rename would not follow it; be plain
             fd, tmp = create_claimed(folders.fd, name, _OPEN_FLAGS_WRITE)
             try:
                 total = write_stream(fd, (_byte_view(b) for b in data), self._buffers)
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
                 os.replace(tmp, name, src_dir_fd=folders.fd, dst_dir_fd=folders.fd)
                 tmp = ""
-                # The rename, and every directory entry created for it, must reach the disk.
-                folders.fsync()
+                if sync:  # the rename, and every directory entry made for it, reach the disk
+                    folders.fsync()
             finally:
                 _close_quietly(fd)  # the claim on the temporary ends only after the rename
                 if tmp:
