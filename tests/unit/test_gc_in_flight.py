@@ -239,3 +239,19 @@ def test_gc_without_grace_in_a_loop_fails_no_save_or_load(tmp_path: Path) -> Non
         referenced = set().union(*(ck.manifest(s).packs() for s in ck.steps()))
         assert {i.key for i in ck.storage.list("packs/")} == referenced
         assert not [p for p in tmp_path.rglob(".tmp-*")] and not ck.storage.list("leases/")
+
+
+def test_a_lease_a_crash_left_empty_is_kept_an_hour_then_removed(tmp_path: Path) -> None:
+    """Leases are not flushed, so a host crash may leave one empty; gc's read of the leases
+    drops it once it is an hour old, and never counts it as live."""
+    from stalwart.checkpoint.durable.lease import UNREADABLE_S, read_leases
+
+    store = LocalStorage(tmp_path)
+    store.write("leases/0123456789abcdef0123456789abcdef.json", [b""])
+    with Lease(store, steps=[4], packs=["packs/p"], lease_s=7200.0) as live:
+        made = store.list("leases/")[0].mtime
+        soon = read_leases(store, remove_expired=True, clock=lambda: made + 60)
+        assert soon.steps == {4} and len(store.list("leases/")) == 2
+        later = read_leases(store, remove_expired=True, clock=lambda: made + UNREADABLE_S + 1)
+        assert later.steps == {4}
+        assert [i.key for i in store.list("leases/")] == [live.key]

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 LEASE_PREFIX = "leases/"
 Clock = Callable[[], float]
 """Wall time in seconds since the epoch, as ``time.time`` gives it (leases compare across hosts)."""
+UNREADABLE_S = 3600.0
+"""A lease that does not parse is removed (by a reader asked to remove dead ones) once its
+file is this old: leases are not flushed, so a crash of the host may leave one empty."""
 CLOCK_SLACK_S = 2.0
 """Packs written up to this long before a live lease's file count as written after it
 (file timestamps come from a coarse clock, and from the file server on a network disk)."""
@@ -186,7 +189,9 @@ def read_leases(
     """Union of the steps and packs named by live leases.
 
     A lease is dead when it expired (by ``clock``) or when its owner, on this host, no longer
-    runs; with ``remove_expired`` dead leases are deleted.
+    runs; with ``remove_expired`` dead leases are deleted, and so are leases that do not parse
+    once :data:`UNREADABLE_S` old (one being written is never visible half-written: the rename
+    is atomic).
     """
     live = LiveLeases()
     now = clock()
@@ -196,8 +201,12 @@ def read_leases(
             expires = float(doc["expires_unix"])
             steps = {int(s) for s in doc.get("steps", [])}
             packs = {str(p) for p in doc.get("packs", [])}
-        except (ObjectNotFoundError, ValueError, KeyError, TypeError):
-            continue  # released meanwhile, or garbage (a stray name is a ValueError too)
+        except ObjectNotFoundError:
+            continue  # released meanwhile
+        except (ValueError, KeyError, TypeError):  # garbage (a stray name is a ValueError too)
+            if remove_expired and now - info.mtime > UNREADABLE_S:
+                storage.delete(info.key)
+            continue
         if expires < now or _owner_is_dead(doc.get("owner")):
             if remove_expired:
                 storage.delete(info.key)
