@@ -380,6 +380,21 @@ def save_with_failing_listing(rank: int, world: int, root: str, bad_rank: int) -
     return "saved"
 
 
+def load_with_failing_listing(rank: int, world: int, root: str, bad_rank: int) -> str:
+    """Save, then load while listing the store fails on ``bad_rank``; what this rank raised."""
+    with Checkpointer(root) as ck:
+        ck.save(1, _versioned(rank, world, 1))
+    store = FlakyStorage(
+        LocalStorage(root), fail_on=functools.partial(_fail_list_on, bad_rank, rank)
+    )
+    with Checkpointer(store) as ck:
+        try:
+            ck.load(_zeros_like_state(_versioned(rank, world, 1)))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
 def load_with_mismatch_on(rank: int, world: int, root: str, bad_rank: int) -> str:
     """Load where only ``bad_rank``'s state has a key the checkpoint lacks."""
     with Checkpointer(root) as ck:

@@ -74,26 +74,33 @@ def save_then_load(
         return ck.last_load.bytes_read
 
 
-def collectives_of_a_load(rank: int, world: int, root: str, shared: bool | None) -> int:
-    """Save version 1, then count the object collectives one load of it runs."""
+def collectives_of_a_load(rank: int, world: int, root: str, shared: bool | None) -> dict[str, int]:
+    """Save version 1, then count the collectives one load of it runs, by kind."""
     import torch.distributed as dist
 
     shared_read.SHARED_READS = shared
+    kinds = ("all_gather_object", "broadcast_object_list", "all_reduce", "all_gather", "broadcast")
     with Checkpointer(root, options=CheckpointOptions(chunk_bytes=4096)) as ck:
         ck.save(1, replicated(1))
-        state, calls, gather = _zeros(), [0], dist.all_gather_object
+        state, calls = _zeros(), dict.fromkeys(kinds, 0)
+        originals = {k: getattr(dist, k) for k in kinds}
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return gather(*args, **kwargs)
+        def counting(kind: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls[kind] += 1
+                return originals[kind](*args, **kwargs)
 
-        dist.all_gather_object = counting
+            return call
+
+        for k in kinds:
+            setattr(dist, k, counting(k))
         try:
             ck.load(state)
         finally:
-            dist.all_gather_object = gather
+            for k in kinds:
+                setattr(dist, k, originals[k])
         _same(state, replicated(1))
-        return calls[0]
+        return calls
 
 
 def save_then_load_capped(rank: int, world: int, root: str) -> int:

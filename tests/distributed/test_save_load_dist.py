@@ -267,6 +267,28 @@ def test_listing_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     assert Checkpointer(root).steps() == []
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_load_whose_listing_fails_on_rank_0_fails_every_rank(
+    tmp_path: Path, bad_rank: int
+) -> None:
+    """Rank 0 lists for every rank: its failure reaches the others, named; a failure to list
+    on another rank does not matter, since it does not list."""
+    root = _new_root(tmp_path)
+    results = run_ranks(
+        ranks.load_with_failing_listing,
+        2,
+        str(root),
+        bad_rank,
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=30,
+    )
+    if bad_rank == 1:
+        assert results == ["loaded", "loaded"], results
+        return
+    for r in results:
+        assert r.startswith("DistributedError: listing checkpoints failed on rank 0"), results
+
+
 def test_state_mismatch_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     root = _new_root(tmp_path)
     results = run_ranks(

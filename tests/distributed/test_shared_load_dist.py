@@ -86,13 +86,15 @@ def test_local_root_reads_rank_by_rank_by_default(tmp_path: Path) -> None:
 
 def test_a_load_that_will_not_share_spends_no_collective_planning_it(tmp_path: Path) -> None:
     """Whether the ranks share is settled with the listing: on a local root by default (or
-    with sharing off) a load runs two collectives, the listing and the outcomes; forced on,
-    the plan's exchange comes on top."""
+    with sharing off) a load runs three small collectives and no object gather: rank 0's
+    listing broadcast, the count of ranks that would share, the count of ranks that loaded;
+    forced on, the plan's exchange (object gathers) comes on top."""
     alone = run_ranks(ranks.collectives_of_a_load, 2, str(tmp_path / "a"), None, timeout_s=120)
     off = run_ranks(ranks.collectives_of_a_load, 2, str(tmp_path / "b"), False, timeout_s=120)
     forced = run_ranks(ranks.collectives_of_a_load, 2, str(tmp_path / "c"), True, timeout_s=120)
-    assert alone == off == [2, 2]
-    assert forced[0] == forced[1] > 2
+    three = {"broadcast_object_list": 1, "all_reduce": 2}
+    assert alone == off == [{**dict.fromkeys(alone[0], 0), **three}] * 2
+    assert forced[0] == forced[1] and forced[0]["all_gather_object"] > 0
 
 
 def test_no_room_in_shm_on_one_rank_sends_every_rank_back_to_reading_alone(

