@@ -246,13 +246,17 @@ def _fail_pack_writes_on(bad_rank: int, rank: int, op: str, key: str) -> bool:
     return rank == bad_rank and op == "write" and key.startswith("packs/")
 
 
-def save_with_failing_rank(rank: int, world: int, root: str, bad_rank: int) -> Any:
-    """Step 1 saves; step 2's pack write fails on ``bad_rank``; step 1 must still load."""
+def _step_1_then_flaky(rank: int, world: int, root: str, fail: Any, bad_rank: int) -> Any:
+    """Save step 1 on ``root``; then the same root through a store failing where
+    ``fail(bad_rank, rank, op, key)`` says."""
     with Checkpointer(root) as ck:
         ck.save(1, _versioned(rank, world, 1))
-    flaky = FlakyStorage(
-        LocalStorage(root), fail_on=functools.partial(_fail_pack_writes_on, bad_rank, rank)
-    )
+    return FlakyStorage(LocalStorage(root), fail_on=functools.partial(fail, bad_rank, rank))
+
+
+def save_with_failing_rank(rank: int, world: int, root: str, bad_rank: int) -> Any:
+    """Step 1 saves; step 2's pack write fails on ``bad_rank``; step 1 must still load."""
+    flaky = _step_1_then_flaky(rank, world, root, _fail_pack_writes_on, bad_rank)
     with Checkpointer(flaky) as ck:
         try:
             ck.save(2, _versioned(rank, world, 2))
@@ -275,11 +279,7 @@ def _kill_on_pack_write(bad_rank: int, rank: int, op: str, key: str) -> bool:
 
 def save_and_die(rank: int, world: int, root: str, bad_rank: int) -> str:
     """Step 1 saves; ``bad_rank`` is SIGKILLed while writing step 2's pack."""
-    with Checkpointer(root) as ck:
-        ck.save(1, _versioned(rank, world, 1))
-    store = FlakyStorage(
-        LocalStorage(root), fail_on=functools.partial(_kill_on_pack_write, bad_rank, rank)
-    )
+    store = _step_1_then_flaky(rank, world, root, _kill_on_pack_write, bad_rank)
     with Checkpointer(store) as ck:
         try:
             ck.save(2, _versioned(rank, world, 2))
@@ -382,11 +382,7 @@ def save_with_failing_listing(rank: int, world: int, root: str, bad_rank: int) -
 
 def load_with_failing_listing(rank: int, world: int, root: str, bad_rank: int) -> str:
     """Save, then load while listing the store fails on ``bad_rank``; what this rank raised."""
-    with Checkpointer(root) as ck:
-        ck.save(1, _versioned(rank, world, 1))
-    store = FlakyStorage(
-        LocalStorage(root), fail_on=functools.partial(_fail_list_on, bad_rank, rank)
-    )
+    store = _step_1_then_flaky(rank, world, root, _fail_list_on, bad_rank)
     with Checkpointer(store) as ck:
         try:
             ck.load(_zeros_like_state(_versioned(rank, world, 1)))
