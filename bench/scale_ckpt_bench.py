@@ -301,6 +301,10 @@ def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int
             res[name]["load"].append(t)
             res[name]["load_mem"].append(m)
             res[name]["load_disk"].append(d)
+        if rank == 0:
+            order = _rotated(_loaders(), rnd)
+            print(f"reshard to {world}, round {rnd}: " + ", ".join(
+                f"{n} load {res[n]['load'][-1]:.2f}s" for n in order), flush=True)  # fmt: skip
     return res
 
 

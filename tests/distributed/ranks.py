@@ -271,6 +271,22 @@ def save_with_failing_rank(rank: int, world: int, root: str, bad_rank: int) -> A
         return outcome, steps, ck.last_load.step, flaky.failures["write"]
 
 
+def _fail_manifest_write_on(bad_rank: int, rank: int, op: str, key: str) -> bool:
+    return rank == bad_rank and op == "write" and key.startswith("manifests/")
+
+
+def save_with_failing_commit(rank: int, world: int, root: str) -> tuple[str, list[int]]:
+    """Step 1 saves; step 2's manifest write (the commit, rank 0's alone) fails."""
+    flaky = _step_1_then_flaky(rank, world, root, _fail_manifest_write_on, 0)
+    with Checkpointer(flaky) as ck:
+        try:
+            ck.save(2, _versioned(rank, world, 2))
+            outcome = "saved"
+        except DistributedError as e:
+            outcome = str(e)
+        return outcome, ck.steps()
+
+
 def _kill_on_pack_write(bad_rank: int, rank: int, op: str, key: str) -> bool:
     if rank == bad_rank and op == "write" and key.startswith("packs/"):
         os.kill(os.getpid(), signal.SIGKILL)  # a crash in the middle of a save

@@ -267,6 +267,18 @@ def test_listing_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     assert Checkpointer(root).steps() == []
 
 
+def test_a_commit_that_fails_on_rank_0_fails_every_rank_and_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    root = _new_root(tmp_path)
+    results = run_ranks(
+        ranks.save_with_failing_commit, 2, str(root), timeout_s=RUN_TIMEOUT_S, pg_timeout_s=30
+    )
+    for message, steps in results:
+        assert message.startswith("committing step 2 failed on rank 0: "), results
+        assert steps == [1], results
+
+
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_a_load_whose_listing_fails_on_rank_0_fails_every_rank(
     tmp_path: Path, bad_rank: int

@@ -132,11 +132,11 @@ class Saver:
             results = g.run(f"saving step {step}", persist)
 
             done = (step, plan.tensors, plan.aliases, skeleton, results, g.world, metadata, t0)
-            g.run(f"committing step {step}", lambda: None if g.rank else self._commit(*done))
+            g.run_on_root(f"committing step {step}", lambda: self._commit(*done))
         if g.rank == 0:
             self._retain_after(step, store)
         self.fast_index = local["fast_index"]  # committed: valid for the next save
-        g.all_gather(None)  # nobody returns before retention finished on rank 0
+        g.count(True)  # nobody returns before retention finished on rank 0
         return SaveResult.summed(step, time.perf_counter() - t0, [r[1] for r in results])
 
     def _persist(
