@@ -199,9 +199,7 @@ def load_first_that_verifies(
             if g.world == 1:
                 raise
             ok, err = ("error", f"{type(e).__name__}: {e}"), e
-        # Every rank's outcome, gathered only when one failed: 7 ms less per load on 4 ranks
-        # sharing 2 cores (``Group.count``).
-        outcomes = [ok] * g.world if g.count(ok[0] == "ok") == g.world else g.all_gather(ok)
+        outcomes = _outcomes(g, ok)
         failed = [(r, msg) for r, (kind, msg) in enumerate(outcomes) if kind == "error"]
         if failed:
             if ok[0] == "error" and err is not None:
@@ -226,3 +224,9 @@ def load_first_that_verifies(
         "see the reasons in .damaged",
         damaged=[f"step {s}: {why}" for s, why in skipped],
     )
+
+
+def _outcomes(g: Group, ok: tuple[str, str]) -> list[tuple[str, str]]:
+    """Every rank's outcome, gathered only when one failed; otherwise a count (``Group.count``:
+    7 ms less per load than an object gather on 4 ranks sharing 2 cores)."""
+    return [ok] * g.world if g.count(ok[0] == "ok") == g.world else g.all_gather(ok)
