@@ -27,6 +27,10 @@ warm-up step deleted and collected first, so nothing deduplicates), unbounded an
 its completion callback fires (its first save of a state is synchronous). Blocking time: the
 call, slowest rank; to committed: until every rank's data and the commit are written; peak
 memory: the largest rank's resident-set rise over both saves, above its level before them.
+With ``--fresh-reshards`` phase 2 runs one process per contender and round as well (order
+rotating), each load the first of its process, as a job resumed on fewer ranks loads: in one
+process, a contender's load can pay for what an earlier one left there (the 1-rank reshard ran
+0.33-0.34 s where stalwart loaded first in its round and 0.46-0.65 s after ByteCheckpoint's).
 
     .venv/bin/python bench/scale_ckpt_bench.py --layers 43 --dim 4096 --rounds 3
 
@@ -308,6 +312,30 @@ def reshard(rank: int, world: int, base: str, layers: int, dim: int, rounds: int
     return res
 
 
+def reshard_one(rank: int, world: int, base: str, layers: int, dim: int, a: Any) -> Any:
+    """--fresh-reshards: one contender's resharding load, the first of a fresh process (as a
+    job resumed on fewer ranks loads once), so no other contender ran in it before."""
+    model, opt = _build(layers, dim)
+    t, m, d = _timed_op(rank, a.contender, "load", model, opt, _where(base, a.contender,
+                        a.rounds - 1))  # fmt: skip
+    if rank == 0:
+        print(f"fresh reshard to {world}, round {a.round}: {a.contender} load {t:.2f}s",
+              flush=True)  # fmt: skip
+    return {"load": t, "load_mem": m, "load_disk": d}
+
+
+def _fresh_reshards(world: int, a: argparse.Namespace, base: str) -> dict[str, Any]:
+    """Every contender's resharding loads, one process each, order rotating by round."""
+    res: dict[str, Any] = {n: {"load": [], "load_mem": [], "load_disk": []} for n in _loaders()}
+    for rnd in range(a.rounds):
+        for name in _rotated(_loaders(), rnd):
+            one = _torchrun("reshard_one", world, a, base, ("--contender", name, "--round",
+                            str(rnd)))  # fmt: skip
+            for k, v in one.items():
+                res[name][k].append(v)
+    return res
+
+
 def _async_save(
     name: str, model: nn.Module, opt: Any, where: Path, cap: int
 ) -> tuple[
@@ -516,6 +544,8 @@ def _rank_main(a: argparse.Namespace) -> None:
     LAYOUT["check_ab"] = a.check_ab
     if a.body == "async_saves":
         res = async_saves(rank, world, a.base, a.layers, a.dim, a)
+    elif a.body == "reshard_one":
+        res = reshard_one(rank, world, a.base, a.layers, a.dim, a)
     else:
         body = {"save_and_load": save_and_load, "reshard": reshard}[a.body]
         res = body(rank, world, a.base, a.layers, a.dim, a.rounds)
@@ -549,6 +579,12 @@ def main() -> None:
         help="also load stalwart's checkpoint checking each chunk by its BLAKE3 name (as "
         "formats 1 and 2 load) instead of its XXH3-128, interleaved with the default load",
     )
+    ap.add_argument(
+        "--fresh-reshards",
+        action="store_true",
+        help="phase 2 in a fresh process per contender and round (each load the first of its "
+        "process, as a resumed job's), instead of every contender's rounds in one process",
+    )
     ap.add_argument("--contender", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--body", default=None, help=argparse.SUPPRESS)
@@ -570,7 +606,9 @@ def main() -> None:
         full = a.layout == "fsdp2" and a.world == 4  # reshards and async saves: this shape
         if not a.async_only:
             first = _torchrun("save_and_load", a.world, a, base)
-        if not a.async_only and full:
+        if not a.async_only and full and a.fresh_reshards:
+            second, third = _fresh_reshards(2, a, base), _fresh_reshards(1, a, base)
+        elif not a.async_only and full:
             second = _torchrun("reshard", 2, a, base)
             third = _torchrun("reshard", 1, a, base)
         for name in NAMES:  # the loads are done: free the disk for the asynchronous saves
