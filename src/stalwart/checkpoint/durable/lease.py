@@ -103,7 +103,7 @@ class Lease:
 
     def __enter__(self) -> Lease:
         # Not flushed where the store can skip it: a crash that loses the lease also ends what
-        # it protects (4 ranks loading at once on one disk: 3-5 ms each, on the load's path).
+        # it protects (4 ranks loading at once on one disk: 3-12 ms each, on the load's path).
         store = self.storage
         write = store.write_unsynced if isinstance(store, WritesUnsynced) else store.write
         try:
