@@ -14,7 +14,7 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -66,12 +66,27 @@ class PersistStats:
 
 
 def ordered_map(
-    pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T], window: int
+    pool: ThreadPoolExecutor,
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    window: int,
+    *,
+    first_alone: bool = True,
 ) -> Iterator[R]:
-    """Like ``pool.map`` but with at most ``window`` tasks in flight (bounded memory)."""
+    """Like ``pool.map`` but with at most ``window`` tasks in flight (bounded memory).
+
+    ``first_alone``: the first item runs by itself before the window fills, so its result
+    (which a pack's write waits for before its first byte) does not share the cores with the
+    next ``window - 1`` items: a DDP save of 1 GB on 4 ranks sharing 2 cores waited 20-90 ms
+    for its first hashed chunk that way (docs/benchmarks.md, "eleventh round").
+    """
     pending: deque[Future[R]] = deque()
+    alone = first_alone
     for item in items:
         pending.append(pool.submit(fn, item))
+        if alone:  # the next items are submitted once it is done, before it is yielded
+            wait([pending[0]])
+            alone = False
         if len(pending) >= window:
             yield pending.popleft().result()
     while pending:
