@@ -234,8 +234,12 @@ def test_gc_without_grace_in_a_loop_fails_no_save_or_load(tmp_path: Path) -> Non
     assert runs["loads"] >= 5 and runs["gcs"] >= 5, runs  # the race was run, not skipped
     assert committed == list(range(1, 61))
     with stalwart.Checkpointer(tmp_path, opts) as ck:
-        assert ck.steps() == [58, 59, 60]
+        # Retention keeps a step a reader has leased (gc.apply_retention), so a load of step
+        # 57 still running when step 60's retention ran leaves 57 for the next pass: the one
+        # below, now that nothing reads.
+        assert ck.steps()[-3:] == [58, 59, 60] and len(ck.steps()) <= 4
         ck.gc(grace_s=0)
+        assert ck.steps() == [58, 59, 60]
         referenced = set().union(*(ck.manifest(s).packs() for s in ck.steps()))
         assert {i.key for i in ck.storage.list("packs/")} == referenced
         assert not [p for p in tmp_path.rglob(".tmp-*")] and not ck.storage.list("leases/")
