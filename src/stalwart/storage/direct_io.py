@@ -38,6 +38,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 __all__ = [
     "AlignedBufferPool",
     "ReadBufferPool",
@@ -275,6 +277,18 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _copy(dest: memoryview, src: memoryview) -> None:
+    """``dest[:] = src`` without holding the GIL (a memoryview slice copy holds it).
+
+    The pack stream copies every byte of a save here, on a background thread during an async
+    save: holding the GIL for each 8 MiB, it took the training thread's Python away. One
+    process, 1 GiB saved in the background while a small model trained, 10 saves each way
+    alternated: training ran at 0.52 of its speed alone against 0.39, the save committing in
+    the same 0.63 s (docs/benchmarks.md, "eleventh round").
+    """
+    np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(src, np.uint8))
+
+
 def write_stream(fd: int, data: Iterable[memoryview], pool: AlignedBufferPool) -> int:
     """Write consecutive byte views to ``fd`` (opened for writing, empty); return the size.
 
@@ -306,7 +320,7 @@ def write_stream(fd: int, data: Iterable[memoryview], pool: AlignedBufferPool) -
             src = piece if piece.format == "B" and piece.ndim == 1 else piece.cast("B")
             while src:
                 n = min(len(src), bs - fill)
-                view[fill : fill + n] = src[:n]
+                _copy(view[fill : fill + n], src[:n])
                 fill += n
                 src = src[n:]
                 if fill < bs:
