@@ -16,8 +16,9 @@ import contextlib
 import datetime as _dt
 import errno
 import functools
+import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from stalwart.errors import (
@@ -45,6 +46,16 @@ _EMPTY_RANGE_CODES = frozenset({"InvalidRange", "416"})
 
 _IN_PROCESS = frozenset({"memory"})
 """fsspec protocols whose bytes never leave the process."""
+
+_STREAMS_ATOMICALLY = frozenset({"s3", "s3a", "gs", "gcs"})
+"""Protocols whose files written in parts appear whole, and only at ``close``: S3's multipart
+upload (aborted by ``discard``), GCS's resumable upload (cancelled by ``discard``)."""
+
+STREAM_BYTES = 64 << 20
+"""Objects larger than this are uploaded in parts of this size where the store publishes them
+atomically (``_STREAMS_ATOMICALLY``), instead of one PUT of the joined buffers: memory stays at
+one part, not the whole object (a pack is a rank's whole share of a save), and objects past
+S3's 5 GB limit for one PUT can be written. Smaller objects keep the one PUT, retried whole."""
 
 
 def _install_hint(protocol: str) -> str:
@@ -175,9 +186,23 @@ class FsspecStorage:
         return StorageError(f"{what} failed: {type(e).__name__}: {e}")
 
     def write(self, key: str, data: Iterable[Buffer]) -> int:
-        """Write ``key`` with one PUT of the joined buffers; return its size."""
+        """Write ``key`` atomically; return its size.
+
+        One PUT of the joined buffers, retried whole; an object larger than ``STREAM_BYTES``
+        on a store that publishes parts atomically is uploaded in parts instead (each part
+        retried by the backend), and a failure aborts the upload: no object, the old one kept.
+        """
         path = self._path(key)
-        payload = b"".join(data)
+        head: list[Buffer] = []
+        size = 0
+        it = iter(data)
+        if self.protocol in _STREAMS_ATOMICALLY:
+            for b in it:
+                head.append(b)
+                size += memoryview(b).nbytes
+                if size > STREAM_BYTES:
+                    return self._write_in_parts(path, head, it)
+        payload = b"".join([*head, *it])
 
         def put() -> None:
             if self._mkdirs:
@@ -186,6 +211,28 @@ class FsspecStorage:
 
         self._call(f"write {self.protocol}://{path}", path, put)
         return len(payload)
+
+    def _write_in_parts(self, path: str, head: list[Buffer], rest: Iterator[Buffer]) -> int:
+        """Upload ``head`` then ``rest`` in parts of ``STREAM_BYTES``; see :meth:`write`."""
+        what = f"write {self.protocol}://{path}"
+        f = self._call(what, path, lambda: self.fs.open(path, "wb", block_size=STREAM_BYTES))
+        total = 0
+        try:
+            for b in itertools.chain(head, rest):  # the producer's errors pass unchanged
+                try:
+                    total += f.write(b)
+                except Exception as e:  # the store's, after the backend's own retries
+                    raise self._translate(e, path, what) from e
+            try:
+                f.close()  # the last part, then the upload completes: the object appears whole
+            except Exception as e:
+                raise self._translate(e, path, what) from e
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # abort the upload: no object, an old one under the key stays
+            f.closed = True  # a discarded file must not complete the upload when collected
+            raise
+        return total
 
     def _cat(self, path: str, start: int | None, end: int | None) -> bytes:
         try:
