@@ -8,7 +8,8 @@ six methods and passing the contract tests in ``tests/unit/test_storage_contract
 Two guarantees carry the checkpoint commit protocol, so every backend must give them:
 
 * ``write`` is **atomic**: a reader sees either no object or the whole object, never a prefix
-  (temp file + rename on disks, a single PUT on object stores).
+  (temp file + rename on disks; on object stores a single PUT, or an upload in parts that
+  the store publishes only when it completes).
 * ``write`` is **durable** when it returns (fsync of the file and its directory on disks).
 
 Optional capabilities are declared, not guessed: a backend that can lend a read-only view of
