@@ -4,9 +4,10 @@ Atomicity on object stores comes from writing each object with one PUT (``pipe_f
 whole payload), or, above ``STREAM_BYTES`` on S3 and GCS, with an upload in parts that the store
 publishes only when it completes (aborted on failure): readers see the old object or the new
 one, never a prefix. Every call runs under a :class:`~stalwart.storage.retry.RetryPolicy`, so
-throttling and dropped connections are retried with backoff, while permanent errors (no such key or bucket, access denied) fail at
-once, translated into :mod:`stalwart.errors`. fsspec and its backends are imported lazily, on
-first construction, with an install hint when one is missing. Local paths (``file://``) are
+throttling and dropped connections are retried with backoff, while permanent errors (no such
+key or bucket, access denied) fail at once, translated into :mod:`stalwart.errors`. fsspec and
+its backends are imported lazily, on first construction, with an install hint when one is
+missing. Local paths (``file://``) are
 refused: :class:`~stalwart.storage.local.LocalStorage` serves them and never follows a link
 out of the root, which fsspec's local filesystem would.
 """
