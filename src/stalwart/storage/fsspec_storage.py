@@ -7,9 +7,8 @@ one, never a prefix. Every call runs under a :class:`~stalwart.storage.retry.Ret
 throttling and dropped connections are retried with backoff, while permanent errors (no such
 key or bucket, access denied) fail at once, translated into :mod:`stalwart.errors`. fsspec and
 its backends are imported lazily, on first construction, with an install hint when one is
-missing. Local paths (``file://``) are
-refused: :class:`~stalwart.storage.local.LocalStorage` serves them and never follows a link
-out of the root, which fsspec's local filesystem would.
+missing. Local paths (``file://``) are refused: :class:`~stalwart.storage.local.LocalStorage`
+serves them and never follows a link out of the root, which fsspec's local filesystem would.
 """
 
 from __future__ import annotations
