@@ -64,8 +64,8 @@ class Group:
     def _failed(self, e: RuntimeError) -> DistributedError:
         return DistributedError(
             f"a collective with the other {self.world - 1} rank(s) failed ({e}); another "
-            "rank probably died or hung. Nothing was committed by this operation; restart "
-            "the job and recover from the latest checkpoint"
+            "rank probably died or hung. A step is committed whole or not at all, whichever "
+            "collective failed: restart the job and resume from the latest checkpoint"
         )
 
     def broadcast(self, obj: T, src: int = 0) -> T:
@@ -76,9 +76,7 @@ class Group:
         try:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, src), group=self.pg)
         except RuntimeError as e:
-            raise DistributedError(
-                f"a broadcast from rank {src} failed ({e}); another rank probably died or hung"
-            ) from e
+            raise self._failed(e) from e
         return box[0]
 
     def run_on_root(self, what: str, fn: Callable[[], T]) -> T:
