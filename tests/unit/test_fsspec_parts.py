@@ -31,13 +31,18 @@ def _pieces(n: int, size: int = 3 << 20) -> list[bytes]:
     return [bytes([i % 251]) * size for i in range(n)]
 
 
+def _root(store: FsspecStorage) -> str:
+    """``bucket/prefix`` of an ``s3://`` store."""
+    return store.url.removeprefix("s3://").rstrip("/")
+
+
 def _etag(store: FsspecStorage, key: str) -> str:
     store.fs.invalidate_cache()
-    return str(store.fs.info(f"{store._root}/{key}")["ETag"]).strip('"')
+    return str(store.fs.info(f"{_root(store)}/{key}")["ETag"]).strip('"')
 
 
 def _uploads_in_progress(store: FsspecStorage) -> list[object]:
-    bucket = store._root.split("/", 1)[0]
+    bucket = _root(store).split("/", 1)[0]
     return list(store.fs.list_multipart_uploads(bucket))
 
 
