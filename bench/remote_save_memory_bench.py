@@ -7,7 +7,7 @@ now goes up in parts of that size (S3 multipart upload; aborted on failure, so t
 appears whole or not at all). This saves ``--tensors`` x 64 MiB of float32 (one element of
 every 16 MiB chunk changed before each save, so nothing deduplicates) to a moto S3 server in
 its own process on loopback, one process, the two ways alternated (order flipping each round),
-each save to a new bucket: the client's peak resident-set rise (sampled every 2 ms) and the
+each save to a new bucket: the client's peak resident-set rise (sampled every 5 ms) and the
 save's time. Medians [ranges] of ``--rounds``.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/remote_save_memory_bench.py --rounds 4
@@ -20,41 +20,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import Callable
 
 import torch
 from remote_load_bench import start_moto, storage_options
+from scale_ckpt_bench import _peak
 
 import stalwart
 import stalwart.storage.fsspec_storage as fsspec_storage
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def _peak_rise(fn: Callable[[], object]) -> tuple[float, float]:
     """(peak resident-set rise in MiB, seconds) of ``fn()``."""
-    base = _rss()
-    top, stop = [base], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            top[0] = max(top[0], _rss())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample)
-    t.start()
     t0 = time.perf_counter()
-    fn()
-    took = time.perf_counter() - t0
-    stop.set()
-    t.join()
-    return (top[0] - base) / 2**20, took
+    rise = _peak(fn)
+    return rise / 2**20, time.perf_counter() - t0
 
 
 def main() -> None:
