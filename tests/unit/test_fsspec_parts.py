@@ -14,7 +14,7 @@ import torch
 
 import stalwart
 import stalwart.storage.fsspec_storage as fsspec_storage
-from stalwart.errors import ObjectNotFoundError
+from stalwart.errors import ObjectNotFoundError, StorageError
 from stalwart.storage.fsspec_storage import FsspecStorage
 from stalwart.testing.s3_server import S3Server
 
@@ -91,3 +91,35 @@ def test_a_checkpoint_larger_than_a_part_saves_and_loads_exactly(
         assert _etag(ck.storage, packs[0].key).endswith("-4")  # type: ignore[arg-type]
         back = ck.load(None, 1)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+
+
+def test_a_store_failure_between_parts_raises_a_storage_error_and_keeps_the_old_object(
+    s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store loses the upload after two parts (its uploads aborted from outside): the next
+    part fails, the error is translated into stalwart's and the old object stays."""
+    monkeypatch.setattr(fsspec_storage, "STREAM_BYTES", PART)
+    # One try per request: botocore and s3fs would each retry moto's 500 (about 10 s)
+    options = {**s3_server.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = FsspecStorage(f"s3://{s3_bucket}/ckpt", storage_options=options)
+    monkeypatch.setattr(store.fs, "retries", 1)
+    store.write("k", [b"old"])
+    bucket = _root(store).split("/", 1)[0]
+
+    def lost_midway() -> Iterator[bytes]:
+        pieces = _pieces(6)
+        yield from pieces[:4]  # 12 MiB: two parts of 5 MiB are up
+        for u in _uploads_in_progress(store):
+            store.fs.call_s3("abort_multipart_upload", Bucket=bucket, **_upload_of(u))
+        yield from pieces[4:]
+
+    with pytest.raises(StorageError) as failed:
+        store.write("k", lost_midway())
+    assert "write s3://" in str(failed.value) and "retry the save" in str(failed.value)
+    assert store.read("k") == b"old"
+    assert not _uploads_in_progress(store)
+
+
+def _upload_of(u: object) -> dict[str, str]:
+    assert isinstance(u, dict)
+    return {"Key": u["Key"], "UploadId": u["UploadId"]}

@@ -223,17 +223,28 @@ class FsspecStorage:
                 try:
                     total += f.write(b)
                 except Exception as e:  # the store's, after the backend's own retries
-                    raise self._translate(e, path, what) from e
+                    raise self._part_failed(e, path, what) from e
             try:
                 f.close()  # the last part, then the upload completes: the object appears whole
             except Exception as e:
-                raise self._translate(e, path, what) from e
+                raise self._part_failed(e, path, what) from e
         except BaseException:
             with contextlib.suppress(Exception):
                 f.discard()  # abort the upload: no object, an old one under the key stays
             f.closed = True  # a discarded file must not complete the upload when collected
             raise
         return total
+
+    def _part_failed(self, e: Exception, path: str, what: str) -> StorageError:
+        """:meth:`_translate`, saying what a failed upload in parts left where the error
+        itself does not say what to do (the specific errors carry their own next step)."""
+        err = self._translate(e, path, what)
+        if type(err) is not StorageError:
+            return err
+        return StorageError(
+            f"{err}; the upload was aborted and the object under this key is as it was: "
+            "retry the save (earlier checkpoints are untouched)"
+        )
 
     def _cat(self, path: str, start: int | None, end: int | None) -> bytes:
         try:
