@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,56 @@ def test_unobserved_failure_surfaces_on_the_next_call(tmp_path: Path) -> None:
         ckpt.save_async(3, {"x": torch.zeros(3)})
     ckpt.save_async(3, {"x": torch.full((3,), 3.0)}).wait()  # raised once, then goes on
     assert ckpt.steps() == [1, 3]
+    ckpt.close()
+
+
+def _failing_step_2(root: Path) -> FlakyStorage:
+    return FlakyStorage(
+        LocalStorage(root),
+        fail_on=lambda op, key: op == "write" and key.startswith("packs/step-00000000000000000002"),
+        error=StorageFullError,
+    )
+
+
+def test_close_raises_a_last_save_that_failed_unseen(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    ckpt = stalwart.Checkpointer(_failing_step_2(tmp_path))
+    ckpt.save(1, {"x": torch.ones(3)})
+    ckpt.save_async(2, {"x": torch.zeros(3)})  # the run's last save, never waited on
+    with pytest.raises(CheckpointError, match=r"background save of step 2 failed.*not committed"):
+        ckpt.close()
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert not [n for n in left if n.startswith(("stalwart-persist", "stalwart-stage"))]
+    assert stalwart.Checkpointer(tmp_path).steps() == [1]
+
+
+def test_leaving_a_with_block_raises_the_lost_save(tmp_path: Path) -> None:
+    with (
+        pytest.raises(CheckpointError, match="step 2"),
+        stalwart.Checkpointer(_failing_step_2(tmp_path)) as ckpt,
+    ):
+        ckpt.save(1, {"x": torch.ones(3)})
+        ckpt.save_async(2, {"x": torch.zeros(3)})
+    assert stalwart.Checkpointer(tmp_path).steps() == [1]
+
+
+def test_a_block_already_failing_keeps_its_error_and_logs_the_lost_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        pytest.raises(KeyError, match="the user's own"),
+        stalwart.Checkpointer(_failing_step_2(tmp_path)) as ckpt,
+    ):
+        ckpt.save(1, {"x": torch.ones(3)})
+        ckpt.save_async(2, {"x": torch.zeros(3)})
+        raise KeyError("the user's own")
+    assert "background save of step 2 failed" in caplog.text
+
+
+def test_a_failure_already_seen_is_not_raised_again_at_close(tmp_path: Path) -> None:
+    ckpt = stalwart.Checkpointer(_failing_step_2(tmp_path))
+    with pytest.raises(StorageFullError):
+        ckpt.save_async(2, {"x": torch.zeros(3)}).wait()
     ckpt.close()
 
 

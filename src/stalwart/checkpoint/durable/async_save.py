@@ -17,8 +17,8 @@ copied late; every other tensor (BatchNorm buffers, EMA weights, RNG, user tenso
 before ``save_async`` returns, and values other than tensors are read at the call.
 
 Errors in the background are never silent: ``PendingSave.wait()`` raises them, and so does
-the checkpointer's next ``save``, ``save_async`` or ``load`` if nobody waited. At interpreter
-exit, saves still in flight are flushed (or their steps are logged as not persisted).
+the checkpointer's next ``save``, ``save_async`` or ``load``, or its ``close``, if nobody
+waited. At exit, saves still in flight are flushed (or their steps logged as not persisted).
 """
 
 from __future__ import annotations
@@ -316,9 +316,9 @@ class AsyncSaver:
         self.raise_unobserved()
 
     def close(self) -> None:
+        """Wait for the pending saves, release the threads, then raise any unseen failure."""
         try:
-            for p in list(self.pending):
-                p.future.exception()
+            self.flush()
         finally:
             self._writer.shutdown(wait=True)
             self._stager.shutdown(wait=True)

@@ -14,6 +14,7 @@ A crash at any instant leaves every earlier checkpoint loadable and no partial o
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from stalwart.storage.base import Storage
 from stalwart.tree import flatten
 
 __all__ = ["Checkpointer", "LoadResult", "SaveResult"]
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -319,7 +322,13 @@ class Checkpointer:
         self._on_close.append(fn)
 
     def close(self) -> None:
-        """Wait for saves in flight, then release threads and connections."""
+        """Wait for saves in flight, then release threads and connections.
+
+        Raises:
+            CheckpointError: a background save failed and nobody has seen it yet (its step
+                was not committed; earlier checkpoints are intact). Everything is released
+                first.
+        """
         try:
             self._async.close()
         finally:
@@ -332,8 +341,14 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # already unwinding: say what else was lost, without hiding the first error
+            self.close()
+        except CheckpointError as e:
+            log.error("%s", e)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
