@@ -61,7 +61,7 @@ def test_recovery_prefers_memory_then_local_then_remote(tmp_path: Path) -> None:
     target = blank()
     report = tc.recover(target)
     assert (report.source, report.step) == ("remote", 4) and target["w"][0, 0].item() == 4.0
-    assert [name for name, _ in report.attempts] == ["memory", "local"]
+    assert [name for name, _ in report.attempts] == ["memory", "local", "local"]  # 6, then 4
 
 
 def test_nothing_anywhere_is_a_clear_error(tmp_path: Path) -> None:
@@ -116,6 +116,35 @@ def test_damaged_newest_local_step_falls_back_within_the_tier(tmp_path: Path) ->
     target = blank()
     report = restarted.recover(target)
     assert (report.source, report.step) == ("local", 4) and target["w"][0, 0].item() == 4.0
+
+
+def test_recovery_takes_the_newest_step_of_any_tier(tmp_path: Path) -> None:
+    def tiers() -> TieredCheckpointer:  # the slower tier saves more often (a time policy)
+        return TieredCheckpointer(
+            [
+                Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
+                Tier(name="local", root=tmp_path / "l", every=EveryNSteps(10), keep=KeepLast(2)),
+                Tier(name="remote", root=tmp_path / "r", every=EveryNSteps(3), keep=KeepLast(2)),
+            ]
+        )
+
+    tc = tiers()
+    for step in range(1, 13):
+        tc.save(step, state_at(step))
+    tc.close()
+    assert tc.durable["local"].steps() == [10] and tc.durable["remote"].steps() == [9, 12]
+    restarted, target = tiers(), blank()
+    report = restarted.recover(target)
+    assert (report.source, report.step) == ("remote", 12) and target["w"][0, 0].item() == 12.0
+    restarted.save(13, state_at(13))  # training goes on from there
+    restarted.close()
+
+    (tmp_path / "r" / manifest_key(12)).write_text("garbage")  # the newest step is damaged:
+    again, target = tiers(), blank()  # the next newest, in whichever tier holds it
+    report = again.recover(target)
+    assert (report.source, report.step) == ("local", 10) and target["w"][0, 0].item() == 10.0
+    assert report.attempts[-1][0] == "remote" and "step 12" in report.attempts[-1][1]
+    again.close()
 
 
 KEEPER_CHILD = """

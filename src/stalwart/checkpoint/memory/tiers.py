@@ -3,7 +3,7 @@
 Each tier has its own save policy and retention. A save writes to every tier that is due; a
 recovery takes the newest step that is complete on every rank from the fastest tier that
 has it — peers' memory first (rebuilding up to ``m`` lost ranks per erasure group from the
-survivors), then each durable tier in the order given — and says what it used::
+survivors), then the durable tiers, newest step first — and says what it used::
 
     tc = TieredCheckpointer(
         [Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
@@ -17,6 +17,7 @@ survivors), then each durable tier in the order given — and says what it used:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -37,7 +38,13 @@ from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier, TieredSaveResult
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from stalwart.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    StepRetiredError,
+)
 from stalwart.tree import flatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
@@ -273,8 +280,8 @@ class TieredCheckpointer:
         """Restore ``state`` from the newest step recoverable on every rank.
 
         Peers' memory first: the newest snapshot step that every rank holds, or that enough
-        survivors hold to rebuild the missing ranks by erasure decoding; then each durable
-        tier, newest verified step first (``fallback=True``).
+        survivors hold to rebuild the missing ranks by erasure decoding; then the newest
+        durable step, from the fastest tier that has it (older ones where it is damaged).
 
         Raises:
             CheckpointNotFoundError: no tier holds a step for every rank.
@@ -294,22 +301,33 @@ class TieredCheckpointer:
                 seconds = time.perf_counter() - t0
                 return self._recovered(RecoveryReport(step, source, seconds, lost, attempts, tree))
             attempts.append(("memory", "no step held (or rebuildable) on every rank"))
-        for name, ckpt in self.durable.items():
-            if durable_latest[name] is None:
-                attempts.append((name, "no committed step"))
-                continue
-            try:
-                tree = ckpt.load(state, fallback=True)
-            except CheckpointError as e:
-                attempts.append((name, f"failed: {e}"))
-                continue
-            assert ckpt.last_load is not None
+        attempts += [(n, "no committed step") for n, s in durable_latest.items() if s is None]
+        found = self._load_newest_durable(state, attempts)
+        if found is not None:
+            name, step, tree = found
             seconds = time.perf_counter() - t0
-            report = RecoveryReport(ckpt.last_load.step, name, seconds, [], attempts, tree)
-            return self._recovered(report)
+            return self._recovered(RecoveryReport(step, name, seconds, [], attempts, tree))
         raise CheckpointNotFoundError(
             "no tier holds a recoverable step: " + "; ".join(f"{n}: {why}" for n, why in attempts)
         )
+
+    def _load_newest_durable(self, state: Any, attempts: list[tuple[str, str]]) -> Any:
+        """``(tier, step, tree)`` of the newest step any durable tier holds, loaded from the
+        fastest tier that has it; a damaged or retired step falls back to the next newest in
+        any tier, another failure (a state that does not fit) ends that tier's tries."""
+        given_up: set[str] = set()
+        tiers = enumerate(self.durable.items())
+        for neg_step, _, name in sorted((-s, i, n) for i, (n, c) in tiers for s in c.steps()):
+            if name in given_up:
+                continue
+            try:
+                return name, -neg_step, self.durable[name].load(state, -neg_step)
+            except (CorruptCheckpointError, StepRetiredError) as e:
+                attempts.append((name, f"step {-neg_step} failed: {e}"))
+            except CheckpointError as e:
+                attempts.append((name, f"failed: {e}"))
+                given_up.add(name)
+        return None
 
     def _recovered(self, report: RecoveryReport) -> RecoveryReport:
         """Tell ``options.on_event`` where the state came from (kind ``recover``)."""
@@ -371,8 +389,9 @@ class TieredCheckpointer:
             if self._ec_group is not None:  # nothing runs on it once the snapshotter stopped
                 BACKGROUND_GROUPS.give(self._ec_group)
                 self._ec_group = None
-            for c in self.durable.values():
-                c.close()
+            with contextlib.ExitStack() as closing:  # each closes, whatever another raises
+                for c in self.durable.values():
+                    closing.callback(c.close)
 
     def __enter__(self) -> TieredCheckpointer:
         return self
