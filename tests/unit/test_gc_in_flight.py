@@ -22,7 +22,12 @@ import stalwart
 from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.manifest import manifest_key
 from stalwart.checkpoint.policy import KeepLast
-from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, StepRetiredError
+from stalwart.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepRetiredError,
+)
 from stalwart.storage import LocalStorage
 from stalwart.storage.base import Buffer, ObjectInfo, Storage
 
@@ -128,6 +133,34 @@ def test_a_step_replaced_and_collected_during_the_read_is_reported(tmp_path: Pat
         ck.load(None, 1)
 
 
+@pytest.mark.parametrize("moment", ["write leases/", "read_into packs/"])
+def test_read_tensor_and_verify_report_a_retired_step_as_retired(
+    tmp_path: Path, moment: str
+) -> None:
+    store, ck = _hooked(tmp_path)  # before their lease, or under it by a tool that ignores it
+    store.hooks[moment] = lambda: _retire(store.inner, 1)
+    with pytest.raises(StepRetiredError, match="step 1 was deleted"):
+        ck.read_tensor(1, "w")
+    store.hooks[moment] = lambda: _retire(store.inner, 2)
+    with pytest.raises(StepRetiredError, match="step 2 was deleted"):
+        ck.verify(2)
+
+
+def test_read_tensor_leases_what_it_reads(tmp_path: Path) -> None:
+    store, ck = _hooked(tmp_path)
+    other = stalwart.Checkpointer(store.inner)
+    refused: list[str] = []
+
+    def rm() -> None:
+        with pytest.raises(CheckpointError, match="being read now") as e:
+            other.delete(1)
+        refused.append(str(e.value))
+
+    store.hooks["read_into packs/"] = rm
+    tensor, _ = ck.read_tensor(1, "w")
+    assert refused and torch.equal(tensor, _state(1)["w"])
+
+
 def test_a_missing_pack_of_a_committed_step_is_still_corruption(tmp_path: Path) -> None:
     store, ck = _hooked(tmp_path)
     packs = ck.manifest(1).packs()
@@ -149,6 +182,31 @@ def test_a_pack_written_under_a_live_lease_survives_gc_without_grace(tmp_path: P
             report = ck.gc(grace_s=0)
             assert report.deleted_packs == [old] and (tmp_path / fresh).exists()
         assert ck.gc(grace_s=0).deleted_packs == [fresh]  # that save died: now it is garbage
+
+
+def test_a_step_deleted_while_a_save_dedups_against_it_keeps_its_packs(tmp_path: Path) -> None:
+    # The writer leases the steps it lists, reads their manifests, then leases their packs.
+    # `ckpt rm 1` + `ckpt gc` in that window used to delete the pack step 3 then committed.
+    with stalwart.Checkpointer(tmp_path, OPTS) as ck:
+        ck.save(1, _state(1))  # step 3 stores the same "frozen" chunks: it dedups against 1
+    hour_ago = time.time() - 3600  # saved long ago: no grace and no in-flight rule keeps it
+    for f in (tmp_path / "packs").iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    store = HookedStorage(LocalStorage(tmp_path))
+    removed: list[list[str]] = []
+
+    def rm_and_gc() -> None:  # another process, between the manifests' read and pack lease
+        other = stalwart.Checkpointer(store.inner)
+        other.delete(1)
+        removed.append(other.gc(grace_s=0).deleted_packs)
+
+    # the first lease is the listing's; the hook fires before the second, the packs' lease
+    store.hooks["write leases/"] = lambda: store.hooks.update({"write leases/": rm_and_gc})
+    ck = stalwart.Checkpointer(store, OPTS)
+    assert ck.save(3, _state(3)).bytes_reused > 0
+    assert removed == [[]] and ck.steps() == [3] and ck.verify(3).ok
+    assert torch.equal(ck.load(None, 3)["frozen"], _state(3)["frozen"])
+    assert ck.gc(grace_s=0).deleted_packs == []  # step 3 references step 1's pack now
 
 
 def test_a_temporary_being_written_survives_gc_without_grace(tmp_path: Path) -> None:

@@ -51,6 +51,21 @@ def test_keep_best_in_a_checkpointer(tmp_path: Path) -> None:
         assert torch.equal(ck.load(None, step=3)["w"], _state(3)["w"])
 
 
+def test_a_damaged_manifest_that_stops_retention_is_named_at_every_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with stalwart.Checkpointer(tmp_path, CheckpointOptions(keep=KeepLast(2))) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(step))
+        m = tmp_path / "manifests" / f"step-{2:020d}.json"
+        m.write_bytes(m.read_bytes()[:-40])  # a kept step's manifest, truncated
+        for step in (4, 5):
+            ck.save(step, _state(step))
+        assert ck.steps() == [2, 3, 4, 5]  # nothing deleted: step 2's references are unknown
+    warned = [r.getMessage() for r in caplog.records if "retention deleted nothing" in r.message]
+    assert len(warned) == 2 and all("stalwart ckpt rm ROOT 2" in w for w in warned)
+
+
 def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     from stalwart.checkpoint.options import ENV_VARS, env_signals
 

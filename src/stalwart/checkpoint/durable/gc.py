@@ -99,6 +99,26 @@ def _referenced_packs(
     return referenced
 
 
+def _leased_but_deleted(storage: Storage, leased: set[int], clock: Clock) -> bool:
+    """True (and a warning) when a live lease names a step whose manifest is gone.
+
+    A writer leases the steps it lists, then reads their manifests and deduplicates against
+    their packs: a step deleted in between (``ckpt rm``) leaves packs that only that writer
+    knows it will reference, so no pack may go until its lease ends. The leases are read
+    again after the manifests, so a writer that listed the step before it was deleted is
+    seen by one of the two reads.
+    """
+    leased = leased | read_leases(storage, clock=clock).steps
+    retired = leased - set(committed_manifests(storage)) if leased else set()
+    if retired:
+        log.warning(
+            "gc deleted no pack: step(s) %s were deleted while a live lease named them (a "
+            "save deduplicating against them, or a load); run gc again once it has finished",
+            sorted(retired),
+        )
+    return bool(retired)
+
+
 def collect_garbage(
     storage: Storage, *, grace_s: float, report: GCReport | None = None, clock: Clock = time.time
 ) -> GCReport:
@@ -126,6 +146,8 @@ def collect_garbage(
             "step with `stalwart ckpt verify ROOT`, remove it with `stalwart ckpt rm ROOT N`, "
             "then retry"
         ) from e
+    if _leased_but_deleted(storage, leases.steps, clock):
+        packs = []  # which packs those steps used is unknown now; a lease holder may use them
     now = clock()
     for info in packs:
         if not PACK_NAME.match(info.key):
@@ -152,6 +174,17 @@ def collect_garbage(
     if isinstance(storage, RemovesStaleTemps):
         report.temps_removed = int(storage.remove_stale_temps(grace_s))
     return report
+
+
+def _retention_stopped(step: int, err: Exception) -> None:
+    log.warning(
+        "retention deleted nothing, and will not until step %d is repaired or removed (find "
+        "the damage with `stalwart ckpt verify ROOT`, remove the step with `stalwart ckpt rm "
+        "ROOT %d`): %s",
+        step,
+        step,
+        err,
+    )
 
 
 def apply_retention(
@@ -187,8 +220,9 @@ def apply_retention(
             packs_of[s] = manifest(s).packs()
         except CheckpointNotFoundError:
             continue  # another process deleted it meanwhile
-        except CorruptCheckpointError:
-            return report  # unknown references: delete nothing (gc() explains)
+        except CorruptCheckpointError as e:  # unknown references: delete nothing
+            _retention_stopped(s, e)
+            return report
     for s in doomed:
         if s in packs_of:
             store.delete(manifest_key(s))

@@ -21,6 +21,7 @@ from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable import shared_read
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
+from stalwart.checkpoint.durable.lease import Lease
 from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.checkpoint.durable.restore import load_step
 from stalwart.checkpoint.durable.results import LoadResult
@@ -54,17 +55,25 @@ class Loader:
             The tensor and the number of bytes read from the store.
 
         Raises:
-            CheckpointNotFoundError: no such step.
+            CheckpointNotFoundError: no such step (``StepRetiredError``: deleted meanwhile).
             KeyError: the step holds no tensor of that name.
             CorruptCheckpointError: a chunk fails its checksum.
         """
-        e = self.ctx.manifest(step).tensors[name]
-        store = self.ctx.store(create=False)
+        m = self.ctx.manifest(step)
+        e, store = m.tensors[name], self.ctx.store(create=False)
         dest = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
         where = f"checkpoint {store.url} step {step}"
-        stats = read_box(
-            store, e, name, (0,) * len(e.shape), dest, pool=self.ctx.io_pool, where=where
-        )
+        packs = {c.pack for s in e.shards for c in s.chunks}
+        lease_s = self.ctx.options.lease_s
+        with Lease(store, steps=[step], packs=packs, lease_s=lease_s, reading=True) as lease:
+            lease.check_committed(m, where)  # as a load: retired is not damaged
+            try:
+                stats = read_box(
+                    store, e, name, (0,) * len(e.shape), dest, pool=self.ctx.io_pool, where=where
+                )
+            except CorruptCheckpointError:
+                lease.check_committed(m, where, deep=True)
+                raise
         return dest, stats.bytes_read
 
     def load(self, state: Any, step: int | None, strict: bool, fallback: bool) -> Any:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from stalwart.checkpoint.durable.integrity import pack_problems
-from stalwart.checkpoint.durable.lease import Lease
+from stalwart.checkpoint.durable.lease import Lease, check_committed
 from stalwart.checkpoint.durable.manifest import ChunkRef, Manifest, manifest_key
 from stalwart.checkpoint.durable.reshard import verify_chunk
 from stalwart.errors import (
@@ -144,6 +144,7 @@ def verify_stored_step(
 
     Raises:
         CheckpointNotFoundError: the root or the step does not exist.
+        StepRetiredError: the step was deleted or replaced while it was being verified.
     """
     report = VerifyReport(step=step)
     try:
@@ -166,7 +167,12 @@ def verify_stored_step(
         reader_lease(store, steps=[step], packs=m.packs(), lease_s=lease_s),
         run if pool is None else contextlib.nullcontext(),  # a pool of our own: shut down
     ):
+        # Deleted between the manifest's read and the lease, or replaced while the packs were
+        # read (then missing packs are the other save's doing): retired, not damaged.
+        check_committed(store, m, f"verify of {store.url}")
         _hash_chunks(store, run, distinct, report, bad, progress)
+        if bad:
+            check_committed(store, m, f"verify of {store.url}", deep=True)
     report.damaged.extend(f"{where}: {bad[c]}" for where, c in places if c in bad)
     report.ok = not report.damaged
     return report
