@@ -77,14 +77,19 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` contiguous, each with memory of its own, for ``safetensors.save_file``.
 
     A load with no target gives tensors that were views of one another at save time (tied
-    embeddings, ``w`` and ``w[1]``) their shared memory back; safetensors refuses shared
-    memory, so every tensor after the first on a storage is copied.
+    embeddings, ``w`` and ``w[1]``, ``w`` and ``w.t()``) their shared memory back; safetensors
+    refuses shared memory and non-contiguous strides, so every tensor after the first on a
+    storage is copied into contiguous memory of its own (a plain ``clone()`` keeps the strides
+    of a transposed view).
     """
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for fqn, t in tensors.items():
         ptr = t.untyped_storage().data_ptr()
-        out[fqn] = t.clone() if ptr in seen and t.numel() else t.contiguous()
+        if ptr in seen and t.numel():
+            out[fqn] = t.clone(memory_format=torch.contiguous_format)
+        else:
+            out[fqn] = t.contiguous()
         seen.add(ptr)
     return out
 
