@@ -5,7 +5,9 @@ unchanged, and none of its bytes are read: chunks are named by the BLAKE3 of the
 the other tensors are read (whole, verified, one at a time) and compared element by element
 in float64 (complex128 for complex dtypes), in blocks so that a large tensor never needs
 more than a few MiB of float64 scratch. Non-tensor values (step counters, learning rates,
-strings) are compared from the two skeletons without reading any tensor data.
+strings) are compared from the two skeletons without reading any tensor data, path by path
+(the keys with their types: ``{"a.b": 1}`` and ``{"a": {"b": 1}}`` are two values); a value
+is named like a tensor FQN, or by its tuple of keys where two paths share that name.
 
 ``DiffReport.to_json()`` is the machine-readable form, ``to_arrow()`` / ``to_pandas()`` /
 ``to_polars()`` the tabular one; ``write_diff_html`` renders a self-contained HTML page of it
@@ -29,6 +31,10 @@ __all__ = ["DiffReport", "TensorDiff", "ValueDiff", "diff_steps"]
 
 _BLOCK_ELEMS = 1 << 20
 """Elements compared per block: bounds the float64 scratch to ~8 MiB per operand."""
+
+ValuePath = tuple[tuple[str, Any], ...]
+"""A value's path in a skeleton: its keys, each with the skeleton's type tag (``s``, ``i``,
+``b``, ``n``; ``i`` for a list position too), so keys ``1`` and ``"1"`` are different paths."""
 
 
 def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
@@ -128,38 +134,53 @@ def _compare(row: TensorDiff, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
     va, vb = _values(ma.skeleton), _values(mb.skeleton)
+    name = _names([*va, *vb])
     out: list[ValueDiff] = []
     for path, node in va.items():
         if path not in vb:
-            out.append(ValueDiff(path, "removed", _show(node), None))
+            out.append(ValueDiff(name[path], "removed", _show(node), None))
         elif vb[path] != node:
-            out.append(ValueDiff(path, "changed", _show(node), _show(vb[path])))
-    out.extend(ValueDiff(p, "added", None, _show(n)) for p, n in vb.items() if p not in va)
+            out.append(ValueDiff(name[path], "changed", _show(node), _show(vb[path])))
+    out.extend(ValueDiff(name[p], "added", None, _show(n)) for p, n in vb.items() if p not in va)
     return out
 
 
-def _values(skeleton: Any) -> dict[str, Any]:
-    """Non-tensor leaves of a skeleton (and empty containers) by dotted path."""
-    out: dict[str, Any] = {}
+def _values(skeleton: Any) -> dict[ValuePath, Any]:
+    """Non-tensor leaves of a skeleton (and empty containers) by their typed key path."""
+    out: dict[ValuePath, Any] = {}
 
-    def visit(node: Any, path: tuple[Any, ...]) -> None:
+    def visit(node: Any, path: ValuePath) -> None:
         kind = node.get("k") if isinstance(node, dict) else None
-        name = ".".join(str(p) for p in path) or "<root>"
         if kind == "tensor":
             return
         if kind == "stateful":
             visit(node.get("v"), path)
         elif kind == "dict" and node.get("v"):
-            for key, child in node["v"]:
-                visit(child, (*path, key[1] if isinstance(key, list) else key))
+            for (tag, key), child in node["v"]:  # keys checked when the manifest was read
+                visit(child, (*path, (tag, key)))
         elif kind in ("list", "tuple") and node.get("v"):
             for i, child in enumerate(node["v"]):
-                visit(child, (*path, i))
+                visit(child, (*path, ("i", i)))
         else:
-            out.setdefault(name, node)
+            out[path] = node
 
     visit(skeleton, ())
     return out
+
+
+def _names(paths: list[ValuePath]) -> dict[ValuePath, str]:
+    """Each path's display name: its keys joined with ``.`` like a tensor FQN, or, where
+    several paths join to the same name (``{"a.b": ..}`` and ``{"a": {"b": ..}}``, keys ``1``
+    and ``"1"``), the tuple of its keys as Python writes it (``('a.b',)``, ``('a', 'b')``),
+    as :func:`stalwart.tree.flatten` names paths whose FQNs collide."""
+    dotted = {p: ".".join(str(v) for _, v in p) or "<root>" for p in paths}
+    shared: dict[str, set[ValuePath]] = {}
+    for p, name in dotted.items():
+        shared.setdefault(name, set()).add(p)
+    return {
+        p: name if len(shared[name]) == 1 else repr(tuple(v for _, v in p))
+        for p, name in dotted.items()
+    }
 
 
 def _show(node: Any) -> str:
