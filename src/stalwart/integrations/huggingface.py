@@ -11,7 +11,10 @@ Adopting it in a ``Trainer`` is three lines::
 and trainer state as stalwart step ``global_step`` into one root (consecutive saves share every
 unchanged chunk) and clears ``control.should_save``, so the Trainer writes no folder of its
 own. The model's config and class name go into the manifest's metadata (``hf.config``,
-``hf.model_class``) for :func:`export_pretrained`.
+``hf.model_class``) for :func:`export_pretrained`. ``save_strategy="best"`` is the exception:
+the Trainer decides a best step after evaluating and writes its folder at once, with no
+callback in between to take the save over, so the callback refuses it (``ConfigError``) unless
+``keep_trainer_checkpoints=True``; then it stores each best step after the Trainer's own save.
 
 **Resuming.** The Trainer resumes only from a folder in its own layout, so
 :meth:`StalwartCallback.resume_path` writes the newest step as one (``model.safetensors``,
@@ -50,7 +53,7 @@ import torch
 
 from stalwart.checkpoint import Checkpointer, CheckpointOptions
 from stalwart.checkpoint.tools.export import unshared
-from stalwart.errors import CheckpointNotFoundError, StepExistsError, require
+from stalwart.errors import CheckpointNotFoundError, ConfigError, StepExistsError, require
 from stalwart.integrations.huggingface_pretrained import (
     CLASS_KEY,
     CONFIG_KEY,
@@ -124,7 +127,8 @@ class StalwartCallback(TrainerCallback):
     Args:
         root: folder or fsspec URL of the stalwart root.
         options: the stalwart checkpoint options (chunking, compression, retention).
-        keep_trainer_checkpoints: also let the Trainer write its own ``checkpoint-N`` folders.
+        keep_trainer_checkpoints: also let the Trainer write its own ``checkpoint-N`` folders
+            (needed for ``save_strategy="best"``, whose saves the callback cannot take over).
         storage_options: fsspec options for a remote root.
     """
 
@@ -142,8 +146,15 @@ class StalwartCallback(TrainerCallback):
         self._resume_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def _maybe_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if not control.should_save:
+        if not control.should_save or args.save_strategy == "best":  # "best": in on_save
             return control
+        self._save_trainer(state, control, **kwargs)
+        if not self.keep_trainer_checkpoints:
+            control.should_save = False
+        return control
+
+    def _save_trainer(self, state: Any, control: Any, **kwargs: Any) -> None:
+        """Save the Trainer's model, optimizer, scheduler, RNG and state as ``global_step``."""
         model = kwargs["model"]
         # Every rank saves, together: replicated tensors are written once, sharded ones
         # (FSDP) by their holders; RNG states are per rank.
@@ -156,9 +167,6 @@ class StalwartCallback(TrainerCallback):
             "trainer_state": json.dumps(_asdict(state), sort_keys=True),
         }
         self._save(state.global_step, tree, _model_metadata(model))
-        if not self.keep_trainer_checkpoints:
-            control.should_save = False
-        return control
 
     def _save(self, step: int, tree: dict[str, Any], meta: dict[str, str]) -> None:
         """Save ``step``; a step this run already holds is replaced, as the Trainer replaces
@@ -177,6 +185,23 @@ class StalwartCallback(TrainerCallback):
                 "`stalwart ckpt rm`)"
             ) from e
         self._ours.add(step)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Refuse ``save_strategy="best"`` unless the Trainer keeps its own folders.
+
+        Raises:
+            ConfigError: ``save_strategy="best"`` and not ``keep_trainer_checkpoints``.
+        """
+        if args.save_strategy == "best" and not self.keep_trainer_checkpoints:
+            raise ConfigError(
+                'StalwartCallback cannot take over save_strategy="best": the Trainer decides '
+                "a step is the best after evaluating it and writes its checkpoint-N folder at "
+                'once, with no callback in between. Use save_strategy="steps" (save_steps '
+                'equal to eval_steps) or "epoch" to have stalwart store the saves instead, '
+                "or pass keep_trainer_checkpoints=True to StalwartCallback to store each best "
+                "step in stalwart as well as in the Trainer's folder"
+            )
+        return control
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Delete the folder :meth:`resume_path` wrote: the Trainer has read all of it by
@@ -201,6 +226,14 @@ class StalwartCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Save at the end of an epoch when the Trainer would (``save_strategy="epoch"``)."""
         return self._maybe_save(args, state, control, **kwargs)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """With ``save_strategy="best"`` (and ``keep_trainer_checkpoints``), store the step the
+        Trainer has just saved as its new best: only now is the decision made, and the state
+        complete (the evaluation logged, ``best_metric`` set, a plateau scheduler stepped)."""
+        if args.save_strategy == "best":
+            self._save_trainer(state, control, **kwargs)
+        return control
 
     def resume_path(self, step: int | None = None, folder: str | None = None) -> str | None:
         """Write ``step`` (the newest when None) as a Trainer checkpoint folder; return it.

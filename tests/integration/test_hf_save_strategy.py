@@ -1,0 +1,88 @@
+"""StalwartCallback under save_strategy="best": refused, or stored beside the Trainer's folders."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from stalwart.errors import ConfigError  # noqa: E402
+from stalwart.integrations.huggingface import StalwartCallback  # noqa: E402
+from tests.integration.test_huggingface import _model, _Tokens  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _best_trainer(out: pathlib.Path, callbacks: list[Any], max_steps: int = 8) -> Any:
+    """A tiny GPT-2 evaluated every 2 steps, saved whenever its eval loss is a new best."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=1e-1,  # high enough that the eval loss goes up once (at step 4)
+        max_steps=max_steps,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="best",
+        metric_for_best_model="loss",
+        greater_is_better=False,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=7,
+        dataloader_num_workers=0,
+    )
+    return transformers.Trainer(
+        model=_model(), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(),
+        callbacks=callbacks,
+    )  # fmt: skip
+
+
+def _best_steps(trainer: Any) -> list[int]:
+    """The steps whose eval loss was lower than every earlier one, in order."""
+    best, steps = float("inf"), []
+    for h in trainer.state.log_history:
+        if "eval_loss" in h and h["eval_loss"] < best:
+            best = h["eval_loss"]
+            steps.append(h["step"])
+    return steps
+
+
+def test_save_strategy_best_is_refused_with_what_to_use_instead(tmp_path: pathlib.Path) -> None:
+    cb = StalwartCallback(tmp_path / "root")
+    trainer = _best_trainer(tmp_path / "run", [cb])
+    with pytest.raises(ConfigError, match=r'save_strategy="best".*keep_trainer_checkpoints=True'):
+        trainer.train()
+    assert trainer.state.global_step == 0 and cb.checkpointer.steps() == []
+
+
+def test_save_strategy_best_with_trainer_folders_stores_the_best_steps(
+    tmp_path: pathlib.Path,
+) -> None:
+    cb = StalwartCallback(tmp_path / "root", keep_trainer_checkpoints=True)
+    trainer = _best_trainer(tmp_path / "run", [cb])
+    trainer.train()
+    best = _best_steps(trainer)
+    assert 1 <= len(best) < 4  # evaluated at 2, 4, 6, 8; not every evaluation was a new best
+    assert cb.checkpointer.steps() == best
+    folders = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert folders == best  # the Trainer's own best folders, kept as asked
+
+    # The newest best step resumes a Trainer: its weights are those the Trainer saved there.
+    again = StalwartCallback(tmp_path / "root", keep_trainer_checkpoints=True)
+    folder = again.resume_path()
+    assert folder is not None and folder.endswith(f"checkpoint-{best[-1]}")
+    resumed = _best_trainer(tmp_path / "run2", [again], max_steps=best[-1] + 1)
+    resumed.train(resume_from_checkpoint=folder)
+    assert resumed.state.global_step == best[-1] + 1
+    saved = cb.checkpointer.load(None, best[-1])["model"]
+    from safetensors.torch import load_file
+
+    theirs = load_file(tmp_path / "run" / f"checkpoint-{best[-1]}" / "model.safetensors")
+    for name, t in theirs.items():
+        assert torch.equal(saved[name], t), name
