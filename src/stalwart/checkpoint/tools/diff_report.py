@@ -95,7 +95,8 @@ class ValueDiff:
     """A non-tensor value (from the skeleton) that differs between the two steps.
 
     Attributes:
-        path: the value's path, keys joined with ``.`` like tensor FQNs.
+        path: the value's path, keys joined with ``.`` like tensor FQNs (where two paths would
+            join to one name, each is shown as its tuple of keys).
         status: ``changed``, ``added`` or ``removed``.
         old: a short rendering of the value in a (None when added).
         new: a short rendering of the value in b (None when removed).
