@@ -120,8 +120,11 @@ class Cause:
 
 
 def deviation(real: np.ndarray, predict: np.ndarray) -> np.ndarray:
-    s = real + predict
-    return np.divide(2.0 * (predict - real), s, out=np.zeros_like(s), where=np.abs(s) > TINY)
+    """Each leaf's deviation score 2(f - v)/(|f| + |v|): Squeeze's 2(f - v)/(f + v) for a
+    non-negative KPI; in magnitudes, so a negative KPI (net margin, balance) keeps the sign of
+    f - v and the bound of 2, and a value that crosses zero scores the full 2."""
+    s = np.abs(real) + np.abs(predict)
+    return np.divide(2.0 * (predict - real), s, out=np.zeros_like(s), where=s > TINY)
 
 
 def noise_cut(x: np.ndarray, trim: int) -> float:
@@ -206,7 +209,7 @@ def ripple_misfit(st: State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.nd
     v = np.bincount(ids, weights=w, minlength=n)
     f = np.bincount(ids, weights=np.multiply(predict, nz, out=w), minlength=n)
     del w
-    scale = np.divide(v, f, out=np.ones_like(v), where=f > TINY)
+    scale = np.divide(v, f, out=np.ones_like(v), where=np.abs(f) > TINY)  # a negative KPI too
     moved = scale[ids]
     moved *= predict  # the leaves' forecast scaled by their element's ratio
     del predict
@@ -220,10 +223,10 @@ def ripple_misfit(st: State, ids: np.ndarray, n: int, leaf: np.ndarray) -> np.nd
 def _abs_deviation(real: np.ndarray, predict: np.ndarray, nz: np.ndarray) -> np.ndarray:
     """``abs(deviation(real, predict)) * nz``, overwriting ``predict`` (the same values,
     without ``deviation``'s leaf-sized temporaries)."""
-    s = real + predict
+    s = np.abs(real) + np.abs(predict)
     d = np.subtract(predict, real, out=predict)
     d *= 2.0
-    ok = np.abs(s) > TINY
+    ok = s > TINY
     np.divide(d, s, out=d, where=ok)
     d[~ok] = 0.0
     np.abs(d, out=d)

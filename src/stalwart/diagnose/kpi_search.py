@@ -4,7 +4,7 @@ one attribute up to all of them) explain why a KPI left its forecast.
 The search combines the field's ideas in one pass of vectorised cuboid sums:
 
 - **Deviation score and partition** (Squeeze's clustering of leaves by deviation, RiskLoc's
-  two-way cut): each leaf gets d = 2 (f - v) / (f + v); the anomaly moves leaves one way while
+  two-way cut): each leaf gets d = 2 (f - v) / (|f| + |v|); the anomaly moves leaves one way while
   forecast noise is symmetric, so the cut is the noise extreme of the *other* side (after
   trimming a few outliers) and leaves beyond it form the abnormal partition.
 - **Purity** (RiskLoc's weighted risk): inside an element, abnormal leaves weigh more the further

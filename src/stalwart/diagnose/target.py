@@ -7,7 +7,7 @@ Labelled events: target = weight when the label holds, else 0; reference = weigh
 without a weight column). KPI deviation (RiskLoc/RobustSpot style, one row per leaf):
 
 - additive, ``actual=A, expected=E``: the deviation's direction s is the sign of sum(A - E);
-  target = max(s * (A - E), 0), reference = E.
+  target = max(s * (A - E), 0), reference = |E| (a KPI may be negative: a net margin).
 - ratio, ``actual=(An, Ad), expected=(En, Ed)``: the expected ratio of a leaf is En / Ed (the
   overall expected ratio where Ed = 0); target = max(s * (An - Ad * En / Ed), 0), the numerator
   mass the leaf lost or gained against its own expected ratio, and reference = Ad.
@@ -146,7 +146,7 @@ def kpi_masses(
         s = 1.0 if row is None or (row[0] or 0) >= 0 else -1.0
         return Masses(
             f"greatest({s} * ({a} - {e}), 0)",
-            f"greatest({e}, 0)",
+            f"abs({e})",  # the expectation's magnitude: a KPI may be negative (net margin)
             frozenset({actual, expected}),
             False,
         )
