@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import numbers
 import re
 import traceback
 from collections.abc import Iterator
@@ -46,6 +48,7 @@ __all__ = [
     "file_out",
     "folder_out",
     "handled",
+    "json_text",
     "plain_switches",
 ]
 
@@ -57,9 +60,28 @@ EXIT_UNEXPECTED = 3
 JSON_HELP = "Print the result as JSON on stdout instead of tables."
 
 
+def json_text(obj: Any) -> str:
+    """``obj`` as indented, strict JSON: a NaN or infinity (a figure nobody measured, such as
+    a modelled overhead) becomes ``null``, since JSON has no token for it; anything else JSON
+    cannot hold becomes its ``str``."""
+    return json.dumps(_finite(obj), indent=2, default=str, allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+        f = float(obj)  # also NumPy's floats, which json would write as their str
+        return f if math.isfinite(f) else None
+    return obj
+
+
 def emit_json(obj: Any) -> None:
-    """Write ``obj`` as indented JSON on stdout, alone (nothing else goes to stdout)."""
-    Console().out(json.dumps(obj, indent=2, default=str), highlight=False)
+    """Write ``obj`` as indented JSON on stdout, alone (nothing else goes to stdout); see
+    :func:`json_text`."""
+    Console().out(json_text(obj), highlight=False)
 
 
 def file_out(value: Path | None) -> Path | None:

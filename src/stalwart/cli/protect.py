@@ -16,7 +16,6 @@ Each row also gives the detector's false-alarm rate on the clean scored inputs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled, json_text
 from stalwart.cli.pvf import check_criteria, load_spec
 from stalwart.errors import ConfigError, require
 
@@ -263,7 +262,7 @@ def _write(
     from stalwart.vulnerability.report import figure_html, write_html
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "protect.json").write_text(json.dumps(data, indent=2))
+    (out / "protect.json").write_text(json_text(data))
     rows = "".join(
         f"<tr><td>{html.escape(r.name)}</td><td>{r.basis}</td><td>{_runtime(r)}</td>"
         f"<td>{r.false_alarm_rate:.1%}</td><td>{r.cost.get('extra_bytes', 0):.0f}</td>"
