@@ -165,6 +165,11 @@ def _load(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read plan inputs {str(p)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{p} is not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); "
+            "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) and run again"
+        ) from None
     if p.suffix.lower() not in (".toml", ".json"):
         raise ConfigError(f"{p}: give a .toml or .json file")
     try:
