@@ -66,8 +66,11 @@ class Injection(AbstractContextManager["Injection"]):
     """Faults applied to live tensors; ``restore()`` (or leaving ``with``) undoes them."""
 
     def __init__(self) -> None:
-        # (label, kind, layout, flat raw view, indices, old words) per applied batch
-        self._edits: list[tuple[str, str, BitLayout, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (label, kind, layout, flat raw view, indices, old words, new words) per applied batch;
+        # the new words are kept, since a later edit of the same element changes the live one
+        self._edits: list[
+            tuple[str, str, BitLayout, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []
         # per edit: what else undoes it (a quantized tensor edited through a copy)
         self._undo: dict[int, Callable[[], None]] = {}
         self._active = True
@@ -90,8 +93,9 @@ class Injection(AbstractContextManager["Injection"]):
             return
         mask = torch.tensor([signed_mask(m, layout) for m in masks], dtype=layout.storage)
         old = raw[index].clone()
-        raw[index] = edit_raw(raw, index, op, mask)
-        self._edits.append((label, kind, layout, raw, index, old))
+        new = edit_raw(raw, index, op, mask)
+        raw[index] = new
+        self._edits.append((label, kind, layout, raw, index, old, new))
 
     def record(
         self,
@@ -132,15 +136,14 @@ class Injection(AbstractContextManager["Injection"]):
 
     @property
     def changes(self) -> list[Change]:
-        """Every changed word, in the order the changes were made."""
+        """Every changed word, in the order the changes were made: each edit's word before
+        and the word it wrote (an element edited twice is listed twice; also after
+        :meth:`restore`, as the record of what the injection did)."""
         out = []
-        for label, kind, layout, raw, index, old in self._edits:
-            new = raw[index] if self._active else None
+        for label, kind, layout, _, index, old, new in self._edits:
             for j, i in enumerate(index.tolist()):
-                after = int(new[j]) if new is not None else int(old[j])
-                out.append(
-                    Change(label, kind, i, unsigned(int(old[j]), layout), unsigned(after, layout))
-                )
+                before, after = unsigned(int(old[j]), layout), unsigned(int(new[j]), layout)
+                out.append(Change(label, kind, i, before, after))
         return out
 
     @property
@@ -153,7 +156,7 @@ class Injection(AbstractContextManager["Injection"]):
             return
         with torch.no_grad():
             for i in reversed(range(len(self._edits))):
-                _, _, _, raw, index, old = self._edits[i]
+                _, _, _, raw, index, old, _ = self._edits[i]
                 raw[index] = old
                 if i in self._undo:
                     self._undo[i]()
