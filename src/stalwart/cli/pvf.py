@@ -61,6 +61,10 @@ _Out = Annotated[Path | None, typer.Option(
 _CampaignDir = Annotated[Path | None, typer.Option(
     callback=folder_out, help="Keep finished shards here; rerun to resume (implies sharding)."
 )]  # fmt: skip
+_Component = Annotated[list[str] | None, typer.Option(
+    "--component", help="With --by component: NAME=GLOB puts the tensors the glob matches in "
+    "group NAME (repeatable; NAME again adds a glob; the rest are 'other')."
+)]  # fmt: skip
 
 
 def check_criteria(names: list[str]) -> None:
@@ -69,6 +73,43 @@ def check_criteria(names: list[str]) -> None:
 
     for name in names:
         criterion(name)
+
+
+def parse_components(specs: list[str], by: str) -> dict[str, list[str]] | None:
+    """``--component NAME=GLOB`` options as ``PVFOptions.components`` (None without any),
+    checked before any work: a group needs a name and a glob, and they need ``--by component``
+    (as ``--by component`` needs them)."""
+    example = "e.g. --by component --component convs='conv*' --component head='fc*'"
+    if not specs:
+        if by == "component":
+            raise ConfigError(
+                f"--by component needs its groups: give --component NAME=GLOB, {example}"
+            )
+        return None
+    if by != "component":
+        raise ConfigError(
+            f"--component groups the trials only with --by component (got --by {by}): add "
+            "--by component, or drop --component"
+        )
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, eq, glob = (part.strip() for part in spec.partition("="))
+        if not (eq and name and glob):
+            raise ConfigError(f"--component {spec!r}: give NAME=GLOB, {example}")
+        out.setdefault(name, []).append(glob)
+    return out
+
+
+def check_components(model: torch.nn.Module, components: dict[str, list[str]] | None) -> None:
+    """Every ``--component`` glob must match a tensor of the model (else its group is empty)."""
+    from stalwart.inject.targets import select_tensors
+
+    for name, globs in (components or {}).items():
+        for glob in globs:
+            try:
+                select_tensors(model, glob, quantized=True)
+            except ConfigError as e:
+                raise ConfigError(f"--component {name}={glob}: {e}") from None
 
 
 def load_spec(spec: str, dtype: str = "fp32") -> Any:
@@ -141,6 +182,7 @@ def pvf_command(
         Backend, typer.Option(help="Where the shards run (with --workers or --campaign-dir).")
     ] = Backend["torch"],
     campaign_dir: _CampaignDir = None,
+    component: _Component = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Estimate PVF (probability that one fault makes the output wrong) per group."""
@@ -149,7 +191,9 @@ def pvf_command(
 
     with handled():
         check_criteria(criterion or [])
+        groups = parse_components(component or [], by.value)
         ref = load_spec(model_spec, dtype.value)
+        check_components(ref.model, groups)
         crits = criterion or [ref.criteria[0]]
         stop: vopts.StoppingRule = (
             vuln.FixedTrials(trials) if margin is None else vuln.UntilWidth(margin, trials=trials)
@@ -163,6 +207,7 @@ def pvf_command(
             confidence=confidence,
             interval=vopts.Interval(interval.value),
             engine=vopts.Engine(engine.value),
+            components=groups,
         )
         shards = Sharding(workers, backend.value, campaign_dir)
         report = _estimate(ref, (model_spec, dtype.value), crits, options, shards, not as_json)
