@@ -1,5 +1,6 @@
-"""Review fixes in PVF estimates and campaigns: populations of digit-named layers, and the
-fast engine's re-run threshold at the output dtype's precision."""
+"""PVF estimates and campaigns: each layer's population (digit-named layers included, and its
+tensors that drew no fault), and the fast engine's re-run threshold at the output dtype's
+precision."""
 
 from __future__ import annotations
 
@@ -18,12 +19,8 @@ def test_layer_groups_with_digit_names_get_their_own_populations() -> None:
         model, torch.randn(12, 8), vulnerability.sample_faults(model, 400, seed=0), "dev>0.05"
     )
     by_layer = vulnerability.estimate(res, "layer")
-    names = [str(v) for v in res.attributes["layer"]]
-    renamed = vulnerability.estimate(res, lambda i: "L" + names[i])
     pops = by_layer.table.column("population").to_pylist()
-    assert pops == renamed.table.column("population").to_pylist()
-    assert pops[0] == (8 * 64 + 64) * 32  # layer "0": its weight and bias, 32 bits each
-    assert by_layer.overall == renamed.overall
+    assert pops == [(8 * 64 + 64) * 32, (64 * 4 + 4) * 32]  # weight and bias, 32 bits each
 
 
 def test_bit_groups_still_split_populations_by_bit() -> None:
@@ -73,3 +70,15 @@ def test_float32_keeps_the_given_tolerance() -> None:
     assert _noise_floor(torch.zeros(1, dtype=torch.int64), 1e-5) == 1e-5
     assert _noise_floor(torch.zeros(1, dtype=torch.float16), 1e-5) == 64 * 2**-10
     assert _noise_floor(torch.zeros(1, dtype=torch.bfloat16), 1e-5) == 64 * 2**-7
+
+
+def test_a_layer_counts_its_tensors_that_drew_no_fault() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    faults = vulnerability.sample_faults(model, 20, seed=0)
+    assert "2.bias" not in {f.target for f in faults}  # 128 of 19,200 sites: not drawn here
+    res = vulnerability.run_campaign(model, torch.randn(12, 8), faults, "top1")
+    table = vulnerability.estimate(res, "layer").table
+    groups, pops = table.column("group").to_pylist(), table.column("population").to_pylist()
+    pops = dict(zip(groups, pops, strict=True))
+    assert pops == {"0": (8 * 64 + 64) * 32, "2": (64 * 4 + 4) * 32}
