@@ -286,8 +286,7 @@ class Job:
         self._reduce = reduce
         if isinstance(self._strategy, AllReduceCommit):
             self._strategy = AllReduceCommit(reduce, grad_norm_k)
-        self.ledger.model_buffers = list(model.buffers())
-        self.ledger.buffers = [b for b in self.ledger.model_buffers if b.is_floating_point()]
+        self.ledger.use_buffers(list(model.buffers()))
         return model
 
     def optimizer(

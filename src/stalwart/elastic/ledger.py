@@ -95,7 +95,7 @@ class StepLedger:
         self._stats = StepStats(stats_window)
         self._parity = ParityCheck(state, events, shard_group)
         self._listeners: list[Listener] = []
-        self._due = self._changed = False
+        self._due = self._changed = self._begun = False  # _begun: the step is under way
         self._boundary: BoundarySnapshot | None = None
         self.checkpoint: JobCheckpoint | None = None  # the tiers (Job(checkpoint=...))
         self.follow: FollowHook | None = None  # Job(follow=True)
@@ -132,7 +132,8 @@ class StepLedger:
         self._listeners.append(fn)
 
     def notify(self, event: str) -> None:
-        """Tell the listeners that the step reached ``event``."""
+        """Tell the listeners that the step reached ``event`` (it is under way)."""
+        self._begun = True
         for fn in self._listeners:
             fn(event, self._step)
 
@@ -198,7 +199,14 @@ class StepLedger:
     def mark_boundary(self) -> None:
         """A step starts: snapshot the RNGs and buffers a discard puts back, start the clock."""
         self._boundary = BoundarySnapshot(self.state, self.model_buffers, self._boundary)
-        self.started = time.time()
+        self.started, self._begun = time.time(), False
+
+    def use_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """``Job.data_parallel``'s model buffers: floats averaged at a commit, all put back on
+        a discard, from the start of the current step if it has not begun (the first step)."""
+        self.model_buffers, self.buffers = buffers, [b for b in buffers if b.is_floating_point()]
+        if not self._begun:
+            self.mark_boundary()
 
     def enter_collective(self) -> None:
         """The step's contribution is ready: join a due epoch first, then record own time."""
