@@ -105,7 +105,7 @@ def run(
     from stalwart.elastic import launch  # torch is imported only when a job runs
 
     result = launch(
-        script, args or [], nproc=nproc, min_size=min(min_size, max(nproc // group_size, 1)),
+        script, args or [], nproc=nproc, min_size=min_size,
         max_restarts=max_restarts, events_dir=events, timeout_s=timeout,
         hang_s=hang_timeout, straggler_factor=straggler_factor,
         stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes, group_size=group_size,

@@ -68,9 +68,11 @@ def coordinator_client(
         raise ConfigError(
             "Job(world='elastic') needs the coordinator: run the script with `stalwart run`"
         )
+    if timeout_s is None:  # 0 is a setting, refused by Timeouts as a negative one is
+        timeout_s = env.timeout_s if env else DEFAULT_TIMEOUT_S
     timeouts = Timeouts(
-        timeout_s=timeout_s or (env.timeout_s if env else DEFAULT_TIMEOUT_S),
-        hang_override_s=env.hang_s if env else 0.0, join_override_s=join_timeout_s,
+        timeout_s=timeout_s, hang_override_s=env.hang_s if env else 0.0,
+        join_override_s=join_timeout_s,
     )  # fmt: skip
     membership = None if env is None else Membership(env, min_size, timeouts=timeouts,
                                                       warmup=warmup, announce=announce)  # fmt: skip
