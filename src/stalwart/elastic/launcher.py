@@ -10,8 +10,10 @@ Exit code: 0 when every member of the final epoch exited cleanly; 3
 (:data:`~stalwart.elastic.supervisor.EXIT_FATAL`) when a worker reported a fatal error (the
 job had committed steps and nothing can resume them: no checkpoint attached, or none
 verifies), at once, or when excluded workers (``exclude_suspect_after``) left fewer than
-``min_size`` replica groups; 1 otherwise (all workers died, restarts ran out with fewer than
-``min_size`` replica groups left, or a member of the final epoch failed).
+``min_size`` replica groups; ``128 + N`` when signal N (SIGTERM, SIGINT) stopped the launcher,
+after its workers got it too (:meth:`~stalwart.elastic.supervisor.Supervisor.drain`); 1
+otherwise (all workers died, restarts ran out with fewer than ``min_size`` replica groups
+left, or a member of the final epoch failed).
 """
 
 from __future__ import annotations
@@ -76,19 +78,26 @@ class LaunchResult:
     excluded: list[int] = field(default_factory=list)
 
 
-def _run_with_drill(sup: Supervisor) -> int:
-    """``sup.run()``, with SIGUSR1 asking for a re-hosted coordinator (main thread only)."""
+def _run_with_signals(sup: Supervisor) -> int:
+    """``sup.run()`` with the launcher's signals (main thread only): SIGUSR1 asks for a
+    re-hosted coordinator; SIGTERM and SIGINT stop the job, the workers told first. The
+    handlers only record: the supervisor's loop acts between two of its rounds."""
     if threading.current_thread() is not threading.main_thread():
         return sup.run()
 
-    def request(*_: object) -> None:
+    def rehost(_signum: int, _frame: object) -> None:
         sup.rehost_requested = True
 
-    previous = signal.signal(signal.SIGUSR1, request)
+    def stop(signum: int, _frame: object) -> None:
+        sup.stop_signals.append(signum)
+
+    handlers = {signal.SIGUSR1: rehost, signal.SIGTERM: stop, signal.SIGINT: stop}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         return sup.run()
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _agent(cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Any,
@@ -120,11 +129,18 @@ def _check_sizes(nproc: int, min_size: int, max_restarts: int, group_size: int,
             "agents of --rdzv nodes would replace an excluded worker: not supported yet)"
         )
     Roster(max(nproc, 1), group_size)  # refuses a group size that does not divide nproc
-    if nproc < 1 or not 1 <= min_size <= nproc // group_size * max_nodes or max_restarts < 0:
+    if nproc < 1 or max_restarts < 0:
         raise ConfigError(
-            f"launch(nproc={nproc}, min_size={min_size}, max_restarts={max_restarts}, "
-            f"group_size={group_size}): need nproc >= 1, 1 <= min_size <= nproc / group_size "
-            "and max_restarts >= 0"
+            f"launch(nproc={nproc}, max_restarts={max_restarts}): need nproc >= 1 and "
+            "max_restarts >= 0"
+        )
+    most = nproc // group_size * max_nodes  # replica groups the job holds at its largest
+    if not 1 <= min_size <= most:
+        nodes = f" on each of up to {max_nodes} nodes" if max_nodes > 1 else ""
+        raise ConfigError(
+            f"min_size={min_size} (--min-size): {nproc} workers{nodes} in groups of "
+            f"{group_size} make at most {most} replica groups; pass a min_size from 1 to "
+            f"{most}, or start more workers (--nproc, or --nnodes MIN:MAX with --rdzv)"
         )
     if max_nodes > 1 and rdzv is None:  # else it waits its join timeout for nodes that
         raise ConfigError(  # have no address to meet at, in silence, then runs on one
@@ -196,7 +212,7 @@ def launch(
             return _agent(cmd, nproc, max_restarts, worker_env, store, stdout, rdzv, folder)
     sup = Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s,
                       straggler_factor, stdout, coord, min_nodes, group_size)  # fmt: skip
-    return _result(sup, _run_with_drill(sup), folder)
+    return _result(sup, _run_with_signals(sup), folder)
 
 
 def _check_script(script: str | os.PathLike[str]) -> None:

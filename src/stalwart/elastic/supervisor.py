@@ -22,11 +22,18 @@ are stopped.
 :class:`~stalwart.testing.chaos.LoseCoordinator`), the supervisor re-hosts it
 (:meth:`Supervisor.rehost`) and the workers follow the file (:mod:`.membership`): no restart,
 no disk. If the launcher itself dies, its workers stop with a ``DistributedError`` saying so.
+
+**Stopping.** SIGTERM or SIGINT to the launcher (a container runtime signals only PID 1) is
+forwarded to the live workers, so that their :class:`~stalwart.PreemptionGuard` saves; the
+launcher waits up to :data:`STOP_GRACE_S` for them to exit, replacing none, then stops the
+rest and exits with ``128 + signal`` (:meth:`Supervisor.drain`). A second signal during the
+wait kills them at once.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -61,6 +68,9 @@ _STATS_POLL_S = 0.05  # well under a window of short steps: windows are not miss
 STORE_FILE = "coordinator.addr"
 EXIT_FATAL = 3
 """The launcher's exit code when a worker reported an error no replacement can fix."""
+STOP_GRACE_S = 30.0
+"""How long the launcher's workers have to save and exit after it forwarded SIGTERM or SIGINT
+to them (torchrun's and Kubernetes' default grace), seconds."""
 
 
 class Supervisor:
@@ -97,6 +107,7 @@ class Supervisor:
         self.env[ENV_STORE_FILE] = str(self.store_file)
         write_address(self.store_file, self.coord.address)
         self.rehost_requested = False
+        self.stop_signals: list[int] = []  # SIGTERM, SIGINT the launcher got (drain)
         self.fatal: dict[str, Any] | None = None  # a worker's fatal report (check_fatal)
         self.excluded: list[int] = []  # workers the exclusion policy removed, not replaced
         self.rehosts = 0
@@ -317,6 +328,8 @@ class Supervisor:
             self.spawn()
         try:
             while self.live():
+                if self.stop_signals:
+                    return self.drain()
                 if self.rehost_requested:
                     self.rehost_requested = False
                     self.rehost("SIGUSR1")
@@ -338,6 +351,29 @@ class Supervisor:
             self.stop_all()
         final = self.final_members or ()
         return 0 if final and all(self.codes.get(w) == 0 for w in final) else 1
+
+    def drain(self) -> int:
+        """Stop the job on the launcher's signal (module docstring); returns ``128 + signal``.
+
+        Forwards the first of :attr:`stop_signals` to this node's live workers and waits up
+        to :data:`STOP_GRACE_S` for them to exit, reaping none (nothing is replaced); a
+        second signal kills them at once. :meth:`stop_all` (:meth:`run`) stops the rest.
+        """
+        signum = self.stop_signals[0]
+        running = [p for p in self.procs.values() if p.poll() is None]
+        log.warning("launcher got %s: forwarded to %d worker(s), waiting up to %.0f s for them "
+                    "to save and exit (signal again to kill them now)",
+                    signal.Signals(signum).name, len(running), STOP_GRACE_S)  # fmt: skip
+        for p in running:
+            p.send_signal(signum)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            if len(self.stop_signals) > 1:
+                for p in running:
+                    p.kill()
+                break
+            time.sleep(_POLL_S)
+        return 128 + signum
 
     def stop_all(self) -> None:
         for p in self.procs.values():
