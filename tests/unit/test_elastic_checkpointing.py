@@ -82,3 +82,31 @@ def test_a_step_saved_again_after_a_rollback_overwrites_it(tmp_path: Path) -> No
     Checkpointer(tmp_path / "ck").load(stalwart.TrainingState(model=fresh, rng=False))
     assert torch.equal(fresh.weight, model.weight)
     assert Checkpointer(tmp_path / "ck").steps() == [2]
+
+
+def _train_scheduled(root: Path, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    state = stalwart.TrainingState(model=model, optimizer=opt, scheduler=sched)
+    job = Job(state, world="single", checkpoint=Checkpointer(root), save_every=2)
+    optimizer = job.optimizer(opt)
+    while job.step < steps:
+        optimizer.zero_grad()
+        g = torch.Generator().manual_seed(job.step)
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        optimizer.step()
+        sched.step()  # the usual loop: the scheduler steps after the commit
+    job.close()
+    return model, opt
+
+
+def test_a_save_holds_the_scheduler_the_loop_stepped_after_the_commit(tmp_path: Path) -> None:
+    _train_scheduled(tmp_path / "ck", 5)  # saves steps 2 and 4; stops after step 5
+    saved = Checkpointer(tmp_path / "ck").load(None, 4)
+    assert saved["scheduler"]["last_epoch"] == 4  # not 3: the save waited for the boundary
+    resumed, opt = _train_scheduled(tmp_path / "ck", 8)
+    reference, ref_opt = _train_scheduled(tmp_path / "other", 8)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert torch.equal(resumed.weight, reference.weight)

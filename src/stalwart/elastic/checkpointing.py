@@ -10,7 +10,8 @@
   job's step becomes the report's step, and a ``resumed`` event records the steps lost. When
   the job had committed steps and nothing verifies, the error is reported to the launcher as
   fatal (:meth:`~stalwart.elastic.membership.Membership.report_fatal`): it stops at once.
-* **Save on the checkpointer's own schedule**, after each commit: a
+* **Save on the checkpointer's own schedule**, at the step boundary after each commit (the
+  next ``zero_grad()``, or ``Job.close``: the loop's ``scheduler.step()`` has run by then): a
   :class:`~stalwart.checkpoint.TieredCheckpointer` decides per tier (its memory tier every step
   it says, durable tiers on their intervals); a plain :class:`~stalwart.checkpoint.Checkpointer`
   every ``save_every`` steps. Each shard is written once: under ``stalwart run`` only the
@@ -68,6 +69,8 @@ class JobCheckpoint:
         self.ladder = RecoveryLadder(checkpoint, replicated=True)
         self.last_report: LadderReport | None = None
         self._high = 0  # the newest step saved or known here: saving it again overwrites
+        self._due: tuple[int, bool] | None = None  # (step, overwrite) to save at the boundary
+        self._warned_late = False
 
     def resume(
         self, group: Any, shard_group: Any, last_committed: int, events: EventLog
@@ -93,19 +96,40 @@ class JobCheckpoint:
         return report.step
 
     def after_commit(self, step: int, *, writer: bool) -> None:
-        """Save ``step`` where the schedule says so (``writer``: this member saves)."""
+        """Note ``step`` for a save where the schedule says so (``writer``: this member
+        saves); :meth:`at_boundary` starts it."""
         if not writer:
             return
         overwrite = step <= self._high
         self._high = max(self._high, step)
         tiered = isinstance(self.checkpoint, TieredCheckpointer)  # its tiers decide
-        if not (tiered or (self.save_every and step % self.save_every == 0)):
+        if tiered or (self.save_every and step % self.save_every == 0):
+            self._due = (step, overwrite)
+
+    def at_boundary(self, *, late: bool = False) -> None:
+        """Start the save noted at the last commit. The commit runs inside
+        ``optimizer.step()``; the loop then finishes the step (``scheduler.step()``, the data
+        iterator, a step counter) before the next ``zero_grad()`` ends it, so the save waits
+        for that boundary, or for ``Job.close``, to hold the step as a resumed run needs it.
+        ``late``: the next step's ``optimizer.step()`` came first (no ``zero_grad()`` of the
+        job's optimizer in between): the save still runs, with a warning, once."""
+        if self._due is None:
             return
+        (step, overwrite), self._due = self._due, None
+        if late and not self._warned_late:
+            self._warned_late = True
+            log.warning(
+                "step %d is saved at the next optimizer.step(): the job's optimizer.zero_grad() "
+                "was not called in between, so the save holds that step's RNG and data position "
+                "one batch late; call the job optimizer's zero_grad() at each step's start",
+                step,
+            )
         try:
             self.checkpoint.save_async(step, self.state, overwrite=overwrite)
         except (CheckpointError, StorageError) as e:  # training goes on; older steps stay
             log.warning("saving step %d failed (the job trains on): %s", step, e)
 
     def wait(self) -> None:
-        """Wait for the saves in flight (``Job.close``)."""
+        """Start a save still due, then wait for the saves in flight (``Job.close``)."""
+        self.at_boundary()
         self.checkpoint.wait()

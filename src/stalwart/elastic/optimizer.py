@@ -53,13 +53,21 @@ class ElasticOptimizer:
         self.backups = backups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Begin a step: reconfigure first if due, then clear gradients."""
+        """Begin a step: start the save the last commit made due (the loop has finished that
+        step: its ``scheduler.step()`` ran), reconfigure if due, then clear gradients."""
+        self._start_due_save(late=False)
         self.job.begin_step()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
         """Average gradients over the members and apply them, or discard the step after a fault."""
+        self._start_due_save(late=True)  # no zero_grad() since the last commit
         return self.job.commit(lambda: self.optimizer.step(closure))
+
+    def _start_due_save(self, *, late: bool) -> None:
+        checkpoint = self.job.ledger.checkpoint
+        if checkpoint is not None:
+            checkpoint.at_boundary(late=late)
 
     def too_late(self) -> bool:
         """Whether this step already committed without this member (backup workers only).
