@@ -300,3 +300,11 @@ def test_cuda_lazy_save_is_exact_under_the_next_optimizer_step(tmp_path: Path) -
         for k, v in want.items():
             assert torch.equal(got[k], v), k
     ckpt.close()
+
+
+def test_load_waits_for_this_checkpointers_saves_in_flight(tmp_path: Path) -> None:
+    with stalwart.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_async(1, {"x": torch.arange(1 << 20, dtype=torch.float32)})
+        assert torch.equal(ckpt.load(None)["x"], torch.arange(1 << 20, dtype=torch.float32))
+        ckpt.save_async(2, {"x": torch.zeros(1 << 20)})
+        assert ckpt.load(None)["x"].sum() == 0 and ckpt.last_load.step == 2

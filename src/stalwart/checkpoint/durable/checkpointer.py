@@ -237,6 +237,8 @@ class Checkpointer:
     ) -> Any:
         """Load a checkpoint into ``state``'s tensors in place and return the loaded tree.
 
+        This checkpointer's saves still in flight (``save_async``) are waited for first.
+
         Args:
             state: a state tree whose tensors (plain or DTensor, any sharding) receive the
                 data; stateful objects get ``load_state_dict``. ``None`` returns the whole

@@ -79,7 +79,9 @@ class Loader:
     def load(self, state: Any, step: int | None, strict: bool, fallback: bool) -> Any:
         """Load a checkpoint into ``state``; see :meth:`Checkpointer.load` (which holds the
         defaults)."""
-        self.queue.raise_unobserved()
+        # This checkpointer's saves in flight land first (the newest step is the one just
+        # saved), and one that failed unseen raises here.
+        self.queue.flush()
         t0 = time.perf_counter()
         g = self.ctx.group
         # Rank 0 lists (every rank learns if that failed), and the ranks count those whose
