@@ -193,3 +193,13 @@ def test_sbp_is_measured_secded_per_codeword() -> None:
         assert w[7] != clean.view(-1)[7] and w[8] != clean.view(-1)[8]
         assert (sbp.corrected, sbp.uncorrectable) == (1, 1)
     assert torch.equal(lin.weight, clean)  # replay restored every word
+
+
+def test_a_bit_error_rate_past_one_is_refused_before_any_replay() -> None:
+    from typer.testing import CliRunner
+
+    from stalwart.cli.main import app
+
+    res = CliRunner().invoke(app, ["protect", "mlp", "--ber", "1e-6", "--ber", "2"])
+    assert res.exit_code == 2 and "not a probability" in res.output
+    assert "replayed" not in res.output  # refused at the option, not after the replay

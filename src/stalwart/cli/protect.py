@@ -143,6 +143,14 @@ def _runtime(r: Any) -> str:
     return f"{r.overhead:+.0%} ({r.overhead_s * 1e3:+.2f} ms)"
 
 
+def _rates(values: list[float] | None) -> list[float] | None:
+    """Option callback: bit-error rates are probabilities, refused before any replay runs."""
+    bad = [r for r in values or [] if not 0.0 <= r <= 1.0]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]:g} is not a probability; give rates from 0 to 1")
+    return values
+
+
 def protect_command(
     model_spec: Annotated[
         str, typer.Argument(help="Reference model name or package.module:factory.")
@@ -159,7 +167,8 @@ def protect_command(
         str | None, typer.Option("--criterion", "-c", help="Criterion; default: the model's first.")
     ] = None,
     ber: Annotated[
-        list[float] | None, typer.Option(help="Bit-error rates to sweep (repeatable).")
+        list[float] | None,
+        typer.Option(callback=_rates, help="Bit-error rates to sweep (repeatable)."),
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Repeats per bit-error rate.")] = 3,
     seed: Annotated[int, typer.Option(min=0, help="Fault-list and calibration-split seed.")] = 0,
