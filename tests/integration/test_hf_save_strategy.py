@@ -13,33 +13,18 @@ pytest.importorskip("accelerate")
 
 from stalwart.errors import ConfigError  # noqa: E402
 from stalwart.integrations.huggingface import StalwartCallback  # noqa: E402
-from tests.integration.test_huggingface import _model, _Tokens  # noqa: E402
+from tests.integration.test_huggingface import _model, _trainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _best_trainer(out: pathlib.Path, callbacks: list[Any], max_steps: int = 8) -> Any:
     """A tiny GPT-2 evaluated every 2 steps, saved whenever its eval loss is a new best."""
-    args = transformers.TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
+    return _trainer(
+        out, _model(), callbacks, evaluate=True, max_steps=max_steps, warmup_steps=0,
         learning_rate=1e-1,  # high enough that the eval loss goes up once (at step 4)
-        max_steps=max_steps,
-        eval_strategy="steps",
-        eval_steps=2,
-        save_strategy="best",
-        metric_for_best_model="loss",
-        greater_is_better=False,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=7,
-        dataloader_num_workers=0,
-    )
-    return transformers.Trainer(
-        model=_model(), args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(),
-        callbacks=callbacks,
+        eval_strategy="steps", eval_steps=2, save_strategy="best",
+        metric_for_best_model="loss", greater_is_better=False,
     )  # fmt: skip
 
 

@@ -68,14 +68,14 @@ class _SaveAtTheEnd(transformers.TrainerCallback):
         return control
 
 
-def _trainer(out: pathlib.Path, model: Any, callbacks: list[Any], **kw: Any) -> Any:
+def _trainer(
+    out: pathlib.Path, model: Any, callbacks: list[Any], *, evaluate: bool = False, **kw: Any
+) -> Any:
     schedule = kw or {"max_steps": 12, "save_strategy": "steps", "save_steps": 3}
     args = transformers.TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        warmup_steps=2,
-        **schedule,
+        **({"learning_rate": 1e-2, "warmup_steps": 2} | schedule),
         logging_steps=1,
         report_to=[],
         use_cpu=True,
@@ -84,8 +84,9 @@ def _trainer(out: pathlib.Path, model: Any, callbacks: list[Any], **kw: Any) -> 
         dataloader_num_workers=0,
     )
     return transformers.Trainer(
-        model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks
-    )
+        model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks,
+        eval_dataset=_Tokens() if evaluate else None,
+    )  # fmt: skip
 
 
 def _losses(trainer: Any) -> dict[int, float]:

@@ -38,13 +38,7 @@ from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier, TieredSaveResult
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    StepRetiredError,
-)
+from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.tree import flatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
@@ -313,20 +307,14 @@ class TieredCheckpointer:
 
     def _load_newest_durable(self, state: Any, attempts: list[tuple[str, str]]) -> Any:
         """``(tier, step, tree)`` of the newest step any durable tier holds, loaded from the
-        fastest tier that has it; a damaged or retired step falls back to the next newest in
-        any tier, another failure (a state that does not fit) ends that tier's tries."""
-        given_up: set[str] = set()
+        fastest tier that has it; a step that fails (damaged, retired, or not fitting the
+        state) falls back to the next newest, in any tier, each failure in ``attempts``."""
         tiers = enumerate(self.durable.items())
         for neg_step, _, name in sorted((-s, i, n) for i, (n, c) in tiers for s in c.steps()):
-            if name in given_up:
-                continue
             try:
                 return name, -neg_step, self.durable[name].load(state, -neg_step)
-            except (CorruptCheckpointError, StepRetiredError) as e:
-                attempts.append((name, f"step {-neg_step} failed: {e}"))
             except CheckpointError as e:
-                attempts.append((name, f"failed: {e}"))
-                given_up.add(name)
+                attempts.append((name, f"step {-neg_step} failed: {e}"))
         return None
 
     def _recovered(self, report: RecoveryReport) -> RecoveryReport:
