@@ -136,6 +136,18 @@ def test_a_damaged_campaign_folder_says_what_to_delete(tmp_path: Path) -> None:
         scale.run_sharded(cm.tiny, faults, tmp_path, CRITERIA, backend="local", shards=2)
 
 
+def test_a_shard_with_outcomes_of_the_wrong_length_is_damaged(
+    tmp_path: Path, reference: CampaignResult
+) -> None:
+    store = CampaignDirectory(tmp_path)
+    (shard,) = scale.plan_shards(len(reference), 1)
+    short = payload_of(reference)
+    short["failed_0"] = short["failed_0"][:-1]  # a shard file whose arrays do not match
+    store.save(shard, short)
+    with pytest.raises(ConfigError, match=r"'failed_0' for \d+ trials: it is damaged"):
+        store.load(shard, reference.faults)
+
+
 def test_progress_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, _ = cm.tiny()
     faults = sample_faults(model, 20, seed=3)
