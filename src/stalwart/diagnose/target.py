@@ -117,7 +117,13 @@ def event_masses(src: Source, label: str, weight: str | None) -> Masses:
     cond, used = _label_sql(src, label)
     w = "1"
     if weight is not None:
-        w = f"greatest({_numeric(src, weight, 'weight', ' (counts)')}, 0)"
+        w = _numeric(src, weight, "weight", " (counts)")
+        bad = src.sql(f"SELECT count(*) FROM {{src}} WHERE {w} < 0 OR isnan({w})").fetchall()[0][0]
+        if bad:  # DuckDB orders NaN above every number: it needs its own test
+            raise ConfigError(
+                f"weight column {weight!r} has {bad} negative or NaN value(s); a weight counts "
+                "the events a row stands for: fix those rows or filter them out first"
+            )
         used.add(_column(src, weight, "weight"))
     return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
 

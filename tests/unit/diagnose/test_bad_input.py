@@ -127,6 +127,17 @@ def test_a_numeric_label_of_counts_is_refused_with_the_weight_named() -> None:
     assert d.total_failures == 50 and [f.items for f in d.findings] == [{"rack": "r1"}]
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_a_negative_or_nan_weight_is_refused(bad: float) -> None:
+    n = [float(1 + i % 5) for i in range(400)]
+    n[7] = bad  # counted as 0 before, in silence
+    t = _table().append_column("n", pa.array(n))
+    with pytest.raises(ConfigError, match=r"weight column 'n' has 1 negative or NaN value"):
+        analyze(t, "outcome", weight="n")
+    n[7] = 0.0
+    assert analyze(_table().append_column("n", pa.array(n)), "outcome", weight="n").findings
+
+
 def test_unknown_option_and_bad_values() -> None:
     # Options are the dataclass only: an unknown keyword is Python's TypeError naming it.
     with pytest.raises(TypeError, match="min_suport"):
