@@ -31,6 +31,7 @@ from stalwart.diagnose.source import suggest
 from stalwart.diagnose.spark_clean import SparkCleaning, clean_spark
 from stalwart.diagnose.spark_clean import spark_name as _q
 from stalwart.diagnose.spark_expression import check_spark_expression
+from stalwart.diagnose.target import check_weights
 from stalwart.errors import ConfigError, require
 
 __all__ = ["analyze_spark", "localize_spark"]
@@ -93,7 +94,8 @@ def analyze_spark(
     attrs = _attributes(names, columns, used | {weight}, opts)
     w = F.lit(1.0)
     if weight is not None:  # as the local engine reads a weight: a count, never negative
-        w = F.greatest(F.coalesce(F.col(_q(weight)).cast("double"), F.lit(0.0)), F.lit(0.0))
+        w = F.coalesce(F.col(_q(weight)).cast("double"), F.lit(0.0))
+        check_weights(df.filter((w < 0) | F.isnan(w)).count(), weight)
     cleaned = _cleaned(df, attrs, opts, F)
     keyed = df.select(
         *cleaned.exprs,

@@ -25,7 +25,7 @@ from stalwart.diagnose.quoting import as_double, identifier
 from stalwart.diagnose.source import Source, suggest
 from stalwart.errors import ConfigError
 
-__all__ = ["Masses", "event_masses", "kpi_masses"]
+__all__ = ["Masses", "check_weights", "event_masses", "kpi_masses"]
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\- ]*$")
 _TRUE = {"true", "t", "1", "yes", "y", "fail", "failed", "failure", "error", "bad", "crash"}
@@ -112,6 +112,15 @@ def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
     return f"coalesce({expr.sql}, false)", set(expr.columns)
 
 
+def check_weights(bad: int, weight: str) -> None:
+    """Refuse a weight column with ``bad`` negative or NaN values (every engine's rule)."""
+    if bad:
+        raise ConfigError(
+            f"weight column {weight!r} has {bad} negative or NaN value(s); a weight counts "
+            "the events a row stands for: fix those rows or filter them out first"
+        )
+
+
 def event_masses(src: Source, label: str, weight: str | None) -> Masses:
     """Masses of labelled events: failure weight, and weight (1 per row by default)."""
     cond, used = _label_sql(src, label)
@@ -119,11 +128,7 @@ def event_masses(src: Source, label: str, weight: str | None) -> Masses:
     if weight is not None:
         w = _numeric(src, weight, "weight", " (counts)")
         bad = src.sql(f"SELECT count(*) FROM {{src}} WHERE {w} < 0 OR isnan({w})").fetchall()[0][0]
-        if bad:  # DuckDB orders NaN above every number: it needs its own test
-            raise ConfigError(
-                f"weight column {weight!r} has {bad} negative or NaN value(s); a weight counts "
-                "the events a row stands for: fix those rows or filter them out first"
-            )
+        check_weights(bad, weight)  # DuckDB orders NaN above every number: its own test
         used.add(_column(src, weight, "weight"))
     return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
 

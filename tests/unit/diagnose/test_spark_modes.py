@@ -133,6 +133,9 @@ def test_options_are_the_dataclass_only(spark: Any) -> None:
         localize_spark(frame, "latency_ms", ("zone", "kind"))
     with pytest.raises(ConfigError, match="Did you mean 'latency_ms'"):
         localize_spark(frame, "latency", "latency_ms")
+    weighted = spark.createDataFrame(_events(50).append_column("n", pa.array([-1.0] + [1.0] * 49)))
+    with pytest.raises(ConfigError, match="weight column 'n' has 1 negative or NaN"):
+        analyze_spark(weighted, "failed", weight="n")  # as the local engine refuses it
 
 
 def test_cli_kpi_mode_runs_on_spark(spark: Any, tmp_path: Path) -> None:
