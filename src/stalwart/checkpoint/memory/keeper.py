@@ -11,19 +11,29 @@ Per rank and slot there are two files: ``rank00003-slot1.buf`` (the blob) and
 before a slot is overwritten and written atomically after, so a crash mid-capture leaves a
 slot without an index, which is ignored; a blob that does not match its digest is ignored
 too. Losing the node loses these files: peers' erasure-coded parity covers that case.
+
+One writer per folder and rank: before its first change to the slots a keeper takes an
+exclusive ``flock`` on ``rank00003.lock`` (which records its pid) and holds it until
+:meth:`SnapshotKeeper.close`; the kernel releases it when the process dies, so a trainer
+restarted after a kill takes it again. A second live writer (two checkpointers given the same
+``keep_in``) is refused instead of overwriting the first one's snapshots. Reading the kept
+snapshots needs no lock. A process forked after the claim (a data loader's worker) shares the
+lock until it exits too.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
 
 from stalwart.checkpoint.capture import HostBuffer
 from stalwart.checkpoint.memory.snapshot import Snapshot
-from stalwart.errors import CorruptCheckpointError
+from stalwart.errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["SharedHostBuffer", "SnapshotKeeper"]
 
@@ -68,6 +78,39 @@ class SnapshotKeeper:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.buffers = [SharedHostBuffer(self._blob(i)) for i in range(slots)]
+        self._lock: weakref.finalize | None = None  # closes the lock's fd, at close or GC
+
+    def claim(self) -> None:
+        """Become the folder's only writer for this rank (once; later calls return at once).
+
+        Raises:
+            ConfigError: another live keeper, in this process or another, writes the folder
+                for this rank.
+        """
+        if self._lock is not None:
+            return
+        path = self.folder / f"rank{self.rank:05d}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"keep_in folder {self.folder} already has a live writer for rank {self.rank} "
+                f"(process {holder} holds {path.name}): two checkpointers would overwrite each "
+                "other's snapshots; give each its own keep_in folder (for example "
+                "/dev/shm/<job>/<model>), or close the other one first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        """Release the folder to another writer (the snapshots stay for a restart)."""
+        if self._lock is not None:
+            self._lock()
+            self._lock = None
 
     def _blob(self, slot: int) -> Path:
         return self.folder / f"rank{self.rank:05d}-slot{slot}.buf"
@@ -77,10 +120,12 @@ class SnapshotKeeper:
 
     def invalidate(self, slot: int) -> None:
         """Forget the slot's snapshot before its buffer is overwritten."""
+        self.claim()
         self._index(slot).unlink(missing_ok=True)
 
     def commit(self, slot: int, snapshot: Snapshot) -> None:
         """Record ``snapshot`` (already captured into the slot's buffer) as the slot's."""
+        self.claim()
         tmp = self._index(slot).with_suffix(".json.tmp")
         tmp.write_bytes(snapshot.to_bytes())
         os.replace(tmp, self._index(slot))

@@ -11,6 +11,10 @@ Durable tiers read the capture's buffer in the background. A buffer is never reu
 durable save still reads it (:meth:`MemoryTier.hold`): acquiring it waits for those saves.
 In steady state no memory is allocated: ``keep`` snapshot buffers plus the spares that
 durable saves in flight need.
+
+Recovery asks the tier which step every rank can restore (:meth:`MemoryTier.recoverable`,
+from what each rank :meth:`~MemoryTier.held`), checks it (:meth:`~MemoryTier.verify`) and
+restores it, rebuilding lost ranks from their peers' parity (:meth:`~MemoryTier.restore`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from collections import deque
 from typing import Any
 
 from stalwart.checkpoint.capture import Capture, HostBuffer
+from stalwart.checkpoint.memory.erasure_records import ProtectedSnapshot
 from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.snapshot import Snapshot
+from stalwart.errors import CorruptCheckpointError
 
 __all__ = ["MemoryTier"]
 
@@ -61,6 +67,8 @@ class MemoryTier:
         a slow disk write never stalls the training step that evicts its snapshot.
         """
         slot = -1
+        if for_memory and self.keeper is not None:
+            self.keeper.claim()  # a second writer of the folder is refused before any change
         if for_memory and step is not None:
             self._forget_from(step)
         if not for_memory:
@@ -108,12 +116,22 @@ class MemoryTier:
             p.future.exception()  # completion; its error surfaces through its own handle
 
     def keep_capture(self, cap: Capture, step: int, skeleton: dict[str, Any], slot: int) -> Any:
-        """Turn a finished capture into a kept snapshot (digest, keeper index, parity)."""
-        snap = Snapshot.from_capture(cap, step, skeleton)
+        """Turn a finished capture into a kept snapshot (digest, parity, keeper index).
+
+        Nothing is recorded until every part succeeded: a failed digest or erasure exchange
+        leaves the step unkept, its keeper slot free (invalidated in :meth:`acquire`, so it
+        has no index) and its buffer spare, and the next step is kept as usual.
+        """
+        try:
+            snap = Snapshot.from_capture(cap, step, skeleton)
+            kept = self.erasure.protect(snap) if self.erasure is not None else snap
+        except BaseException:
+            if self.keeper is None:
+                self.release(cap.buffer)
+            raise
         if self.keeper is not None:
             self.keeper.commit(slot, snap)
             self._slot_order.append(slot)
-        kept = self.erasure.protect(snap) if self.erasure is not None else snap
         self.snapshots.append(kept)
         return kept
 
@@ -155,6 +173,78 @@ class MemoryTier:
 
     def find(self, step: int) -> Any:
         return next((s for s in self.snapshots if s.step == step), None)
+
+    def close(self) -> None:
+        """Let another process (or checkpointer) write the keeper's folder."""
+        if self.keeper is not None:
+            self.keeper.close()
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def held(self) -> tuple[list[int], list[int]]:
+        """The steps kept, and those kept with erasure parity: what recovery gathers.
+
+        Snapshots the keeper reloaded after a restart have no parity (it lived in the process
+        that died): they restore this rank but can rebuild no lost peer.
+        """
+        protected = [s.step for s in self.snapshots if isinstance(s, ProtectedSnapshot)]
+        return self.steps(), sorted(protected)
+
+    def recoverable(
+        self, everyone: list[tuple[list[int], list[int]]]
+    ) -> tuple[tuple[int, list[int]] | None, list[str]]:
+        """The newest step every rank holds or can rebuild, with the ranks that must rebuild.
+
+        ``everyone`` is every rank's :meth:`held`, by rank. A step some ranks lack can be
+        rebuilt when at most ``m`` lack it per erasure group and every other rank holds it
+        protected. Also returns why each newer step cannot be recovered.
+        """
+        eg = self.erasure
+        why: list[str] = []
+        for step in sorted({s for steps, _ in everyone for s in steps}, reverse=True):
+            lost = [r for r, (steps, _) in enumerate(everyone) if step not in steps]
+            bare = [r for r, (s, prot) in enumerate(everyone) if step in s and step not in prot]
+            if not lost:
+                return (step, []), why
+            if eg is None:
+                why.append(f"step {step}: ranks {lost} lack it and there is no erasure coding")
+            elif bare:
+                why.append(
+                    f"step {step}: ranks {lost} lack it and ranks {bare} hold it without "
+                    "parity (reloaded from keep_in after a restart): it cannot be rebuilt"
+                )
+            elif max(sum(1 for r in lost if r in members) for members in eg.groups) > eg.m:
+                why.append(f"step {step}: ranks {lost} lack it, over {eg.m} per erasure group")
+            else:
+                return (step, lost), why
+        return None, why
+
+    def verify(self, step: int) -> str | None:
+        """Why this rank's snapshot of ``step`` fails its digest, or None when it checks.
+
+        Hashes the whole snapshot. None too where this rank holds no such snapshot (a
+        rebuilt one is checked as it is rebuilt).
+        """
+        kept = self.find(step)
+        try:
+            if kept is not None:
+                _snapshot_of(kept).verify()
+        except CorruptCheckpointError as e:
+            return str(e)
+        return None
+
+    def restore(self, step: int, lost: list[int], state: Any) -> tuple[str, Any]:
+        """Copy ``step`` into ``state``: ``(source, tree)``; collective when ``lost``.
+
+        Every rank passes what :meth:`recoverable` chose; the ranks in ``lost`` (those that
+        hold no snapshot of ``step``) get theirs rebuilt from their group's survivors.
+        """
+        held = self.find(step)
+        if not lost:
+            return "memory", _snapshot_of(held).restore_into(state)
+        rebuilt = self.erasure.rebuild(lost, held)  # None on a survivor
+        snap = rebuilt if held is None else _snapshot_of(held)
+        return "memory+erasure", snap.restore_into(state)
 
 
 def _snapshot_of(kept: Any) -> Snapshot:

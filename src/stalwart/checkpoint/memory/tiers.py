@@ -274,8 +274,11 @@ class TieredCheckpointer:
         """Restore ``state`` from the newest step recoverable on every rank.
 
         Peers' memory first: the newest snapshot step that every rank holds, or that enough
-        survivors hold to rebuild the missing ranks by erasure decoding; then the newest
-        durable step, from the fastest tier that has it (older ones where it is damaged).
+        survivors hold with erasure parity to rebuild the missing ranks by decoding; each
+        rank checks its snapshot against its digest first (hashing it all: a cost paid on
+        recovery, which is rare, never on save), and a failure on any rank sends every rank
+        on. Then the newest durable step, from the fastest tier that has it (older ones
+        where it is damaged). The report's ``attempts`` say why each one passed over failed.
 
         Raises:
             CheckpointNotFoundError: no tier holds a step for every rank.
@@ -284,17 +287,15 @@ class TieredCheckpointer:
         self._settle()
         g = resolve_group(self._process_group)
         attempts: list[tuple[str, str]] = []
-        everyone = g.all_gather(self.memory.steps())
+        everyone = g.all_gather(self.memory.held())
         durable_latest = {n: c.latest_step() for n, c in self.durable.items()}
         best_durable = max((s for s in durable_latest.values() if s is not None), default=None)
         if self.memory_tier is not None:
-            chosen = self._memory_step(everyone)
-            if chosen is not None and (best_durable is None or chosen[0] >= best_durable):
-                step, lost = chosen
-                source, tree = self._restore_memory(step, lost, state)
+            found = self._recover_memory(state, everyone, best_durable, attempts)
+            if found is not None:
+                step, source, lost, tree = found
                 seconds = time.perf_counter() - t0
                 return self._recovered(RecoveryReport(step, source, seconds, lost, attempts, tree))
-            attempts.append(("memory", "no step held (or rebuildable) on every rank"))
         attempts += [(n, "no committed step") for n, s in durable_latest.items() if s is None]
         found = self._load_newest_durable(state, attempts)
         if found is not None:
@@ -304,6 +305,34 @@ class TieredCheckpointer:
         raise CheckpointNotFoundError(
             "no tier holds a recoverable step: " + "; ".join(f"{n}: {why}" for n, why in attempts)
         )
+
+    def _recover_memory(
+        self, state: Any, everyone: Any, best_durable: int | None, attempts: list[tuple[str, str]]
+    ) -> tuple[int, str, list[int], Any] | None:
+        """``(step, source, rebuilt ranks, tree)`` from peers' memory, or None (and why, in
+        ``attempts``) when no step is recoverable, newer than ``best_durable`` and intact on
+        every rank. Collective: every rank reaches the same verdict."""
+        self._erasure()  # the group a rebuild runs on, made by every rank together
+        chosen, why = self.memory.recoverable(everyone)
+        if chosen is None:
+            attempts.append(
+                ("memory", "; ".join(["no step held (or rebuildable) on every rank", *why]))
+            )
+            return None
+        step, lost = chosen
+        attempts += [("memory", w) for w in why]
+        if best_durable is not None and step < best_durable:
+            attempts.append(
+                ("memory", f"step {step} is older than the durable step {best_durable}")
+            )
+            return None
+        g = resolve_group(self._process_group)
+        failed = [(r, e) for r, e in enumerate(g.all_gather(self.memory.verify(step))) if e]
+        if failed:
+            attempts += [("memory", f"step {step} on rank {r}: {e}") for r, e in failed]
+            return None
+        source, tree = self.memory.restore(step, lost, state)
+        return step, source, lost, tree
 
     def _load_newest_durable(self, state: Any, attempts: list[tuple[str, str]]) -> Any:
         """``(tier, step, tree)`` of the newest step any durable tier holds, loaded from the
@@ -336,32 +365,6 @@ class TieredCheckpointer:
         emit(self._on_event, event)
         return report
 
-    def _memory_step(self, everyone: list[list[int]]) -> tuple[int, list[int]] | None:
-        """Newest step every rank has, or can rebuild; with the ranks that must rebuild."""
-        candidates = sorted({s for steps in everyone for s in steps}, reverse=True)
-        eg = self._erasure()
-        for step in candidates:
-            lost = [r for r, steps in enumerate(everyone) if step not in steps]
-            if not lost:
-                return step, []
-            if eg is None:
-                continue
-            per_group = [sum(1 for r in lost if r in members) for members in eg.groups]
-            if max(per_group) <= eg.m:
-                return step, lost
-        return None
-
-    def _restore_memory(self, step: int, lost: list[int], state: Any) -> tuple[str, Any]:
-        g = resolve_group(self._process_group)
-        held: Any = self.memory.find(step)
-        if lost:
-            rebuilt = self._erasure().rebuild(lost, held if g.rank not in lost else None)
-            snap = rebuilt if g.rank in lost else held.snapshot
-        else:
-            snap = getattr(held, "snapshot", held)
-        tree = snap.restore_into(state)
-        return ("memory+erasure" if lost else "memory"), tree
-
     def close(self) -> None:
         """Flush and close every tier, and take the guards off the optimizers.
 
@@ -377,6 +380,7 @@ class TieredCheckpointer:
             if self._ec_group is not None:  # nothing runs on it once the snapshotter stopped
                 BACKGROUND_GROUPS.give(self._ec_group)
                 self._ec_group = None
+            self.memory.close()  # the keep_in folder's lock: another writer may take it
             with contextlib.ExitStack() as closing:  # each closes, whatever another raises
                 for c in self.durable.values():
                     closing.callback(c.close)
