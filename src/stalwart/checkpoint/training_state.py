@@ -43,57 +43,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from stalwart.checkpoint.fqn_state import fqn_state_dicts, set_fqn_state_dicts
 from stalwart.errors import StateMismatchError
 
 __all__ = ["TrainingState"]
 
 logger = logging.getLogger(__name__)
-
-
-def _parts(model: Any, optimizer: Any) -> list[tuple[nn.Module, Optimizer]]:
-    models = list(model) if isinstance(model, (list, tuple)) else [model]
-    optims = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    if len(models) != len(optims):
-        raise ValueError(f"{len(models)} model parts but {len(optims)} optimizers")
-    return list(zip(models, optims, strict=True))
-
-
-def _fqn_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Model and optimizer state of every part, merged; optimizer keys are parameter FQNs."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(flatten_optimizer_state_dict=True)
-    msd: dict[str, Any] = {}
-    osd: dict[str, Any] = {}
-    for part, opt in _parts(model, optimizer):
-        m, o = get_state_dict(part, opt, options=opts)
-        msd.update(m)
-        osd.update(o)
-    return msd, osd
-
-
-def _set_fqn_state_dicts(model: Any, optimizer: Any, state_dict: Mapping[str, Any]) -> None:
-    """Restore every part from merged FQN-keyed state (each part takes its own keys)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-    for part, opt in _parts(model, optimizer):
-        # set_state_dict fills a fresh optimizer's state only after a zero step that it
-        # skips when any gradient exists, and then silently loads no state: hide them.
-        grads = {p: p.grad for g in opt.param_groups for p in g["params"]} if not opt.state else {}
-        for p in grads:
-            p.grad = None
-        try:
-            set_state_dict(
-                part,
-                opt,
-                model_state_dict=dict(state_dict["model"]),
-                optim_state_dict=dict(state_dict["optimizer"]),
-                options=opts,
-            )
-        finally:
-            for p, grad in grads.items():
-                p.grad = grad
 
 
 def _current_rank() -> int:
@@ -317,7 +272,7 @@ class TrainingState:
         """
         sd: dict[str, Any] = {}
         if self.fqn_optimizer_state and self.model is not None:
-            sd["model"], sd["optimizer"] = _fqn_state_dicts(self.model, self.optimizer)
+            sd["model"], sd["optimizer"] = fqn_state_dicts(self.model, self.optimizer)
         elif self.model is not None:
             sd["model"] = cast(nn.Module, self.model).state_dict()
         if self.optimizer is not None and not self.fqn_optimizer_state:
@@ -332,14 +287,16 @@ class TrainingState:
             sd["rng"] = {_rank_key(self._rank()): _capture_rng(self.generators)}
         return sd
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore every part this object holds from ``state_dict``.
 
         Parts in ``state_dict`` that this object does not hold are ignored. The optimizer
-        may be fresh (empty state): its state is taken from the loaded tensors.
+        may be fresh (empty state): its state is taken from the loaded tensors. ``strict``
+        is the model's, as in ``nn.Module.load_state_dict``.
 
         Raises:
-            StateMismatchError: a part this object holds is missing from ``state_dict``.
+            StateMismatchError: a part this object holds is missing from ``state_dict``, or
+                (``strict``, ``fqn_optimizer_state``) model keys differ.
         """
         for name in ("model", "optimizer", "scheduler", "extra"):
             if getattr(self, name) is not None and name not in state_dict:
@@ -349,9 +306,9 @@ class TrainingState:
                     "parts that were saved, or pass that part as None"
                 )
         if self.fqn_optimizer_state and self.model is not None:
-            _set_fqn_state_dicts(self.model, self.optimizer, state_dict)
+            set_fqn_state_dicts(self.model, self.optimizer, state_dict, strict)
         elif self.model is not None:
-            cast(nn.Module, self.model).load_state_dict(state_dict["model"])
+            cast(nn.Module, self.model).load_state_dict(state_dict["model"], strict=strict)
         if self.optimizer is not None and not self.fqn_optimizer_state:
             cast(Optimizer, self.optimizer).load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
