@@ -111,7 +111,8 @@ def export_dcp(
 
     ``dest`` is a folder or an fsspec URL; ``dcp.load`` (or torchtitan) reads it with
     ``FileSystemReader``/``FsspecReader``. Tuples in the tree become lists (DCP stores a
-    tuple as one pickled value).
+    tuple as one pickled value). DCP saves a mapping: a step whose top level is a list or a
+    bare tensor is exported under the key ``"state"`` (``state.0``, ``state``).
 
     Raises:
         CheckpointNotFoundError: no such root or step.
@@ -132,9 +133,11 @@ def export_dcp(
         return torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device="meta")
 
     tree = _lists(unflatten(strip_numpy(m.skeleton), meta))
-    if not isinstance(tree, dict):
+    wrapped = not isinstance(tree, dict)
+    if wrapped:
         tree = {"state": tree}
-    names = {fqn_of(p): n for p, n in _tensor_paths(tree, m.tensors)}  # DCP's name -> stalwart's
+    # DCP's name -> stalwart's, which has no "state" (a bare tensor's is "")
+    names = {fqn_of(p): n for p, n in _tensor_paths(tree, m.tensors, skip=int(wrapped))}
     planner = _StreamingSavePlanner(ckpt, step, names)
     if _is_url(dest):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -167,12 +170,15 @@ def _lists(tree: Any) -> Any:
     return tree
 
 
-def _tensor_paths(tree: Any, tensors: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
-    """``(DCP path, stalwart name)`` of every tensor leaf (both join keys with '.')."""
+def _tensor_paths(
+    tree: Any, tensors: dict[str, Any], skip: int = 0
+) -> list[tuple[tuple[Any, ...], str]]:
+    """``(DCP path, stalwart name)`` of every tensor leaf (both join keys with '.'); the
+    stalwart name leaves out the first ``skip`` keys of the path (a wrapper stalwart lacks)."""
     out = []
     for path, v in dcp_leaves(tree):
         if isinstance(v, torch.Tensor):
-            name = fqn_of(path)
+            name = fqn_of(path[skip:])
             if name not in tensors:
                 raise ConfigError(f"tensor at {path!r} has no stalwart name {name!r}")
             out.append((path, name))
