@@ -49,9 +49,11 @@ there (``Buffered(rule="per-version")`` keeps it, for comparison).
 
 **Membership.** ``k`` follows the published members, so a departed member never blocks a
 buffer (a member that died between its ticket and its post costs the aggregator one store
-timeout for that slot). A newer epoch (a newcomer) is joined when each member next reports
-or waits: that join is a barrier of the job (the slowest member arrives within one of its
-phases), after which every member adopts the newest version again.
+timeout for that slot; a claim whose owner left the latest epoch before publishing is taken
+over by the first waiter that sees it, with ``compare_set``, and the buffer aggregated
+again). A newer epoch (a newcomer) is joined when each member next reports or waits: that
+join is a barrier of the job (the slowest member arrives within one of its phases), after
+which every member adopts the newest version again.
 """
 
 from __future__ import annotations
@@ -263,13 +265,24 @@ class AsyncOuter:
     # -- aggregating a buffer ---------------------------------------------------------------
 
     def _maybe_aggregate(self, v: int) -> None:
-        """Claim and aggregate buffer ``v`` if it holds ``k`` contributions and nobody has."""
-        n = self.store.add(f"diloco/b{v}/n", 0)
-        if n < self.mode.k_for(self._members()) or self.latest() > v:
+        """Claim and aggregate buffer ``v`` if it holds ``k`` contributions and nobody has.
+
+        A claim whose owner is no longer a member of the latest epoch (it died before
+        publishing) is taken over: ``compare_set`` against the claim's value, so exactly one
+        member takes it.
+        """
+        n, members = self.store.add(f"diloco/b{v}/n", 0), self._member_ids()
+        if n < self.mode.k_for(len(members)) or self.latest() > v:
             return
-        mine = f"{self.wid}:{n}"
-        if bytes(self.store.compare_set(f"diloco/b{v}/claim", "", mine)).decode() != mine:
-            return  # another member claimed it
+        key, mine = f"diloco/b{v}/claim", f"{self.wid}:{n}"
+        held = bytes(self.store.compare_set(key, "", mine)).decode()
+        if held != mine:
+            owner = int(held.split(":")[0])
+            if owner in members or self.latest() > v:
+                return  # another member claimed it and is aggregating (or has published)
+            if bytes(self.store.compare_set(key, held, mine)).decode() != mine:
+                return  # another member took the departed claimer's buffer over first
+            self._event(EventKind.DILOCO_TAKEOVER, buffer=v, departed=owner)
         self._aggregate(v, n)
 
     def _included(self, v: int, ticket: int) -> bool:
@@ -320,6 +333,9 @@ class AsyncOuter:
             "dropped": [p["wid"] for p in parts if p not in fresh],
             "assign": assign_h(rates, self.models.h, self.mode.h_min),
         }  # fmt: skip
+        if bytes(self.store.get(f"diloco/b{v}/claim")).decode() != f"{self.wid}:{n}":
+            self.adopt(v, force=True)  # taken over (this member was left out): undo the step
+            return
         self.store.set(f"diloco/r{v + 1}", _dumps(rec))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         self.store.set("diloco/version", str(v + 1))
         self.version = v + 1
