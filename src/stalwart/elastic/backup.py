@@ -51,6 +51,13 @@ mean over its computed rows, so this is the mean over every row computed; ``sum(
 partial posts, the rule above). Members it included are in phase; a post after the grace is
 dropped like any late one.
 
+**A member leaves mid-step.** A waiting member polls the latest membership epoch; one that
+drops a member of this epoch ends the wait at once only if the departed member may hold a
+piece the step still lacks: it is the reducer (``.../k`` names it) and no result is posted,
+or one of the first ``k - 1`` contributions is missing (or the reducer unknown) and the
+departed member's own is not among those posted. Otherwise (a newcomer joined, or the member
+left after posting) the step completes for everyone and the new epoch is joined after it.
+
 Costs: every contribution crosses the coordinator's TCP store twice (in, then the result out;
 raw bytes, :mod:`stalwart.elastic.backup_wire`), so this suits small and medium models; the
 gloo all-reduce remains the default path.
@@ -184,12 +191,15 @@ class BackupRound:
         buffers: list[torch.Tensor],
         own_s: float,
         generators: Sequence[torch.Generator] = (),
-        abandon: Callable[[], bool] = lambda: False,
+        gone: Callable[[], set[int]] = set,
     ) -> tuple[Result, int]:
         """Post this member's contribution (if in time) and return the step's result.
 
-        ``abandon()`` is polled while waiting: True (a newer epoch was published, so a member
-        is gone) gives up at once instead of waiting for the store's timeout.
+        ``gone()`` is polled while waiting: the ranks of this epoch's members that a newer
+        epoch left out. The member gives up at once (instead of waiting for the store's
+        timeout) only when one of them may hold a piece the step still lacks ("A member
+        leaves mid-step" above); a newcomer alone, or a member that left after its
+        contribution was posted, never costs the step.
 
         Returns:
             The result, and this member's ticket (arrival order, 1-based; > k: dropped
@@ -212,14 +222,19 @@ class BackupRound:
         elif ticket > k and isinstance(self.backup, Dynamic) and not self.gave_up(epoch, step):
             # late after a full step: tell the next reducer (an abandoned step has no time)
             self.store.set(f"{p}/t{rank}", repr(own_s))
+
+        def lost() -> bool:
+            return self._lost(p, k, gone(), templates)
+
         if ticket == k:  # the reducer: its own contribution stays in memory
-            self._wait([f"{p}/g{i}" for i in range(1, k)], abandon)
+            self.store.set(f"{p}/k", str(rank))  # who reduces: waiters check it is alive
+            self._wait([f"{p}/g{i}" for i in range(1, k)], lost)
             late = self._partial_posts(p, k, size)
             mine = (head, [t.detach() for t in templates])
             result = self._reduce(p, k, late, mine, len(grads), epoch, step, size, generators)
             self._forget(epoch, step - _KEEP_STEPS, size)
         else:
-            self._wait([f"{p}/r"], abandon)
+            self._wait([f"{p}/r"], lost)
             result = Result.decode(self.store.get(f"{p}/r"), templates)
         self._seen(epoch, result)
         return result, ticket
@@ -299,17 +314,32 @@ class BackupRound:
         window = self.backup.window if isinstance(self.backup, Dynamic) else _PACE_WINDOW
         return {s_: times[s_] for s_ in sorted(times)[-window:]}
 
-    def _wait(self, keys: list[str], abandon: Callable[[], bool]) -> None:
+    def _lost(self, p: str, k: int, gone: set[int], templates: list[torch.Tensor]) -> bool:
+        """Whether a member that left (``gone``: ranks) may hold a piece step ``p`` still
+        lacks: the result of a reducer that left, or one of the first ``k - 1`` contributions
+        not posted yet when a departed member's own is not among the posted ones."""
+        if not gone or self.store.check([f"{p}/r"]):
+            return False
+        known = self.store.check([f"{p}/k"])  # the reducer's rank, set once it has ticket k
+        if known and int(self.store.get(f"{p}/k")) in gone:
+            return True
+        posted = [key for key in (f"{p}/g{i}" for i in range(1, k)) if self.store.check([key])]
+        heads = self.store.multi_get(posted) if posted else []
+        ranks = {decode(data, templates)[0][0] for data in heads}  # head: (rank, own_s, share)
+        return not gone <= ranks and (len(posted) < k - 1 or not known)
+
+    def _wait(self, keys: list[str], lost: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.store.timeout.total_seconds()  # type: ignore[attr-defined]  # missing from the stub
         while True:
             try:
                 self.store.wait(keys, _POLL)
                 return
             except RuntimeError:  # DistStoreError: not there yet
-                if abandon():
+                if lost() and not self.store.check(keys):  # a last look before giving up
                     raise RuntimeError(
-                        f"gave up waiting for {keys[-1]}: a newer membership epoch was "
-                        "published (a member left mid-step); the step is discarded"
+                        f"gave up waiting for {keys[-1]}: a member that left the job (a newer "
+                        "membership epoch was published) held a piece of this step; the step "
+                        "is discarded and retried in the new epoch"
                     ) from None
                 if time.monotonic() > deadline:
                     raise
@@ -320,5 +350,5 @@ class BackupRound:
         p = self._prefix(epoch, step)
         late = [f"{p}/t{r}" for r in range(size)] if isinstance(self.backup, Dynamic) else []
         self._janitor.delete(
-            [f"{p}/n", f"{p}/r", *(f"{p}/g{i}" for i in range(1, size + 1)), *late]
+            [f"{p}/n", f"{p}/r", f"{p}/k", *(f"{p}/g{i}" for i in range(1, size + 1)), *late]
         )

@@ -17,6 +17,7 @@ from stalwart.elastic.backup_wire import Result, set_rng_state
 from stalwart.elastic.commit import AllReduceCommit
 from stalwart.elastic.events import EventKind
 from stalwart.elastic.ledger import StepLedger
+from stalwart.elastic.protocol import decode, keys
 from stalwart.errors import ConfigError
 
 __all__ = ["BackupCommit", "check_reduce", "too_late"]
@@ -65,7 +66,7 @@ class BackupCommit:
             found, ticket = backups.exchange(
                 epoch=epoch.number, step=ledger.step, rank=epoch.rank, size=epoch.size,
                 grads=grads, buffers=buffers, own_s=ledger.own_s, generators=gens,
-                abandon=ledger.newer_epoch_published,
+                gone=lambda: _departed(ledger),
             )  # fmt: skip
         except RuntimeError as e:
             ledger.discard(e)
@@ -100,6 +101,20 @@ def too_late(ledger: StepLedger, backups: BackupRound | None) -> bool:
         return backups.too_late(ledger.epoch.number, ledger.step, ledger.epoch.size)
     except RuntimeError:  # the store is gone: step() reports it
         return False
+
+
+def _departed(ledger: StepLedger) -> set[int]:
+    """The ranks of this epoch's members that the latest published epoch left out (a
+    newcomer alone leaves nobody out; the store unreachable: none known)."""
+    m = ledger.membership
+    if m is None or not ledger.newer_epoch_published():
+        return set()
+    try:
+        latest = set(decode(m.store.get(keys.members(m.latest_epoch()))))
+    except RuntimeError:
+        return set()
+    epoch = ledger.epoch
+    return {r for r in range(epoch.size) if epoch.worker(r) not in latest}
 
 
 def _generators(state: Any) -> list[torch.Generator]:
