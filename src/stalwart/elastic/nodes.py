@@ -7,7 +7,10 @@ an *agent*: it starts its node's workers, replaces the ones that die (its own
 ``--max-restarts``), and tells the host through the store what it cannot see from afar:
 
     coord/next_wid        counter: worker ids are allocated here, unique across nodes
-    coord/nodes           counter: launchers that joined (an agent past MAX is refused)
+    coord/nodes           counter: live nodes, joined minus left (an agent past MAX is refused)
+    coord/agents          counter: agent records handed out (one per agent launcher)
+    coord/agent/{a}/wids  JSON list: the workers agent ``a`` started
+    coord/agent/{a}/left  set once (``compare_set``) by whoever counts agent ``a`` out
     coord/exit/{wid}      exit status of a worker, written by the launcher that reaped it
     coord/kill/{wid}      the host asks the worker's launcher to SIGKILL it (hung, absent)
     coord/final           JSON list: the members of the final epoch (agents stop the others)
@@ -20,6 +23,12 @@ and publishes the next epoch without them. A node *joins* by starting a launcher
 ``--rdzv``: its workers announce themselves and the host adds them at the next step boundary,
 where they heal from a live member.
 
+**Counting nodes.** ``--nnodes MIN:MAX`` caps the nodes *at once*: an agent that leaves counts
+itself out of ``coord/nodes`` when its loop ends. One that dies cannot, so a launcher about to
+join first counts out every agent whose workers the host has all written off (each reaped with
+an exit status, or asked to be killed: the host took it for hung, as it does for the silent
+workers of a dead node). ``compare_set`` on ``.../left`` makes each agent count out once.
+
 The first epoch waits for ``MIN`` nodes' workers (``MIN * N``, nodes being alike) or the start
 grace. The host's death ends the job for everyone (no other launcher re-hosts the store; see
 ``docs/elastic.md``).
@@ -27,9 +36,11 @@ grace. The host's death ends the job for everyone (no other launcher re-hosts th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,11 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 _TERM_GRACE_S = 5.0
+_AGENTS = "coord/agents"
+
+
+def _agent_key(agent: int, what: str) -> str:
+    return f"coord/agent/{agent}/{what}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -88,7 +104,8 @@ def rendezvous(address: str, max_nodes: int) -> tuple[RdzvCoordinator | None, St
         for an agent), a store client, and this node's number (0 for the first).
 
     Raises:
-        ConfigError: ``address`` is not ``HOST:PORT``, or the job already has ``max_nodes``.
+        ConfigError: ``address`` is not ``HOST:PORT``, or the job already has ``max_nodes``
+            live nodes.
     """
     host, _, port_text = address.rpartition(":")
     if not host or not port_text.isdigit():
@@ -100,13 +117,35 @@ def rendezvous(address: str, max_nodes: int) -> tuple[RdzvCoordinator | None, St
         store: Store = coord.store
     except RuntimeError:  # the port is taken: another launcher hosts the job
         store = TCPStore(host, port, is_master=False, wait_for_workers=False)
+    if coord is None:
+        _count_out_departed(store)
     node = int(store.add(keys.NODES, 1)) - 1
     if node >= max_nodes:
+        store.add(keys.NODES, -1)
         raise ConfigError(
-            f"the job at {address} already has {max_nodes} nodes (--nnodes MIN:{max_nodes}); "
-            "raise MAX on every launcher to add more"
+            f"the job at {address} already has {max_nodes} nodes running (--nnodes "
+            f"MIN:{max_nodes}); wait for a node to leave, or raise MAX on every launcher"
         )
     return coord, store, node
+
+
+def _count_out(store: Store, agent: int) -> None:
+    """Take agent ``agent`` off the live nodes, exactly once whoever calls it."""
+    mine = uuid.uuid4().hex
+    if bytes(store.compare_set(_agent_key(agent, "left"), "", mine)).decode() == mine:
+        store.add(keys.NODES, -1)
+
+
+def _count_out_departed(store: Store) -> None:
+    """Count out the agents whose workers the host has all written off (exited or asked to be
+    killed): a launcher that died leaves its count behind, and nobody else reaps its workers."""
+    for agent in range(int(store.add(_AGENTS, 0))):
+        wids_key = _agent_key(agent, "wids")
+        if store.check([_agent_key(agent, "left")]) or not store.check([wids_key]):
+            continue
+        wids = decode(store.get(wids_key))
+        if all(store.check([keys.exit(w)]) or store.check([keys.kill(w)]) for w in wids):
+            _count_out(store, agent)
 
 
 def new_wid(store: Store) -> int:
@@ -147,15 +186,18 @@ def run_agent(
     env = dict(env, **{ENV_STORE: rdzv})
     env.pop(ENV_STORE_FILE, None)
     events = EventLog(folder, -1, name=LAUNCHER_LOG)
+    agent = int(store.add(_AGENTS, 1)) - 1
     try:
-        return _agent_loop(cmd, nproc, max_restarts, env, store, stdout, events)
+        return _agent_loop(cmd, nproc, max_restarts, env, store, stdout, events, agent)
     finally:
         events.close()
+        with contextlib.suppress(RuntimeError):  # the host is gone, and its count with it
+            _count_out(store, agent)  # the node left: a replacement node may join
 
 
 def _agent_loop(
     cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Store,
-    stdout: int | None, events: EventLog,
+    stdout: int | None, events: EventLog, agent: int,
 ) -> tuple[int, int]:  # fmt: skip
     procs: dict[int, subprocess.Popen[bytes]] = {}
     codes: dict[int, int] = {}
@@ -164,6 +206,7 @@ def _agent_loop(
 
     def spawn(replaces: int | None = None) -> None:
         wid = new_wid(store)
+        store.set(_agent_key(agent, "wids"), encode(sorted([*procs, wid])))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         events.write(EventKind.SPAWNED, wid=wid, replaces=replaces)
         procs[wid] = subprocess.Popen(cmd, env=dict(env, **{ENV_WORKER: str(wid)}), stdout=stdout)
 
