@@ -14,7 +14,9 @@ member decides alike (:func:`grad_signals`): a non-finite flag names the member 
 ``decided_by="nonfinite-count"``) and the step is discarded on every member without a fault
 (the retried step recomputes; non-finite again at the same step is not transient: every member
 raises ``DistributedError``); a norm above ``grad_norm_k`` times the median of the others' (≥ 3
-members, off at 0) is recorded (``decided_by="grad-norm"``) and the step kept.
+members with gradients, off at 0) is recorded (``decided_by="grad-norm"``) and the step kept.
+A member whose norm is 0 computed nothing this step (an empty ``ElasticSampler`` share at the
+end of a data epoch: no backward, so no gradient or a zeroed one) and is left out of the rule.
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ def grad_signals(
     """The member slots with non-finite gradients, and those whose norm is an outlier.
 
     A slot's norm (the root of ``norms_sq``) is an outlier when it exceeds ``k`` times the
-    median of the other slots' finite norms; only with ≥ 3 slots, never when ``k`` is 0.
+    median of the other slots' norms. Only slots with finite, non-zero norms take part (a norm
+    of 0: the member computed no gradient this step), and only when ≥ 3 of them do; never
+    when ``k`` is 0.
     """
     bad = [i for i, n in enumerate(nonfinite) if n > 0]
-    norms = [max(float(s), 0.0) ** 0.5 for s in norms_sq]
+    norms = {i: max(float(s), 0.0) ** 0.5 for i, s in enumerate(norms_sq) if i not in bad}
+    computed = {i: n for i, n in norms.items() if n > 0}
     outliers: list[int] = []
-    if k > 0 and len(norms) >= 3:
-        for i, n in enumerate(norms):
-            others = [m for j, m in enumerate(norms) if j != i and j not in bad]
-            if i not in bad and others and n > k * statistics.median(others):
+    if k > 0 and len(computed) >= 3:
+        for i, n in computed.items():
+            median = statistics.median(m for j, m in computed.items() if j != i)
+            if median > 0 and n > k * median:
                 outliers.append(i)
     return bad, outliers
 
