@@ -22,9 +22,9 @@ lifetimes (first to last line) summed.
 
 **Counting faults.** Every survivor of a failure writes its own ``fault-detected`` (a survivor
 cannot tell who died: gloo reports a closed connection), so one SIGKILL among three members
-gives two reports. A fault counts once per failed member: the reports of one epoch are one
-collective's failure, and its failed members are the epoch's members (listed in each report)
-that reported nothing. The raw count stays in ``fault_reports``.
+gives two reports. A fault counts once per failed member: the launcher's abnormal exits
+(``recovery.py``'s rule) and each reporting epoch's members missing from the next epoch; with
+neither, the members that reported nothing (at least one). The raw count: ``fault_reports``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class EventKind(StrEnum):
     DILOCO_DROPPED = "diloco-dropped"  # worker, base, version, h
     DILOCO_MISSING = "diloco-missing"  # worker, buffer, ticket
     DILOCO_AGGREGATE = "diloco-aggregate"  # worker, version, used, dropped, momentum, ...
+    DILOCO_TAKEOVER = "diloco-takeover"  # worker, buffer, departed (the claimer that left)
     # the launcher (launcher.jsonl)
     SPAWNED = "spawned"  # wid, replaces, group (replica groups only)
     # wid, rc, stopped, taken_down_by (killed with its replica group), excluded (true: the SDC
@@ -308,8 +309,8 @@ class JobSummary:
     Attributes:
         workers: number of worker processes that wrote events.
         final_step: the highest committed step any worker reached.
-        faults: failed members: fault-detected reports deduplicated by epoch and member
-            (module docstring); one SIGKILL counts 1 however many survivors saw it.
+        faults: failed members, never a survivor that committed ("Counting faults" in the
+            module docstring); one SIGKILL counts 1 however many survivors saw it.
         fault_reports: fault-detected events (one per survivor per failure).
         discarded_steps: step attempts discarded, counted on the worker that lost most.
         heals: state-received events.
@@ -349,6 +350,7 @@ def summarize(folder: Path) -> JobSummary:
     summary = JobSummary(workers=len(events))
     busy = alive = 0.0
     by_epoch: dict[Any, tuple[set[int], set[int]]] = {}  # epoch -> (reporters, members)
+    epochs: dict[int, set[int]] = {}  # epoch -> its members, from the members' reconfigured
     for wid, lines in events.items():
         if not lines:
             continue
@@ -362,6 +364,8 @@ def summarize(folder: Path) -> JobSummary:
             [summary.final_step] + [e["step"] for e in steps if e["committed"]]
         )
         for e in lines:
+            if e["kind"] == EventKind.RECONFIGURED and "members" in e:
+                epochs[int(e["epoch"])] = set(e["members"])
             if e["kind"] == EventKind.FAULT_DETECTED:
                 summary.fault_reports += 1
                 reporters, members = by_epoch.setdefault(e.get("epoch"), (set(), set()))
@@ -374,9 +378,7 @@ def summarize(folder: Path) -> JobSummary:
         finish = [e for e in lines if e["kind"] == EventKind.FINISH]
         if finish:
             summary.final_digests[wid] = finish[-1]["digest"]
-    summary.faults = sum(
-        max(1, len(members - reporters)) for reporters, members in by_epoch.values()
-    )
+    summary.faults = _failed_members(by_epoch, epochs, launcher_lines(folder))
     summary.goodput = busy / alive if alive > 0 else 0.0
     summary.shard_ranks = {
         int(e["wid"]): int(e["group_rank"])
@@ -384,3 +386,15 @@ def summarize(folder: Path) -> JobSummary:
         if e["kind"] == EventKind.SPAWNED and "group_rank" in e
     }
     return summary
+
+
+def _failed_members(by_epoch: dict[Any, tuple[set[int], set[int]]], epochs: dict[int, set[int]],
+                    launcher: list[dict[str, Any]]) -> int:  # fmt: skip
+    """How many members failed ("Counting faults" above)."""
+    dead = {e["wid"] for e in launcher if e["kind"] == EventKind.EXITED and e["rc"] != 0
+            and not e.get("stopped") and e.get("taken_down_by") is None}  # fmt: skip
+    after = {n: min((k for k in epochs if n is not None and k > n), default=-1) for n in by_epoch}
+    missing = {w for n, (_, m) in by_epoch.items() if after[n] >= 0
+               for w in m - epochs[after[n]]}  # fmt: skip
+    guessed = sum(max(1, len(m - r)) for n, (r, m) in by_epoch.items() if after[n] < 0)
+    return len(dead | missing) if launcher else len(missing) + guessed
