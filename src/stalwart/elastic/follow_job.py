@@ -329,9 +329,15 @@ class FollowHeal:
         try:
             send_rest(self.state, step, self.optimizer, ledger.params, ledger.buffers, 0,
                       self._group)  # fmt: skip
-            gather_digests(step, ledger.digest(), self._group)
+            mine, theirs = gather_digests(step, ledger.digest(), self._group)
         except (RuntimeError, OSError) as e:
             self._end(ledger, f"the promotion failed: {e}")
+            return
+        if theirs != mine:  # the follower compares too, and falls back to the heal
+            self._end(ledger, f"digests differ after the follow to step {step} (the follower "
+                              f"holds {theirs[1][:8]} at step {theirs[0]}, the pusher "
+                              f"{mine[1][:8]}): it heals at the epoch change",
+                      outcome="fell-back")  # fmt: skip
             return
         self._end(ledger, "", outcome="promoted")
 
