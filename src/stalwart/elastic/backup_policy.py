@@ -17,7 +17,7 @@ member's batch (McCandlish et al., "An Empirical Model of Large-Batch Training",
 (every contribution counts, the contributions-per-second rule); clean ones make a step worth
 the same whatever ``k`` (only the step rate counts). Unknown ``phi`` counts as
 noise-dominated. Before the commit's cost is measured (an epoch's first step), ``k = n``
-(``n - 1`` with partial contributions).
+(``n - 1`` with partial contributions, never below ``min_k``).
 
 **Partial contributions** (``partial=True``, after DropCompute, Giladi et al., arXiv
 2306.10598): the members still computing when the ``k``-th contribution arrives stop at their
@@ -126,14 +126,14 @@ def backup_count(backup: int | Static | Dynamic | None, size: int) -> int:
     """The first step's ``k`` for a world of ``size`` (a static ``b`` gives ``size - b``).
 
     :class:`Dynamic` starts at ``size`` (nothing measured yet), or ``size - 1`` with partial
-    contributions: then a late member's work is sent, not lost, and waiting for the slowest
-    costs the most (measured: an epoch's first two steps at ``k = n`` were its whole lag
-    behind the best static ``b``).
+    contributions (never below its ``min_k``, never above ``size``): then a late member's work
+    is sent, not lost, and waiting for the slowest costs the most (measured: an epoch's first
+    two steps at ``k = n`` were its whole lag behind the best static ``b``).
     """
     if backup is None:
         return size
     if isinstance(backup, Dynamic):
-        return max(1, size - 1) if backup.partial else size
+        return min(size, max(backup.min_k, size - 1, 1)) if backup.partial else size
     return max(1, size - (backup.b if isinstance(backup, Static) else backup))
 
 
