@@ -232,3 +232,30 @@ def test_a_resaved_step_replaces_it_and_the_abandoned_later_snapshots(tmp_path: 
     for step in (4, 5):  # the tier goes on as usual, reusing the forgotten buffers
         tc.save(step, state_at(step))
     assert [s.step for s in tc.snapshots] == [3, 4, 5]
+
+
+def test_close_closes_every_tier_when_one_raises(tmp_path: Path) -> None:
+    import threading
+
+    from stalwart.errors import CheckpointError, StorageFullError
+    from stalwart.storage import LocalStorage
+    from stalwart.testing import FlakyStorage
+
+    full = FlakyStorage(  # the first tier's disk is full: its save fails in the background
+        LocalStorage(tmp_path / "local"),
+        fail_on=lambda op, key: op == "write" and key.startswith("packs/"),
+        error=StorageFullError,
+    )
+    before = set(threading.enumerate())
+    tc = TieredCheckpointer(
+        [
+            Tier(name="local", root=full, every=EveryNSteps(1)),
+            Tier(name="remote", root=tmp_path / "remote", every=EveryNSteps(1)),
+        ]
+    )
+    tc.save_async(1, state_at(1))  # never waited on
+    with pytest.raises(CheckpointError, match="step 1"):
+        tc.close()  # the failure is raised, after every tier closed
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert not [n for n in left if n.startswith(("stalwart-persist", "stalwart-stage"))]
+    assert tc.durable["remote"].steps() == [1]
