@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from stalwart.errors import CorruptCheckpointError, UnsupportedValueError
-from stalwart.values import allow_types, plain_object, plain_scalar, rebuild
+from stalwart.values import allow_types, decimal_text, plain_object, plain_scalar, rebuild
 
 __all__ = [
     "FlatTree",
@@ -205,7 +205,7 @@ def _encode_value(value: Any, path: Path) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"k": "bool", "v": value}
     if isinstance(value, int):
-        return {"k": "int", "v": str(value)}
+        return {"k": "int", "v": decimal_text(value, _fqn(path))}
     if isinstance(value, float):
         return {"k": "float", "v": repr(value) if not math.isfinite(value) else value}
     if isinstance(value, str):

@@ -12,11 +12,12 @@ import argparse
 import dataclasses
 import enum
 import pathlib
+import sys
 from typing import Any
 
 from stalwart.errors import ConfigError, CorruptCheckpointError, UnsupportedValueError
 
-__all__ = ["allow_types", "plain_object", "plain_scalar", "rebuild", "type_name"]
+__all__ = ["allow_types", "decimal_text", "plain_object", "plain_scalar", "rebuild", "type_name"]
 
 # Classes that unflatten may rebuild, by "module:qualname"; filled only by allow_types().
 _ALLOWED_TYPES: dict[str, type] = {}
@@ -87,6 +88,20 @@ def plain_scalar(value: Any) -> tuple[Any, dict[str, str]] | None:
         kind = "Path" if kind in ("PosixPath", "WindowsPath") else kind
         return str(value), {"as": "path", "type": kind}
     return None
+
+
+def decimal_text(n: int, where: str) -> str:
+    """``str(n)``; an int past Python's int/str conversion limit (4,300 digits by default) is
+    refused with a way out. Readers keep that limit: it guards their parse of a manifest
+    against a number that takes quadratic time to read, so the format keeps it too."""
+    try:
+        return str(n)
+    except ValueError:
+        raise UnsupportedValueError(
+            f"the int at {where!r} has more than {sys.get_int_max_str_digits()} digits, "
+            "Python's int/str conversion limit, which every reader of a checkpoint keeps; "
+            "store it as bytes (n.to_bytes(...)) or as a str"
+        ) from None
 
 
 def rebuild(node: dict[str, Any], value: Any) -> Any:

@@ -238,6 +238,7 @@ class Opaque:
         ({"x": {Opaque()}}, "Opaque"),  # sets are stored now; their members must be too
         ({(1, 2): torch.ones(1)}, "dict key"),
         ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, "same name 'a.b'"),
+        ({"n": 10**5000}, r"int at 'n' has more than \d+ digits.*as bytes"),
     ],
 )
 def test_unsupported_values_are_refused_before_writing(tmp_path: Path, bad, match: str) -> None:
