@@ -73,10 +73,10 @@ def _is_numeric(sql_type: str) -> bool:
     return sql_type.upper().startswith(_NUMERIC)
 
 
-def _fmt(x: float) -> str:
+def _fmt(x: float, digits: int = 4) -> str:
     if x == int(x) and abs(x) < 1e15:
         return str(int(x))
-    return f"{x:.4g}"
+    return f"{x:.{digits}g}"
 
 
 def plan_cleaning(
@@ -165,9 +165,13 @@ def bucket_labels(quantiles: list[float]) -> tuple[list[float], list[str]]:
     edges = sorted({float(e) for e in quantiles if e is not None and math.isfinite(e)})
     if not edges:
         return [], []
-    labels = [f"< {_fmt(edges[0])}"]
-    labels += [f"[{_fmt(a)}, {_fmt(b)})" for a, b in itertools.pairwise(edges)]
-    labels.append(f">= {_fmt(edges[-1])}")
+    for digits in (4, 6, 9, 12, 17):  # as few digits as keep every edge apart (17: any two)
+        shown = [_fmt(e, digits) for e in edges]
+        if len(set(shown)) == len(shown):
+            break
+    labels = [f"< {shown[0]}"]
+    labels += [f"[{a}, {b})" for a, b in itertools.pairwise(shown)]
+    labels.append(f">= {shown[-1]}")
     return edges, labels
 
 

@@ -42,7 +42,7 @@ def _plot(d: Diagnosis) -> str:
     y = list(range(len(labels)))[::-1]
     ax.barh(y, lifts, xerr=err, color="#c0392b", alpha=0.8, capsize=3)
     ax.axvline(1.0, color="#555", lw=0.8, ls="--")
-    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_yticks(y, [t.replace("$", r"\$") for t in labels], fontsize=8)  # no math: "${HOME}"
     ax.set_xlabel("lift (failure rate inside / overall), with interval")
     ax2.barh(y, [f.support for f in d.findings], color="#2c3e50", alpha=0.8, label="support")
     ax2.barh(y, [f.explained for f in d.findings], color="#e67e22", alpha=0.9, label="explains")

@@ -86,7 +86,7 @@ def register_csv(
         if note:
             notes.append(f"{Path(path).name}: {note}")
         if skip_bad:
-            total = _count_lines(path, fs)
+            total = _count_records(path, fs, delim)
             kept = con.sql(f"SELECT count(*) FROM {name}").fetchall()[0]
             if total is not None and total - 1 > kept[0]:
                 notes.append(f"skipped {total - 1 - kept[0]} malformed line(s) of {path}")
@@ -103,11 +103,17 @@ def _open_binary(path: str, fs: Any) -> Any:
     return fs.open(path, "rb") if fs is not None else open(path, "rb")
 
 
-def _count_lines(path: str, fs: Any = None) -> int | None:
+def _count_records(path: str, fs: Any, delim: str | None) -> int | None:
+    """Non-blank CSV records of one plain file, the header included (a quoted field may span
+    lines: counting lines took those for skipped ones); None for globs and compressed files."""
+    if not _single_plain_file(path):
+        return None
     try:
         with _open_binary(path, fs) as f:
-            return sum(1 for line in f if line.strip())
-    except OSError:
+            text = io.TextIOWrapper(f, encoding="latin-1", newline="")
+            rows = csv.reader(text, delimiter=delim or ",")
+            return sum(1 for row in rows if any(field.strip() for field in row))
+    except (OSError, csv.Error):
         return None
 
 
