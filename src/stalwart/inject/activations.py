@@ -70,7 +70,7 @@ class ActivationInjector(AbstractContextManager["ActivationInjector"]):
                 for r in rows:
                     raw[r, f.index] = edit_raw(raw[r], torch.tensor([f.index]), f.op, mask)[0]
             if output.requires_grad:  # keep the graph: gradient flows as if unfaulted
-                return output + (out - output).detach()
+                return _StraightThrough.apply(output, out)
             return out
 
         return hook
@@ -96,3 +96,16 @@ def activation_faults(model: nn.Module, faults: Iterable[Fault]) -> ActivationIn
         ...     out = model(batch)       # sample s carries its own fault
     """
     return ActivationInjector(model, faults)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the faulted values exactly (``output + (out - output)`` rounds, and an
+    exponent flip loses the value); backward: the gradient passes as if unfaulted."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, faulted: torch.Tensor) -> torch.Tensor:
+        return faulted.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
