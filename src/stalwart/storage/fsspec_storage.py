@@ -168,10 +168,7 @@ class FsspecStorage:
     def _translate(self, e: Exception, path: str, what: str) -> StorageError:
         code = error_code(e)
         if code == "NoSuchBucket" or "bucket does not exist" in str(e):
-            bucket = path.lstrip("/").split("/", 1)[0]
-            return ObjectNotFoundError(
-                f"bucket {bucket!r} does not exist ({what}); create it or fix the URL {self.url!r}"
-            )
+            return self._missing_bucket(path, what)
         if isinstance(e, FileNotFoundError):
             return ObjectNotFoundError(f"no object at {self.protocol}://{path} ({what})")
         if isinstance(e, PermissionError) or code in _PERMISSION_CODES:
@@ -300,6 +297,7 @@ class FsspecStorage:
             try:
                 return dict(self.fs.find(base, detail=True))
             except FileNotFoundError:
+                self._check_bucket(base, "list")  # a missing bucket is no empty folder
                 return {}
 
         found = self._call(f"list {self.protocol}://{base}", base, find)
@@ -315,6 +313,19 @@ class FsspecStorage:
                 infos.append(ObjectInfo(key, int(info.get("size") or 0), _mtime(info)))
         infos.sort(key=lambda i: i.key)
         return infos
+
+    def _check_bucket(self, path: str, what: str) -> None:
+        """Raise the missing-bucket error when ``path``'s bucket does not exist (object stores
+        name a bucket first; s3fs lists a missing bucket as a missing folder)."""
+        bucket = path.lstrip("/").split("/", 1)[0]
+        if self.protocol in _STREAMS_ATOMICALLY and not self.fs.exists(bucket):
+            raise self._missing_bucket(path, what)
+
+    def _missing_bucket(self, path: str, what: str) -> ObjectNotFoundError:
+        bucket = path.lstrip("/").split("/", 1)[0]
+        return ObjectNotFoundError(
+            f"bucket {bucket!r} does not exist ({what}); create it or fix the URL {self.url!r}"
+        )
 
     def close(self) -> None:
         """Drop our handle; fsspec caches and shares filesystem instances, so none is closed."""
