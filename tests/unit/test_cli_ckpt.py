@@ -355,3 +355,14 @@ def test_rm_refuses_a_step_a_load_holds_unless_forced(app: typer.Typer, root: Pa
         code, out, _ = run(app, "rm", root, 10, "--force")
         assert code == 0 and "deleted step 10" in out
     assert Checkpointer(root).steps() == [20]
+
+
+def test_ls_shows_a_creation_time_no_calendar_holds_as_a_dash(app: typer.Typer, root: Path) -> None:
+    # A version-1 manifest (no checksum) is read as it is; its time is informational.
+    path = root / "manifests" / f"step-{10:020d}.json"
+    doc = json.loads(path.read_text())
+    doc.update(version=1, created_unix=1e20)
+    del doc["checksum"]
+    path.write_text(json.dumps(doc))
+    code, out, _ = run(app, "ls", root)
+    assert code == 0 and "—" in out, out  # it raised OverflowError: exit 3, "a bug"

@@ -50,6 +50,15 @@ from stalwart.errors import ConfigError, CorruptCheckpointError
 __all__ = ["Format", "ckpt_app", "register"]
 
 
+def _when(created_unix: float) -> str:
+    """A manifest's creation time, local; "—" for one no calendar holds (informational only:
+    the step's data may still be sound, ``ckpt verify`` says)."""
+    try:
+        return datetime.fromtimestamp(created_unix).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return "—"
+
+
 @ckpt_app.command("ls")
 def ls(root: str = ROOT, as_json: bool = JSON, storage_option: list[str] = OPTS) -> None:
     """List committed steps: time, tensors, logical size, bytes written, dedup, world size."""
@@ -86,7 +95,7 @@ def ls(root: str = ROOT, as_json: bool = JSON, storage_option: list[str] = OPTS)
             if "damaged" in r:
                 table.add_row(str(r["step"]), "[red]damaged manifest[/]", *[""] * 5)
                 continue
-            created = datetime.fromtimestamp(r["created_unix"]).strftime("%Y-%m-%d %H:%M:%S")
+            created = _when(r["created_unix"])
             dedup = fmt_ratio(r["dedup_ratio"]) if r["bytes_written"] else "all reused"
             sizes = (fmt_size(r["logical_bytes"]), fmt_size(r["bytes_written"]), dedup)
             table.add_row(str(r["step"]), created, str(r["tensors"]), *sizes, str(r["world_size"]))
