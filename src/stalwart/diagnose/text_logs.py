@@ -41,9 +41,15 @@ def register_jsonl(
         line = _LINE.search(str(e))
         at = f" at line {line.group(1)}" if line else ""
         raise ConfigError(f"{path}: malformed JSON lines{at}: {first_line(e)}. {_SKIP_HINT}") from e
+    types = {str(r[0]): str(r[1]) for r in con.sql(f"DESCRIBE {name}").fetchall()}
+    mixed = [identifier(c) for c, t in types.items() if t == "JSON"]  # a string here, 0 there
+    if mixed:  # values as text, not JSON text: "h3" and 0, not '"h3"' and '0'
+        plain = ", ".join(f"json_extract_string({c}, '$') AS {c}" for c in mixed)
+        replace = f"SELECT * REPLACE ({plain}) FROM {name}"
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {replace}")
     if skip_bad:
         # DuckDB keeps a skipped JSON line as a row of NULLs: drop those rows, and say so.
-        cols = [str(r[0]) for r in con.sql(f"DESCRIBE {name}").fetchall()]
+        cols = list(types)
         empty = " AND ".join(f"{identifier(c)} IS NULL" for c in cols) or "false"
         dropped = con.execute(f"DELETE FROM {name} WHERE {empty}").fetchall()[0][0]
         if dropped:

@@ -43,3 +43,14 @@ def test_skipped_lines_count_records_not_lines(tmp_path: Path) -> None:
     (tmp_path / "ml.csv").write_text("\n".join(rows) + "\n")
     d = analyze(tmp_path / "ml.csv", "status != 'ok'", skip_bad_lines=True)
     assert d.total_rows == 60 and not [n for n in d.notes if "skipped" in n]
+
+
+def test_a_json_lines_column_of_mixed_types_reads_as_plain_text(tmp_path: Path) -> None:
+    # DuckDB types such a column JSON: values came out as JSON text, '"h3"' with its quotes.
+    lines = ['{"host": 0, "failed": false}'] + [
+        f'{{"host": "h{i % 4}", "failed": {"true" if i % 4 == 3 else "false"}}}'
+        for i in range(1, 200)
+    ]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    d = analyze(tmp_path / "mixed.jsonl", "failed")
+    assert [f.items for f in d.findings][:1] == [{"host": "h3"}]
