@@ -366,3 +366,10 @@ def test_ls_shows_a_creation_time_no_calendar_holds_as_a_dash(app: typer.Typer, 
     path.write_text(json.dumps(doc))
     code, out, _ = run(app, "ls", root)
     assert code == 0 and "—" in out, out  # it raised OverflowError: exit 3, "a bug"
+
+
+def test_a_file_inside_a_root_given_as_root_names_that_root(app: typer.Typer, root: Path) -> None:
+    manifest = root / "manifests" / f"step-{10:020d}.json"
+    code, out, err = run(app, "import", manifest, manifest)  # ROOT mistyped as its manifest
+    assert code == 2 and f"part of the checkpoint root {root}" in out + err, out + err
+    assert "ckpt import" not in out + err  # not: "import that manifest as a step"

@@ -136,6 +136,8 @@ def _file_as_root(path: Path) -> str:
                 f"{said}: it is a Lightning pointer to step {ptr['step']} of the root "
                 f"{ptr['root']}; pass that root (and --step {ptr['step']})"
             )
+    if path.parent.name in ("manifests", "packs", "leases"):  # a file of a root: that root
+        return f"{said}: it is part of the checkpoint root {path.parent.parent}; pass that root"
     return (
         f"{said}; pass the folder given to Checkpointer(...) (the one holding manifests and "
         f"packs), or import the file as a step with `stalwart ckpt import {path} ROOT`"
