@@ -50,15 +50,6 @@ from stalwart.errors import ConfigError, CorruptCheckpointError
 __all__ = ["Format", "ckpt_app", "register"]
 
 
-def _when(created_unix: float) -> str:
-    """A manifest's creation time, local; "—" for one no calendar holds (informational only:
-    the step's data may still be sound, ``ckpt verify`` says)."""
-    try:
-        return datetime.fromtimestamp(created_unix).strftime("%Y-%m-%d %H:%M:%S")
-    except (OverflowError, OSError, ValueError):
-        return "—"
-
-
 @ckpt_app.command("ls")
 def ls(root: str = ROOT, as_json: bool = JSON, storage_option: list[str] = OPTS) -> None:
     """List committed steps: time, tensors, logical size, bytes written, dedup, world size."""
@@ -303,3 +294,12 @@ def register(app: typer.Typer) -> None:
     app.add_typer(
         ckpt_app, name="ckpt", help="Inspect, verify, diff, export and import checkpoints."
     )
+
+
+def _when(created_unix: float) -> str:
+    """A manifest's creation time, local; "—" for one no calendar holds (informational only:
+    the step's data may still be sound, ``ckpt verify`` says)."""
+    try:
+        return datetime.fromtimestamp(created_unix).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return "—"
