@@ -58,11 +58,6 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 _TERM_GRACE_S = 5.0
-_AGENTS = "coord/agents"
-
-
-def _agent_key(agent: int, what: str) -> str:
-    return f"coord/agent/{agent}/{what}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -132,16 +127,16 @@ def rendezvous(address: str, max_nodes: int) -> tuple[RdzvCoordinator | None, St
 def _count_out(store: Store, agent: int) -> None:
     """Take agent ``agent`` off the live nodes, exactly once whoever calls it."""
     mine = uuid.uuid4().hex
-    if bytes(store.compare_set(_agent_key(agent, "left"), "", mine)).decode() == mine:
+    if bytes(store.compare_set(keys.agent(agent, "left"), "", mine)).decode() == mine:
         store.add(keys.NODES, -1)
 
 
 def _count_out_departed(store: Store) -> None:
     """Count out the agents whose workers the host has all written off (exited or asked to be
     killed): a launcher that died leaves its count behind, and nobody else reaps its workers."""
-    for agent in range(int(store.add(_AGENTS, 0))):
-        wids_key = _agent_key(agent, "wids")
-        if store.check([_agent_key(agent, "left")]) or not store.check([wids_key]):
+    for agent in range(int(store.add(keys.AGENTS, 0))):
+        wids_key = keys.agent(agent, "wids")
+        if store.check([keys.agent(agent, "left")]) or not store.check([wids_key]):
             continue
         wids = decode(store.get(wids_key))
         if all(store.check([keys.exit(w)]) or store.check([keys.kill(w)]) for w in wids):
@@ -186,7 +181,7 @@ def run_agent(
     env = dict(env, **{ENV_STORE: rdzv})
     env.pop(ENV_STORE_FILE, None)
     events = EventLog(folder, -1, name=LAUNCHER_LOG)
-    agent = int(store.add(_AGENTS, 1)) - 1
+    agent = int(store.add(keys.AGENTS, 1)) - 1
     try:
         return _agent_loop(cmd, nproc, max_restarts, env, store, stdout, events, agent)
     finally:
@@ -206,7 +201,7 @@ def _agent_loop(
 
     def spawn(replaces: int | None = None) -> None:
         wid = new_wid(store)
-        store.set(_agent_key(agent, "wids"), encode(sorted([*procs, wid])))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
+        store.set(keys.agent(agent, "wids"), encode(sorted([*procs, wid])))  # type: ignore[arg-type]  # the stub says str; bytes are accepted
         events.write(EventKind.SPAWNED, wid=wid, replaces=replaces)
         procs[wid] = subprocess.Popen(cmd, env=dict(env, **{ENV_WORKER: str(wid)}), stdout=stdout)
 

@@ -19,7 +19,8 @@ uses its own ``PrefixStore(f"epoch{n}", store)``, so the two never collide.
     coord/done/{wid}               JSON {"step", "epoch"}: worker wid finished and agreed
     coord/beat/{wid}               counter: worker wid's heartbeats (a daemon thread adds 1)
     coord/stats/{wid}              JSON: worker wid's latest step-time window (see stats.py)
-    coord/next_wid, coord/nodes, coord/exit/{wid}, coord/kill/{wid}, coord/final
+    coord/next_wid, coord/nodes, coord/exit/{wid}, coord/kill/{wid}, coord/final,
+    coord/agents, coord/agent/{a}/wids, coord/agent/{a}/left
                                    several nodes' launchers (see nodes.py)
 
 Environment of a worker started by ``stalwart run`` (parsed in one place, :func:`from_env`,
@@ -80,6 +81,7 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     EPOCH = "coord/epoch"
     NEXT_WID = "coord/next_wid"
     NODES = "coord/nodes"
+    AGENTS = "coord/agents"  # agent records handed out, one per agent launcher (nodes.py)
     FINAL = "coord/final"
     PROGRESS = "job/progress"  # the newest committed step, written by the lowest rank
     FATAL = "job/fatal"  # a worker's error no replacement can fix: the launcher stops
@@ -93,6 +95,12 @@ class keys:  # a namespace of key builders, read like ``keys.members(n)``
     def kill(wid: int) -> str:
         """Set by the host to have worker ``wid``'s launcher SIGKILL it."""
         return f"coord/kill/{wid}"
+
+    @staticmethod
+    def agent(a: int, what: str) -> str:
+        """Agent launcher ``a``'s record ``what``: ``wids`` (its workers), ``left`` (set once
+        by whoever counts it out of :attr:`NODES`)."""
+        return f"coord/agent/{a}/{what}"
 
     @staticmethod
     def follow(shard_rank: int) -> str:
