@@ -256,10 +256,13 @@ class Checkpointer:
         """
         return self._loader.load(state, step, strict, fallback)
 
-    def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
+    def read_tensor(
+        self, step: int, name: str, *, leased: bool = False
+    ) -> tuple[torch.Tensor, int]:
         """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified,
-        and the number of bytes read (see :meth:`Loader.read_tensor`)."""
-        return self._loader.read_tensor(step, name)
+        and the number of bytes read (see :meth:`Loader.read_tensor`; ``leased``: the caller
+        holds a reader lease on ``step``, so none is written per tensor)."""
+        return self._loader.read_tensor(step, name, leased=leased)
 
     def verify(
         self,

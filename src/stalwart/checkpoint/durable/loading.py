@@ -8,6 +8,7 @@ rank together), ``read_tensor`` (one whole tensor, verified: the read API tools 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -21,7 +22,7 @@ from stalwart.checkpoint.collective import Group
 from stalwart.checkpoint.durable import shared_read
 from stalwart.checkpoint.durable.async_save import AsyncSaver
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
-from stalwart.checkpoint.durable.lease import Lease
+from stalwart.checkpoint.durable.lease import Lease, check_committed
 from stalwart.checkpoint.durable.reshard import read_box
 from stalwart.checkpoint.durable.restore import load_step
 from stalwart.checkpoint.durable.results import LoadResult
@@ -48,8 +49,11 @@ class Loader:
         self.ctx, self.queue = ctx, queue  # queue: background failures surface at a load
         self.last_load: LoadResult | None = None
 
-    def read_tensor(self, step: int, name: str) -> tuple[torch.Tensor, int]:
-        """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified.
+    def read_tensor(
+        self, step: int, name: str, *, leased: bool = False
+    ) -> tuple[torch.Tensor, int]:
+        """The whole tensor ``name`` of ``step`` as a CPU tensor, every chunk verified, under
+        a reader lease; ``leased``: the caller holds one on ``step`` (a diff, for its tensors).
 
         Returns:
             The tensor and the number of bytes read from the store.
@@ -65,14 +69,15 @@ class Loader:
         where = f"checkpoint {store.url} step {step}"
         packs = {c.pack for s in e.shards for c in s.chunks}
         lease_s = self.ctx.options.lease_s
-        with Lease(store, steps=[step], packs=packs, lease_s=lease_s, reading=True) as lease:
-            lease.check_committed(m, where)  # as a load: retired is not damaged
+        held = Lease(store, steps=[step], packs=packs, lease_s=lease_s, reading=True)
+        with contextlib.nullcontext() if leased else held:
+            check_committed(store, m, where)  # as a load: retired is not damaged
             try:
                 stats = read_box(
                     store, e, name, (0,) * len(e.shape), dest, pool=self.ctx.io_pool, where=where
                 )
             except CorruptCheckpointError:
-                lease.check_committed(m, where, deep=True)
+                check_committed(store, m, where, deep=True)
                 raise
         return dest, stats.bytes_read
 

@@ -78,8 +78,8 @@ def diff_steps(ckpt: Checkpointer, a: int, b: int) -> DiffReport:
             store, steps=[a, b], packs=ma.packs() | mb.packs(), lease_s=ckpt.options.lease_s
         ):
             for row in to_read:
-                ta, na = ckpt.read_tensor(a, row.name)
-                tb, nb = ckpt.read_tensor(b, row.name)
+                ta, na = ckpt.read_tensor(a, row.name, leased=True)  # under the lease above
+                tb, nb = ckpt.read_tensor(b, row.name, leased=True)
                 report.bytes_read += na + nb
                 report.tensors_read += 1
                 _compare(row, ta, tb)
