@@ -259,3 +259,22 @@ def test_close_closes_every_tier_when_one_raises(tmp_path: Path) -> None:
     left = [t.name for t in set(threading.enumerate()) - before]
     assert not [n for n in left if n.startswith(("stalwart-persist", "stalwart-stage"))]
     assert tc.durable["remote"].steps() == [1]
+
+
+def test_a_with_block_already_failing_keeps_its_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stalwart.errors import StorageFullError
+    from stalwart.storage import LocalStorage
+    from stalwart.testing import FlakyStorage
+
+    full = FlakyStorage(
+        LocalStorage(tmp_path / "local"),
+        fail_on=lambda op, key: op == "write" and key.startswith("packs/"),
+        error=StorageFullError,
+    )
+    tiers = [Tier(name="local", root=full, every=EveryNSteps(1))]
+    with pytest.raises(KeyError, match="the user's own"), TieredCheckpointer(tiers) as tc:
+        tc.save_async(1, state_at(1))
+        raise KeyError("the user's own")
+    assert "step 1" in caplog.text  # the lost save is logged, not raised over the user's error

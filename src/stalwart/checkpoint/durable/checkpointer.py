@@ -40,7 +40,7 @@ from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigErro
 from stalwart.storage.base import Storage
 from stalwart.tree import flatten
 
-__all__ = ["Checkpointer", "LoadResult", "SaveResult"]
+__all__ = ["Checkpointer", "LoadResult", "SaveResult", "close_on_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -347,13 +347,19 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # already unwinding: say what else was lost, without hiding the first error
-            self.close()
-        except CheckpointError as e:
-            log.error("%s", e)
+        close_on_exit(self.close, exc_type)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self._root)!r})"
+
+
+def close_on_exit(close: Callable[[], object], exc_type: object) -> None:
+    """``close()`` as a ``with`` block ends. While an error unwinds, a background save that
+    failed unseen is logged instead of raised, so it does not hide that first error."""
+    if exc_type is None:
+        close()
+        return
+    try:
+        close()
+    except CheckpointError as e:
+        log.error("%s", e)

@@ -30,7 +30,7 @@ import torch
 from stalwart.checkpoint.capture import Capture, optimizer_storages, stage
 from stalwart.checkpoint.collective import BACKGROUND_GROUPS, Group, resolve_group
 from stalwart.checkpoint.durable.async_save import Guards, PendingSave, StagedCapture
-from stalwart.checkpoint.durable.checkpointer import Checkpointer
+from stalwart.checkpoint.durable.checkpointer import Checkpointer, close_on_exit
 from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.plan import local_items
 from stalwart.checkpoint.events import CheckpointEvent, emit
@@ -388,5 +388,5 @@ class TieredCheckpointer:
     def __enter__(self) -> TieredCheckpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        close_on_exit(self.close, exc_type)
