@@ -34,6 +34,15 @@ def test_more_losses_than_parity_fall_back_to_disk(tmp_path: Path) -> None:
     assert all(r == {"source": "local", "step": 2, "rebuilt": []} for r in results)
 
 
+def test_a_failed_rebuild_falls_back_to_disk_on_every_rank(tmp_path: Path) -> None:
+    # The survivors' parity is damaged: the lost rank's rebuilt snapshot fails its digest.
+    # That failure is agreed by every rank, and recovery goes on to the disk tier (it raised).
+    results = run_ranks(
+        tier_ranks.lose_and_recover, 3, str(tmp_path / "ck"), (2, 1), [1], True, timeout_s=180
+    )
+    assert all(r == {"source": "local", "step": 2, "rebuilt": []} for r in results)
+
+
 def test_closed_erasure_checkpointers_give_their_group_back() -> None:
     # Each TieredCheckpointer with erasure coding made a gloo group over every rank (a
     # connection to each) and never destroyed it: one more set of sockets per object.

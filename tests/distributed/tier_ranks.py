@@ -23,9 +23,15 @@ def blank(rank: int) -> dict[str, Any]:
 
 
 def lose_and_recover(
-    rank: int, world: int, root: str, erasure: tuple[int, int], lost: list[int]
+    rank: int,
+    world: int,
+    root: str,
+    erasure: tuple[int, int],
+    lost: list[int],
+    bad_parity: bool = False,
 ) -> dict[str, Any]:
-    """Save steps 1-3 to memory (EC) and step 2 to disk; ``lost`` ranks forget their memory."""
+    """Save steps 1-3 to memory (EC) and step 2 to disk; ``lost`` ranks forget their memory
+    (and, with ``bad_parity``, the survivors' parity of step 3 is flipped: a wrong rebuild)."""
     tc = TieredCheckpointer(
         [
             Tier(name="memory", every=EveryNSteps(1), keep=KeepLast(2)),
@@ -37,6 +43,10 @@ def lose_and_recover(
         tc.save(step, state_at(step, rank))
     if rank in lost:
         tc.drop_memory()  # this rank crashed and came back empty
+    elif bad_parity:
+        tc.wait()  # step 3 protected
+        for piece in tc.memory.find(3).parity.values():
+            piece.bitwise_not_()
     target = blank(rank)
     report = tc.recover(target)
     expected = state_at(report.step, rank)

@@ -14,7 +14,9 @@ durable saves in flight need.
 
 Recovery asks the tier which step every rank can restore (:meth:`MemoryTier.recoverable`,
 from what each rank :meth:`~MemoryTier.held`), checks it (:meth:`~MemoryTier.verify`) and
-restores it, rebuilding lost ranks from their peers' parity (:meth:`~MemoryTier.restore`).
+takes its snapshot, rebuilding lost ranks' from their peers' parity
+(:meth:`~MemoryTier.snapshot`); a failed rebuild fails on every rank alike, and recovery
+goes on to the durable tiers.
 """
 
 from __future__ import annotations
@@ -233,18 +235,21 @@ class MemoryTier:
             return str(e)
         return None
 
-    def restore(self, step: int, lost: list[int], state: Any) -> tuple[str, Any]:
-        """Copy ``step`` into ``state``: ``(source, tree)``; collective when ``lost``.
+    def snapshot(self, step: int, lost: list[int]) -> tuple[str, Snapshot]:
+        """``(source, snapshot)``: this rank's snapshot of ``step``; collective when ``lost``.
 
         Every rank passes what :meth:`recoverable` chose; the ranks in ``lost`` (those that
         hold no snapshot of ``step``) get theirs rebuilt from their group's survivors.
+
+        Raises:
+            CorruptCheckpointError: the rebuild failed; raised on every rank alike (the
+                codec's ranks agree on the outcome), so every rank may fall back together.
         """
         held = self.find(step)
         if not lost:
-            return "memory", _snapshot_of(held).restore_into(state)
+            return "memory", _snapshot_of(held)
         rebuilt = self.erasure.rebuild(lost, held)  # None on a survivor
-        snap = rebuilt if held is None else _snapshot_of(held)
-        return "memory+erasure", snap.restore_into(state)
+        return "memory+erasure", rebuilt if held is None else _snapshot_of(held)
 
 
 def _snapshot_of(kept: Any) -> Snapshot:

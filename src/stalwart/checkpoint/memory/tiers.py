@@ -38,7 +38,12 @@ from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier, TieredSaveResult
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from stalwart.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+)
 from stalwart.tree import flatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
@@ -322,17 +327,19 @@ class TieredCheckpointer:
         step, lost = chosen
         attempts += [("memory", w) for w in why]
         if best_durable is not None and step < best_durable:
-            attempts.append(
-                ("memory", f"step {step} is older than the durable step {best_durable}")
-            )
+            attempts.append(("memory", f"step {step} is older than durable step {best_durable}"))
             return None
         g = resolve_group(self._process_group)
         failed = [(r, e) for r, e in enumerate(g.all_gather(self.memory.verify(step))) if e]
         if failed:
             attempts += [("memory", f"step {step} on rank {r}: {e}") for r, e in failed]
             return None
-        source, tree = self.memory.restore(step, lost, state)
-        return step, source, lost, tree
+        try:
+            source, snap = self.memory.snapshot(step, lost)
+        except CorruptCheckpointError as e:  # raised on every rank alike: all fall back
+            attempts.append(("memory", f"step {step}: {e}"))
+            return None
+        return step, source, lost, snap.restore_into(state)
 
     def _load_newest_durable(self, state: Any, attempts: list[tuple[str, str]]) -> Any:
         """``(tier, step, tree)`` of the newest step any durable tier holds, loaded from the
