@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.elastic.supervisor import STOP_GRACE_S
+from stalwart.elastic.stopping import STOP_GRACE_S
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,17 +43,22 @@ with stalwart.PreemptionGuard() as guard:
 """
 
 
-def _launch(tmp: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+def _launch(
+    tmp: Path, mode: str, *rdzv: str, wids: tuple[int, ...] = (0, 1)
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """Start a launcher (``--nproc len(wids)``) and wait for workers ``wids``: their pids."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("STALWART_ELASTIC_STORE", None)
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--max-restarts", "2",
-           "--events", str(tmp / "events"), "--json", str(script), str(tmp), mode]  # fmt: skip
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", str(len(wids)), *rdzv,
+           "--max-restarts", "2", "--events", str(tmp / "events"), "--json", str(script),
+           str(tmp), mode]  # fmt: skip
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)  # fmt: skip
     deadline = time.monotonic() + 30
-    while len(ready := sorted(tmp.glob("ready*"))) < 2:
+    ready = [tmp / f"ready{w}" for w in wids]
+    while not all(p.exists() and p.read_text() for p in ready):
         assert launcher.poll() is None, launcher.communicate()
         assert time.monotonic() < deadline, "the workers did not start"
         time.sleep(0.05)
@@ -114,3 +120,30 @@ def test_a_second_signal_stops_workers_stuck_in_their_save_at_once(tmp_path: Pat
     finally:
         _stop(launcher, pids)
     assert _exits(tmp_path) == {0: -signal.SIGKILL, 1: -signal.SIGKILL}
+
+
+def test_sigterm_to_an_agent_node_lets_its_workers_save_then_exits_143(tmp_path: Path) -> None:
+    # An agent node (--rdzv, not the host) is one more launcher that a runtime signals alone.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        rdzv = ("--rdzv", f"127.0.0.1:{sock.getsockname()[1]}", "--nnodes", "1:2")
+    host, pids = _launch(tmp_path, "save", *rdzv, wids=(0,))
+    agent = None
+    try:
+        agent, agent_pids = _launch(tmp_path, "save", *rdzv, wids=(1,))
+        pids += agent_pids
+        os.kill(agent.pid, signal.SIGTERM)
+        _, err = agent.communicate(timeout=STOP_GRACE_S)
+        assert agent.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert not _running(agent_pids[0]), "the agent's worker was left running"
+        assert (tmp_path / "signalled1").read_text() == str(int(signal.SIGTERM))
+        assert (tmp_path / "ckpt1").is_dir(), "the agent's worker did not save"
+        assert host.poll() is None, "the host stops with its own signal only"
+        os.kill(host.pid, signal.SIGTERM)
+        host.communicate(timeout=STOP_GRACE_S)
+        assert host.returncode == 128 + signal.SIGTERM
+    finally:
+        _stop(host, pids)
+        if agent is not None:
+            _stop(agent, [])
+    assert _exits(tmp_path) == {0: 143, 1: 143}, "each worker exited by itself, none replaced"

@@ -11,7 +11,7 @@ Exit code: 0 when every member of the final epoch exited cleanly; 3
 job had committed steps and nothing can resume them: no checkpoint attached, or none
 verifies), at once, or when excluded workers (``exclude_suspect_after``) left fewer than
 ``min_size`` replica groups; ``128 + N`` when signal N (SIGTERM, SIGINT) stopped the launcher,
-after its workers got it too (:meth:`~stalwart.elastic.supervisor.Supervisor.drain`); 1
+host or agent node, after its workers got it too (:mod:`stalwart.elastic.stopping`); 1
 otherwise (all workers died, restarts ran out with fewer than ``min_size`` replica groups
 left, or a member of the final epoch failed).
 """
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +35,7 @@ from stalwart.elastic.protocol import ENV_EVENTS, ENV_HANG, ENV_TIMEOUT
 from stalwart.elastic.recovery import Recovery, recoveries
 from stalwart.elastic.roster import Roster
 from stalwart.elastic.sdc import write_policy
+from stalwart.elastic.stopping import run_with_signals
 from stalwart.elastic.supervisor import Supervisor
 from stalwart.elastic.timeouts import Timeouts
 from stalwart.errors import ConfigError
@@ -78,32 +77,13 @@ class LaunchResult:
     excluded: list[int] = field(default_factory=list)
 
 
-def _run_with_signals(sup: Supervisor) -> int:
-    """``sup.run()`` with the launcher's signals (main thread only): SIGUSR1 asks for a
-    re-hosted coordinator; SIGTERM and SIGINT stop the job, the workers told first. The
-    handlers only record: the supervisor's loop acts between two of its rounds."""
-    if threading.current_thread() is not threading.main_thread():
-        return sup.run()
-
-    def rehost(_signum: int, _frame: object) -> None:
-        sup.rehost_requested = True
-
-    def stop(signum: int, _frame: object) -> None:
-        sup.stop_signals.append(signum)
-
-    handlers = {signal.SIGUSR1: rehost, signal.SIGTERM: stop, signal.SIGINT: stop}
-    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-    try:
-        return sup.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _agent(cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Any,
            stdout: int | None, rdzv: str, folder: Path) -> LaunchResult:  # fmt: skip
-    t0 = time.monotonic()
-    code, n = run_agent(cmd, nproc, max_restarts, env, store, stdout, rdzv, folder)
+    t0, stops = time.monotonic(), list[int]()
+    code, n = run_with_signals(
+        lambda: run_agent(cmd, nproc, max_restarts, env, store, stdout, rdzv, folder, stops),
+        stops,
+    )
     return LaunchResult(code, n, time.monotonic() - t0, folder, summarize(folder),
                         recoveries(folder), hung={}, stragglers=[])  # fmt: skip
 
@@ -212,7 +192,7 @@ def launch(
             return _agent(cmd, nproc, max_restarts, worker_env, store, stdout, rdzv, folder)
     sup = Supervisor(cmd, nproc, min_size, max_restarts, worker_env, start_grace_s,
                       straggler_factor, stdout, coord, min_nodes, group_size)  # fmt: skip
-    return _result(sup, _run_with_signals(sup), folder)
+    return _result(sup, run_with_signals(sup.run, sup.stop_signals, sup.request_rehost), folder)
 
 
 def _check_script(script: str | os.PathLike[str]) -> None:

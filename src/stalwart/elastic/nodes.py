@@ -50,6 +50,7 @@ from stalwart.elastic.coordinator import Coordinator
 from stalwart.elastic.events import EventKind, EventLog
 from stalwart.elastic.protocol import ENV_STORE, ENV_STORE_FILE, ENV_WORKER, decode, encode, keys
 from stalwart.elastic.recovery import LAUNCHER_LOG
+from stalwart.elastic.stopping import drain
 from stalwart.errors import ConfigError, DistributedError
 
 __all__ = ["RdzvCoordinator", "parse_nnodes", "rendezvous", "run_agent", "worker_views"]
@@ -167,23 +168,37 @@ def worker_views(store: Store, local: set[int], known: set[int]) -> tuple[set[in
 
 def run_agent(
     cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Store,
-    stdout: int | None, rdzv: str, folder: Path,
+    stdout: int | None, rdzv: str, folder: Path, stop_signals: list[int] | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """An agent node: start, reap, replace and stop its workers; report to the host.
 
     Its ``spawned``/``exited`` lines go to ``folder``'s launcher log (appended: the nodes may
     share one folder).
 
+    A signal appended to ``stop_signals`` (:func:`.stopping.run_with_signals`) stops the
+    node as it stops the host: its workers get it, and time to save (:func:`.stopping.drain`).
+
     Returns:
         ``(exit code, restarts)``: 0 when each of its workers in the final epoch exited
-        cleanly; 1 when the node left the job (no workers left) or lost the host.
+        cleanly; 1 when the node left the job (no workers left) or lost the host; ``128 + N``
+        when signal N stopped it.
     """
     env = dict(env, **{ENV_STORE: rdzv})
     env.pop(ENV_STORE_FILE, None)
     events = EventLog(folder, -1, name=LAUNCHER_LOG)
     agent = int(store.add(keys.AGENTS, 1)) - 1
     try:
-        return _agent_loop(cmd, nproc, max_restarts, env, store, stdout, events, agent)
+        return _agent_loop(
+            cmd,
+            nproc,
+            max_restarts,
+            env,
+            store,
+            stdout,
+            events,
+            agent,
+            [] if stop_signals is None else stop_signals,
+        )
     finally:
         events.close()
         with contextlib.suppress(RuntimeError):  # the host is gone, and its count with it
@@ -192,11 +207,11 @@ def run_agent(
 
 def _agent_loop(
     cmd: list[str], nproc: int, max_restarts: int, env: dict[str, str], store: Store,
-    stdout: int | None, events: EventLog, agent: int,
+    stdout: int | None, events: EventLog, agent: int, stop_signals: list[int],
 ) -> tuple[int, int]:  # fmt: skip
     procs: dict[int, subprocess.Popen[bytes]] = {}
     codes: dict[int, int] = {}
-    restarts = 0
+    restarts = stopped = 0
     final: list[int] | None = None
 
     def spawn(replaces: int | None = None) -> None:
@@ -209,6 +224,9 @@ def _agent_loop(
         spawn()
     try:
         while any(w not in codes for w in procs):
+            if stop_signals:
+                stopped = drain(procs.values(), stop_signals)
+                break
             for wid, p in list(procs.items()):
                 if wid in codes:
                     continue
@@ -234,8 +252,24 @@ def _agent_loop(
         final = None
     finally:
         _stop(procs)
+    if stopped:
+        _report_stopped(store, events, procs, codes)
+        return stopped, restarts
     ok = final is not None and all(codes.get(w) == 0 for w in procs if w in final)
     return (0 if ok else 1), restarts
+
+
+def _report_stopped(
+    store: Store, events: EventLog, procs: dict[int, subprocess.Popen[bytes]],
+    codes: dict[int, int],
+) -> None:  # fmt: skip
+    """Tell the host (and the launcher log) how the workers a signal stopped exited."""
+    for wid, p in procs.items():
+        if wid in codes:
+            continue
+        events.write(EventKind.EXITED, wid=wid, rc=p.returncode, stopped=True)
+        with contextlib.suppress(RuntimeError):  # the host is gone
+            store.set(keys.exit(wid), str(p.returncode))
 
 
 def _stop(procs: dict[int, subprocess.Popen[bytes]]) -> None:

@@ -25,15 +25,14 @@ no disk. If the launcher itself dies, its workers stop with a ``DistributedError
 
 **Stopping.** SIGTERM or SIGINT to the launcher (a container runtime signals only PID 1) is
 forwarded to the live workers, so that their :class:`~stalwart.PreemptionGuard` saves; the
-launcher waits up to :data:`STOP_GRACE_S` for them to exit, replacing none, then stops the
-rest and exits with ``128 + signal`` (:meth:`Supervisor.drain`). A second signal during the
-wait kills them at once.
+launcher waits up to :data:`~stalwart.elastic.stopping.STOP_GRACE_S` for them to exit,
+replacing none, then stops the rest and exits with ``128 + signal`` (:mod:`.stopping`). A
+second signal during the wait kills them at once.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ from stalwart.elastic.recovery import LAUNCHER_LOG
 from stalwart.elastic.roster import Roster
 from stalwart.elastic.sdc import EXIT_EXCLUDED, exclusion_threshold
 from stalwart.elastic.stats import StragglerWatch
+from stalwart.elastic.stopping import drain
 
 __all__ = ["EXIT_FATAL", "STORE_FILE", "Supervisor"]
 
@@ -68,9 +68,6 @@ _STATS_POLL_S = 0.05  # well under a window of short steps: windows are not miss
 STORE_FILE = "coordinator.addr"
 EXIT_FATAL = 3
 """The launcher's exit code when a worker reported an error no replacement can fix."""
-STOP_GRACE_S = 30.0
-"""How long the launcher's workers have to save and exit after it forwarded SIGTERM or SIGINT
-to them (torchrun's and Kubernetes' default grace), seconds."""
 
 
 class Supervisor:
@@ -352,28 +349,15 @@ class Supervisor:
         final = self.final_members or ()
         return 0 if final and all(self.codes.get(w) == 0 for w in final) else 1
 
-    def drain(self) -> int:
-        """Stop the job on the launcher's signal (module docstring); returns ``128 + signal``.
+    def request_rehost(self) -> None:
+        """Re-host the coordinator between two rounds of :meth:`run` (SIGUSR1's handler)."""
+        self.rehost_requested = True
 
-        Forwards the first of :attr:`stop_signals` to this node's live workers and waits up
-        to :data:`STOP_GRACE_S` for them to exit, reaping none (nothing is replaced); a
-        second signal kills them at once. :meth:`stop_all` (:meth:`run`) stops the rest.
-        """
-        signum = self.stop_signals[0]
-        running = [p for p in self.procs.values() if p.poll() is None]
-        log.warning("launcher got %s: forwarded to %d worker(s), waiting up to %.0f s for them "
-                    "to save and exit (signal again to kill them now)",
-                    signal.Signals(signum).name, len(running), STOP_GRACE_S)  # fmt: skip
-        for p in running:
-            p.send_signal(signum)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
-            if len(self.stop_signals) > 1:
-                for p in running:
-                    p.kill()
-                break
-            time.sleep(_POLL_S)
-        return 128 + signum
+    def drain(self) -> int:
+        """Stop the job on the launcher's signal (:func:`.stopping.drain`): this node's live
+        workers get it and up to :data:`.STOP_GRACE_S` to save and exit; returns ``128 +
+        signal``. :meth:`stop_all` (:meth:`run`) stops the rest."""
+        return drain(self.procs.values(), self.stop_signals)
 
     def stop_all(self) -> None:
         for p in self.procs.values():
