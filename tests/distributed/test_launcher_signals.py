@@ -39,6 +39,8 @@ with stalwart.PreemptionGuard() as guard:
     open(os.path.join(out, f"signalled{wid}"), "w").write(str(int(guard.received)))
     while mode == "hang":  # a final save that never ends
         time.sleep(0.01)
+    if mode == "slow":  # a final save that takes a while: the launcher's copy comes during it
+        time.sleep(0.5)
     guard.save_and_exit_if_requested(ckpt, step, {"w": torch.zeros(4)})
 """
 
@@ -55,7 +57,7 @@ def _launch(
            "--max-restarts", "2", "--events", str(tmp / "events"), "--json", str(script),
            str(tmp), mode]  # fmt: skip
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+                                text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 30
     ready = [tmp / f"ready{w}" for w in wids]
     while not all(p.exists() and p.read_text() for p in ready):
@@ -147,3 +149,21 @@ def test_sigterm_to_an_agent_node_lets_its_workers_save_then_exits_143(tmp_path:
         if agent is not None:
             _stop(agent, [])
     assert _exits(tmp_path) == {0: 143, 1: 143}, "each worker exited by itself, none replaced"
+
+
+def test_a_signal_to_the_whole_process_group_is_one_request_each_worker_saves(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-C in a terminal, or a scheduler signalling every process of the job: each worker
+    # gets SIGTERM itself and again from the launcher during its save. The copy is not a
+    # second request (which would kill the worker mid-save).
+    launcher, pids = _launch(tmp_path, "slow")
+    try:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        _, err = launcher.communicate(timeout=STOP_GRACE_S)
+        assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    finally:
+        _stop(launcher, pids)
+    for wid in (0, 1):
+        assert (tmp_path / f"ckpt{wid}").is_dir(), f"worker {wid} died before its save"
+    assert _exits(tmp_path) == {0: 143, 1: 143}

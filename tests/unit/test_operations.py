@@ -157,6 +157,26 @@ def test_preemption_guard_sets_a_flag_and_restores_handlers() -> None:
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_a_signal_delivered_twice_at_once_is_one_request_a_later_repeat_kills() -> None:
+    # Ctrl-C, or a scheduler signalling every process of the job, reaches a worker directly
+    # and through its launcher a moment later: that copy must not kill the save under way.
+    # A deliberate repeat (later than repeat_after_s) goes to the handler from before.
+    calls: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, _frame: calls.append(signum))
+    try:
+        with stalwart.PreemptionGuard((signal.SIGUSR1,), repeat_after_s=60.0) as guard:
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR1)  # the launcher's copy
+            assert guard.requested and calls == []
+        with stalwart.PreemptionGuard((signal.SIGUSR1,), repeat_after_s=0.0) as guard:
+            signal.raise_signal(signal.SIGUSR1)
+            assert calls == []
+            signal.raise_signal(signal.SIGUSR1)  # asked again: the previous handler runs
+            assert calls == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_preemption_guard_needs_the_main_thread() -> None:
     errors: list[BaseException] = []
 

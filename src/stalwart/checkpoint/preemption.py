@@ -17,7 +17,10 @@ committed when it returns), and exits.
 Under ``torch.distributed`` one rank may get the signal a step before another; the check is
 then collective (every rank must call it at the same point, and all stop at the same step).
 Sending the same signal a second time restores the previous handler and re-delivers it, so
-an operator can still kill a job whose final save hangs.
+an operator can still kill a job whose final save hangs. A repeat within ``repeat_after_s``
+of the first is the same request delivered twice, not a second one: a terminal's Ctrl-C or
+a scheduler that signals every process of the job reaches a worker directly, and its
+launcher (``stalwart run``, torchrun) forwards the signal again a moment later.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -49,6 +53,9 @@ class PreemptionGuard:
             ``128 + signal`` (what a shell reports for a process the signal ended), so that a
             job controller does not mistake a preempted run for a finished one.
         process_group: the ranks that stop together (default: the default group, if any).
+        repeat_after_s: a repeat of the received signal kills the process (the previous
+            handler) only this many seconds or more after the first; sooner, it is the same
+            request delivered twice (the process group's and the launcher's copy).
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class PreemptionGuard:
         *,
         exit_code: int | None = None,
         process_group: Any = None,
+        repeat_after_s: float = 2.0,
     ) -> None:
         chosen = env_signals(DEFAULT_SIGNALS) if signals is None else signals
         self.signals = tuple(signal.Signals(s) for s in chosen)
@@ -64,6 +72,8 @@ class PreemptionGuard:
             raise ConfigError("PreemptionGuard needs at least one signal, e.g. (signal.SIGTERM,)")
         self.exit_code = exit_code
         self.received: signal.Signals | None = None
+        self.repeat_after_s = repeat_after_s
+        self._received_at = 0.0
         self._process_group = process_group
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -74,11 +84,15 @@ class PreemptionGuard:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
-        if self.received == sig:  # asked twice: stop waiting for the loop, die the usual way
+        if self.received == sig:
+            if time.monotonic() - self._received_at < self.repeat_after_s:
+                return  # the same request again (the launcher forwarded what we got)
+            # asked twice: stop waiting for the loop, die the usual way
             signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))
             signal.raise_signal(sig)
             return
         self.received = sig  # only a flag: the loop saves at a consistent step boundary
+        self._received_at = time.monotonic()
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
