@@ -10,11 +10,16 @@ Adopting it in a ``Trainer`` is three lines::
 (``save_strategy``, ``save_steps``), the callback writes model, optimizer, LR scheduler, RNG
 and trainer state as stalwart step ``global_step`` into one root (consecutive saves share every
 unchanged chunk) and clears ``control.should_save``, so the Trainer writes no folder of its
-own. The model's config and class name go into the manifest's metadata (``hf.config``,
-``hf.model_class``) for :func:`export_pretrained`. ``save_strategy="best"`` is the exception:
-the Trainer decides a best step after evaluating and writes its folder at once, with no
-callback in between to take the save over, so the callback refuses it (``ConfigError``) unless
-``keep_trainer_checkpoints=True``; then it stores each best step after the Trainer's own save.
+own. A step the Trainer also logs or evaluates is stored as the Trainer stores its own: after
+that logging and evaluation (a plateau scheduler stepped, the best metric set), at the next
+callback (the next step's start, the epoch's end, the end of training). With
+``load_best_model_at_end`` the callback loads the best step's weights at the end of training
+(the Trainer would look for its own folder). The model's config and class name go into the
+manifest's metadata (``hf.config``, ``hf.model_class``) for :func:`export_pretrained`.
+``save_strategy="best"`` is the exception: the Trainer decides a best step after evaluating
+and writes its folder at once, with no callback in between to take the save over, so the
+callback refuses it (``ConfigError``) unless ``keep_trainer_checkpoints=True``; then it
+stores each best step after the Trainer's own save.
 
 **Resuming.** The Trainer resumes only from a folder in its own layout, so
 :meth:`StalwartCallback.resume_path` writes the newest step as one (``model.safetensors``,
@@ -45,6 +50,7 @@ import json
 import os
 import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -144,21 +150,33 @@ class StalwartCallback(TrainerCallback):
         self.keep_trainer_checkpoints = keep_trainer_checkpoints
         self._ours: set[int] = set()  # steps this run saved or resumed from
         self._resume_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._pending: dict[str, Any] | None = None  # a due save's control, after the eval
 
     def _maybe_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if not control.should_save or args.save_strategy == "best":  # "best": in on_save
             return control
-        self._save_trainer(state, control, **kwargs)
+        if control.should_log or control.should_evaluate:
+            # The Trainer logs and evaluates this step before it would save: its evaluation
+            # may step a plateau scheduler and set the best metric. Save at the next callback.
+            self._pending = control.state()
+        else:
+            self._save_trainer(state, control.state(), **kwargs)
         if not self.keep_trainer_checkpoints:
             control.should_save = False
         return control
 
-    def _save_trainer(self, state: Any, control: Any, **kwargs: Any) -> None:
+    def _save_pending(self, state: Any, **kwargs: Any) -> None:
+        """The save :meth:`_maybe_save` put off, now that the step's evaluation is done."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._save_trainer(state, pending, **kwargs)
+
+    def _save_trainer(self, state: Any, control_state: dict[str, Any], **kwargs: Any) -> None:
         """Save the Trainer's model, optimizer, scheduler, RNG and state as ``global_step``."""
         model = kwargs["model"]
         # Every rank saves, together: replicated tensors are written once, sharded ones
         # (FSDP) by their holders; RNG states are per rank.
-        state.stateful_callbacks["TrainerControl"] = control.state()
+        state.stateful_callbacks["TrainerControl"] = control_state
         tree = {
             "model": model,
             "optimizer": kwargs.get("optimizer"),
@@ -204,15 +222,42 @@ class StalwartCallback(TrainerCallback):
         return control
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        """Delete the folder :meth:`resume_path` wrote: the Trainer has read all of it by
-        the first step after resuming (weights, optimizer, scheduler, state, RNG)."""
+        """Store the last step's save, put off past its evaluation; delete the folder
+        :meth:`resume_path` wrote: the Trainer has read all of it by the first step after
+        resuming (weights, optimizer, scheduler, state, RNG)."""
+        self._save_pending(state, **kwargs)
         self._drop_resume_dir()
         return control
 
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Store the last epoch's save, put off past its evaluation."""
+        self._save_pending(state, **kwargs)
+        return control
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        """Delete the resume folder when training ended before any step (nothing left)."""
+        """Store the last save put off past its evaluation; with ``load_best_model_at_end``,
+        load the best step's weights into the model (the Trainer looks for its own folder,
+        which the callback kept it from writing); delete the resume folder when training
+        ended before any step."""
+        self._save_pending(state, **kwargs)
+        best = state.best_global_step
+        if args.load_best_model_at_end and best and state.best_model_checkpoint is None:
+            self._load_best(best, kwargs["model"])
         self._drop_resume_dir()
         return control
+
+    def _load_best(self, step: int, model: Any) -> None:
+        """Load step ``step``'s weights into ``model``, as the Trainer would from its folder."""
+        if step not in self.checkpointer.steps():  # the run is done: say so, do not fail it
+            warnings.warn(
+                f"load_best_model_at_end: the best step, {step}, is not in "
+                f"{self.checkpointer.url} (retention removed it, or it was never saved: "
+                "save_steps must be a multiple of eval_steps); the model keeps the last "
+                "step's weights",
+                stacklevel=2,
+            )
+            return
+        self.checkpointer.load({"model": model}, step, strict=False)
 
     def _drop_resume_dir(self) -> None:
         if self._resume_dir is not None:
@@ -225,6 +270,7 @@ class StalwartCallback(TrainerCallback):
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Save at the end of an epoch when the Trainer would (``save_strategy="epoch"``)."""
+        self._save_pending(state, **kwargs)
         return self._maybe_save(args, state, control, **kwargs)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -232,7 +278,7 @@ class StalwartCallback(TrainerCallback):
         Trainer has just saved as its new best: only now is the decision made, and the state
         complete (the evaluation logged, ``best_metric`` set, a plateau scheduler stepped)."""
         if args.save_strategy == "best":
-            self._save_trainer(state, control, **kwargs)
+            self._save_trainer(state, control.state(), **kwargs)
         return control
 
     def resume_path(self, step: int | None = None, folder: str | None = None) -> str | None:
