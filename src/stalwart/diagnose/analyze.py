@@ -20,7 +20,13 @@ from stalwart.diagnose.aggregate import (
 )
 from stalwart.diagnose.clean import CleanPlan, plan_cleaning
 from stalwart.diagnose.kpi_localize import localize_frame, localize_kpi
-from stalwart.diagnose.mining import closure_fn, coded_values, frequent_items, mine_groups
+from stalwart.diagnose.mining import (
+    closure_fn,
+    coded_values,
+    frequent_items,
+    mine_groups,
+    support_floor,
+)
 from stalwart.diagnose.options import DiagnoseOptions
 from stalwart.diagnose.result import Diagnosis, Finding, Neighbour
 from stalwart.diagnose.score import (
@@ -195,11 +201,11 @@ def _run(
             "every row is a failure: there is nothing to contrast the failures with",
             **kw,
         )
-    base = total_t / total_r
+    base, budget = total_t / total_r, in_memory_budget(opts.memory_limit)
     fails = failure_groups(src, plan, target_sql=masses.target, tuning=opts.tuning)
     codes, values = fails.codes, fails.values
     lap("aggregate failures")
-    min_weight, budget = total_t * opts.min_support, in_memory_budget(opts.memory_limit)
+    min_weight = support_floor(total_t, opts.min_support)  # exactly at the share is in
     keepers = frequent_items(codes, fails.target, min_weight)
     mined = mine_groups(codes, fails.target, keepers, min_weight, opts, plan.columns)
     lap("mine")

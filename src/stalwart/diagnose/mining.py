@@ -11,9 +11,20 @@ import numpy as np
 from stalwart.diagnose.fpgrowth import fpgrowth_rows
 from stalwart.diagnose.options import DiagnoseOptions
 
-__all__ = ["closure_fn", "coded_values", "frequent_items", "mine_groups"]
+__all__ = ["closure_fn", "coded_values", "frequent_items", "mine_groups", "support_floor"]
 
 Itemset = tuple[tuple[int, str], ...]
+
+_SUPPORT_TOLERANCE = 1e-9  # relative; far above float rounding, far below any real difference
+
+
+def support_floor(total: float, min_support: float) -> float:
+    """The smallest failure mass of a frequent item-set: ``min_support`` of ``total``, less a
+    relative 1e-9, so that an item-set exactly at the share is kept whatever the rounding
+    (7 failures of 50 at 0.14: 50 * 0.14 is 7.000000000000001), as mlxtend keeps it. Every
+    frequency test compares with this one number: the single items, FP-Growth (both of its
+    forms) and the folding of rare values in cleaning."""
+    return total * min_support * (1.0 - _SUPPORT_TOLERANCE)
 
 
 def frequent_items(codes: np.ndarray, t: np.ndarray, min_weight: float) -> list[np.ndarray]:

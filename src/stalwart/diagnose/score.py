@@ -299,7 +299,7 @@ def select(
         rate = f_res / n_res if n_res > 0 else 0.0
         gain = f - n * rate
         explained = options.rank_by in (None, "explained")
-        order = np.argsort(-(gain if explained else _likelihood(f, n, rate)))
+        order = _ranked(gain if explained else _likelihood(f, n, rate), pool)
         ok = [
             int(i)
             for i in order
@@ -336,6 +336,12 @@ def select(
             break
     covered = (total_failures - f_res) / total_failures if total_failures > 0 else 0.0
     return chosen, covered
+
+
+def _ranked(score: np.ndarray, pool: list[Scored]) -> list[int]:
+    """Indices of ``pool``, highest ``score`` first, ties in the order of their items: the same
+    findings in the same order however the input's rows are ordered."""
+    return sorted(range(len(pool)), key=lambda i: (-float(score[i]), pool[i].items))
 
 
 def _likelihood(f: np.ndarray, n: np.ndarray, rate: float) -> np.ndarray:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import duckdb
 
+from stalwart.diagnose.clean import is_nan
 from stalwart.diagnose.expression import check_expression
 from stalwart.diagnose.quoting import as_double, identifier
 from stalwart.diagnose.source import Source, suggest
@@ -112,12 +113,19 @@ def _label_sql(src: Source, label: str) -> tuple[str, set[str]]:
     return f"coalesce({expr.sql}, false)", set(expr.columns)
 
 
-def check_weights(bad: int, weight: str) -> None:
-    """Refuse a weight column with ``bad`` negative or NaN values (every engine's rule)."""
+def check_weights(bad: int, weight: str, missing: int = 0) -> None:
+    """Refuse a weight column with ``bad`` negative or NaN values or ``missing`` NULLs (every
+    engine's rule): a weight counts events, and read as 0 such a row would vanish unseen."""
     if bad:
         raise ConfigError(
             f"weight column {weight!r} has {bad} negative or NaN value(s); a weight counts "
             "the events a row stands for: fix those rows or filter them out first"
+        )
+    if missing:
+        raise ConfigError(
+            f"weight column {weight!r} has {missing} missing value(s) (NULL, as a pandas NaN "
+            "arrives); a weight counts the events a row stands for: fill them in (0 leaves a "
+            "row out) or filter those rows out first"
         )
 
 
@@ -127,8 +135,11 @@ def event_masses(src: Source, label: str, weight: str | None) -> Masses:
     w = "1"
     if weight is not None:
         w = _numeric(src, weight, "weight", " (counts)")
-        bad = src.sql(f"SELECT count(*) FROM {{src}} WHERE {w} < 0 OR isnan({w})").fetchall()[0][0]
-        check_weights(bad, weight)  # DuckDB orders NaN above every number: its own test
+        bad, missing = src.sql(  # DuckDB orders NaN above every number: its own test
+            f"SELECT count(*) FILTER (WHERE {w} < 0 OR {is_nan(w)}), "
+            f"count(*) FILTER (WHERE {identifier(weight)} IS NULL) FROM {{src}}"
+        ).fetchall()[0]
+        check_weights(bad, weight, missing)
         used.add(_column(src, weight, "weight"))
     return Masses(f"(CASE WHEN {cond} THEN {w} ELSE 0 END)", w, frozenset(used), True)
 
