@@ -94,8 +94,11 @@ def analyze_spark(
     attrs = _attributes(names, columns, used | {weight}, opts)
     w = F.lit(1.0)
     if weight is not None:  # as the local engine reads a weight: a count, never negative
-        w = F.coalesce(F.col(_q(weight)).cast("double"), F.lit(0.0))
-        check_weights(df.filter((w < 0) | F.isnan(w)).count(), weight)
+        raw = F.col(_q(weight)).cast("double")
+        w = F.coalesce(raw, F.lit(0.0))
+        bad = F.count(F.when((raw < 0) | F.isnan(raw), 1))
+        negative_or_nan, missing = df.agg(bad, F.count(F.when(raw.isNull(), 1))).first()
+        check_weights(negative_or_nan, weight, missing)
     cleaned = _cleaned(df, attrs, opts, F)
     keyed = df.select(
         *cleaned.exprs,

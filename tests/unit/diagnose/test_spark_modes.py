@@ -136,6 +136,9 @@ def test_options_are_the_dataclass_only(spark: Any) -> None:
     weighted = spark.createDataFrame(_events(50).append_column("n", pa.array([-1.0] + [1.0] * 49)))
     with pytest.raises(ConfigError, match="weight column 'n' has 1 negative or NaN"):
         analyze_spark(weighted, "failed", weight="n")  # as the local engine refuses it
+    missing = spark.createDataFrame(_events(50).append_column("n", pa.array([None] + [1.0] * 49)))
+    with pytest.raises(ConfigError, match="weight column 'n' has 1 missing value"):
+        analyze_spark(missing, "failed", weight="n")  # read as 0 the row would vanish unseen
 
 
 def test_cli_kpi_mode_runs_on_spark(spark: Any, tmp_path: Path) -> None:
