@@ -93,17 +93,35 @@ class ErrorModel(Protocol):
         ...
 
 
+_WIDEST = 64
+"""Storage bits of the widest dtype: a listed bit at or past it is in no tensor at all."""
+
+
 def _bits(layout: BitLayout, bits: Sequence[int] | None, field_: str | None) -> np.ndarray:
+    """The bits of ``layout`` a random flip may pick: those of ``bits`` (default all) that
+    the dtype has, in ``field_`` if given.
+
+    A list of bits is kept per dtype, as ``field_`` is: one error model then serves a model
+    holding float32 and float16 tensors (bits 16..31 exist only in the float32 ones), as
+    when :func:`~stalwart.vulnerability.pvf` narrows a round to the bits still too wide.
+    """
     if bits is not None:
         for b in bits:
-            layout.check_bit(b)
-        allowed = sorted(set(bits))
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < _WIDEST:
+                raise ConfigError(
+                    f"bit {b!r} is in no dtype: storage bits are 0..{_WIDEST - 1} at most "
+                    "(bit 0 is the least significant); pick bits in that range"
+                )
+        allowed = sorted(b for b in set(bits) if b < layout.bits)
     else:
         allowed = list(range(layout.bits))
     if field_ is not None:
         allowed = [b for b in allowed if layout.field(b) == field_]
     if not allowed:
-        raise ConfigError(f"no bit of {layout.name} matches bits={bits} field={field_!r}")
+        raise ConfigError(
+            f"no bit of {layout.name} (storage bits 0..{layout.bits - 1}) matches bits={bits} "
+            f"field={field_!r}; pick bits this dtype has, or leave its tensors out of targets"
+        )
     return np.asarray(allowed, dtype=np.int64)
 
 
@@ -127,7 +145,11 @@ class _UniformElement(ABC):
 
 @dataclass(frozen=True)
 class BitFlip(_UniformElement):
-    """Flip one bit: ``bit`` if given, else uniform over ``bits`` (default all) or ``field``."""
+    """Flip one bit: ``bit`` if given, else uniform over ``bits`` (default all) or ``field``.
+
+    ``bits`` hold per dtype: a tensor draws among those of them its dtype has (a float16
+    tensor ignores bits 16..31), and only a tensor that has none of them is refused.
+    """
 
     bit: int | None = None
     bits: Sequence[int] | None = None

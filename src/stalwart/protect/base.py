@@ -72,7 +72,9 @@ def row_fingerprints(inputs: Sequence[Any]) -> frozenset[bytes]:
     if not tensors or len({x.shape[0] for x in tensors}) != 1:
         return frozenset()
     n = tensors[0].shape[0]
-    rows = [x.detach().cpu().reshape(n, -1).contiguous().numpy() for x in tensors]
+    # the raw bytes through a uint8 view: NumPy has no bfloat16 (nor float8), a byte view
+    # hashes every dtype, and the bytes (so the digests) of the others are as they were
+    rows = [x.detach().cpu().reshape(n, -1).contiguous().view(torch.uint8).numpy() for x in tensors]
     out = set()
     for i in range(n):
         h = hashlib.blake2b(digest_size=16)
