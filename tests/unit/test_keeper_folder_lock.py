@@ -56,3 +56,25 @@ def test_a_trainer_restarted_after_a_kill_writes_its_folder_again(tmp_path: Path
     restarted.save(2, {"w": torch.full((4,), 2.0)})  # the kernel released the dead one's lock
     assert [s.step for s in restarted.snapshots] == [2]
     restarted.close()
+
+
+def test_a_forked_child_does_not_keep_the_folder_held(tmp_path: Path) -> None:
+    # A DataLoader worker forked after the claim inherited the lock's fd: the trainer's
+    # restart found the folder held (by the dead trainer's pid) until the worker exited.
+    import os
+    import time
+
+    a = _kept(tmp_path / "shm")
+    a.save(1, {"w": torch.ones(4)})
+    pid = os.fork()
+    if pid == 0:  # the worker: lives on past the trainer's close
+        time.sleep(3)
+        os._exit(0)
+    try:
+        a.close()
+        b = _kept(tmp_path / "shm")
+        b.save(2, {"w": torch.ones(4)})  # raised "already has a live writer"
+        b.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

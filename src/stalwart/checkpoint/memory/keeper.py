@@ -17,8 +17,8 @@ exclusive ``flock`` on ``rank00003.lock`` (which records its pid) and holds it u
 :meth:`SnapshotKeeper.close`; the kernel releases it when the process dies, so a trainer
 restarted after a kill takes it again. A second live writer (two checkpointers given the same
 ``keep_in``) is refused instead of overwriting the first one's snapshots. Reading the kept
-snapshots needs no lock. A process forked after the claim (a data loader's worker) shares the
-lock until it exits too.
+snapshots needs no lock. A process forked after the claim (a data loader's worker) closes its
+copy of the lock's fd at once, so it never holds the folder past the trainer.
 """
 
 from __future__ import annotations
@@ -38,6 +38,27 @@ from stalwart.errors import ConfigError, CorruptCheckpointError
 __all__ = ["SharedHostBuffer", "SnapshotKeeper"]
 
 log = logging.getLogger(__name__)
+
+_HELD: set[int] = set()
+"""The keep_in lock fds this process holds. A forked child (a DataLoader worker) inherits
+them, and an ``flock`` lives while any fd of it is open: the child closes them at once, so
+that a restarted trainer does not find its folder held by its dead predecessor's workers."""
+
+
+def _release_in_child() -> None:
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_release_in_child)
+
+
+def _close_lock(fd: int) -> None:
+    if fd in _HELD:  # a forked child closed it already
+        _HELD.discard(fd)
+        os.close(fd)
+
 
 _GRANULE = 1 << 20  # grow mappings in whole MiB to avoid remapping for small changes
 
@@ -104,7 +125,8 @@ class SnapshotKeeper:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock = weakref.finalize(self, os.close, fd)
+        _HELD.add(fd)
+        self._lock = weakref.finalize(self, _close_lock, fd)
 
     def close(self) -> None:
         """Release the folder to another writer (the snapshots stay for a restart)."""
