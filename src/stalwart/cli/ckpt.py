@@ -257,12 +257,14 @@ def gc(
         with open_root(root, storage_option, options=options) as ck:
             r = ck.gc(grace_s=grace_s)
             doc = {"deleted_steps": r.deleted_steps, "deleted_packs": r.deleted_packs}
+            temps = {"temps_removed": r.temps_removed, "temps_bytes_freed": r.temps_bytes_freed}
             finish(
                 as_json,
-                {**doc, "bytes_freed": r.bytes_freed, "kept_packs": r.kept_packs},
+                {**doc, "bytes_freed": r.bytes_freed, "kept_packs": r.kept_packs, **temps},
                 f"deleted {len(r.deleted_steps)} steps {r.deleted_steps or ''} and "
-                f"{len(r.deleted_packs)} packs, freed {fmt_size(r.bytes_freed)}; "
-                f"{r.kept_packs} packs kept",
+                f"{len(r.deleted_packs)} packs"
+                + (f" and {r.temps_removed} temporaries of dead writes" if r.temps_removed else "")
+                + f", freed {fmt_size(r.bytes_freed)}; {r.kept_packs} packs kept",
             )
             if r.skipped:
                 error_console().print(

@@ -11,9 +11,14 @@ lease, because the grace was the only test and a lease's temporary lives a milli
   removed, whatever its age and whatever grace the caller asked for;
 * cleanup takes that lock itself, without waiting, before it unlinks; a writer that finds,
   once it holds its lock, that its file was unlinked meanwhile starts again under a new name;
-* a temporary nobody holds belongs to a dead writer and goes once it is older than the
-  caller's threshold; where the filesystem cannot lock, nobody can tell, so it goes only once
-  its last write is :data:`UNLOCKED_MIN_AGE_S` old, a floor no caller can lower.
+* a temporary nobody holds belongs to a dead writer. One that :func:`create_claimed` named
+  (:data:`CLAIMED_NAME`) goes at once, whatever its age: its writer held the lock as long as
+  it lived, so a killed save's pack (up to 256 MiB reserved ahead of its data by a direct
+  write) frees its space at the next ``gc``, not an hour later. Any other temporary of the
+  form (written by a stalwart from before the claims, which took no lock) goes once it is
+  older than the caller's threshold; where the filesystem cannot lock, nobody can tell, so
+  a temporary goes only once its last write is :data:`UNLOCKED_MIN_AGE_S` old, a floor no
+  caller can lower.
 
 Only names of the exact form :func:`create_claimed` gives count, and links are never followed
 (the walk goes through :mod:`stalwart.storage.confine`). On a network filesystem ``flock`` is
@@ -33,12 +38,25 @@ import uuid
 from stalwart.errors import StorageError
 from stalwart.storage.confine import NOFOLLOW, files_below
 
-__all__ = ["TEMP_NAME", "TEMP_PREFIX", "UNLOCKED_MIN_AGE_S", "create_claimed", "remove_stale"]
+__all__ = [
+    "CLAIMED_NAME",
+    "TEMP_NAME",
+    "TEMP_PREFIX",
+    "UNLOCKED_MIN_AGE_S",
+    "RemovedTemps",
+    "create_claimed",
+    "remove_stale",
+]
 
 TEMP_PREFIX = ".tmp-"
 """Name prefix of in-flight temporaries; never a valid object name, never listed."""
 TEMP_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}-")
-"""Exactly the names :func:`create_claimed` gives; no other file is ever removed as a temporary."""
+"""Exactly the names :func:`create_claimed` gives (and gave before the claims); no other file is
+ever removed as a temporary."""
+CLAIMED_NAME = re.compile(r"^\.tmp-[0-9a-f]{12}0[0-9a-f]{19}-")
+"""The names of temporaries whose writer claims them: the 13th hex digit is ``0``. Writers from
+before the claims named theirs with ``uuid4().hex``, whose 13th digit (the UUID version) is
+always ``4``, so an unclaimed temporary of this form provably lost its writer."""
 UNLOCKED_MIN_AGE_S = 3600.0
 """Where locks do not work, a temporary is removed only when its last write is this old."""
 
@@ -56,7 +74,7 @@ def create_claimed(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> tup
         StorageError: cleanup removed every temporary we made (never seen in practice).
     """
     for _ in range(_ATTEMPTS):
-        tmp = f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name}"
+        tmp = f"{TEMP_PREFIX}{_claimed_hex()}-{name}"
         fd = os.open(tmp, flags | NOFOLLOW, mode, dir_fd=dir_fd)
         if _claim(fd):
             return fd, tmp
@@ -67,6 +85,12 @@ def create_claimed(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> tup
         f"could not keep a temporary for {name}: another process removed {_ATTEMPTS} in a row; "
         "check for a cleanup job that deletes .tmp- files under the checkpoint root"
     )
+
+
+def _claimed_hex() -> str:
+    """32 random hex digits but the 13th, ``0``: the mark of :data:`CLAIMED_NAME`."""
+    digits = uuid.uuid4().hex
+    return f"{digits[:12]}0{digits[13:]}"
 
 
 def _claim(fd: int) -> bool:
@@ -81,26 +105,43 @@ def _claim(fd: int) -> bool:
     return os.fstat(fd).st_nlink > 0  # unlinked between our create and our lock
 
 
-def remove_stale(root_fd: int, older_than_s: float) -> int:
-    """Remove unclaimed temporaries older than ``older_than_s`` below the open folder ``root_fd``.
+class RemovedTemps(int):
+    """How many temporaries :func:`remove_stale` removed (an ``int``, as
+    ``RemovesStaleTemps.remove_stale_temps`` returns), with the bytes they held."""
 
-    Returns how many were removed.
+    bytes_freed: int
+
+    def __new__(cls, count: int = 0, bytes_freed: int = 0) -> RemovedTemps:
+        removed = super().__new__(cls, count)
+        removed.bytes_freed = bytes_freed
+        return removed
+
+
+def remove_stale(root_fd: int, older_than_s: float) -> RemovedTemps:
+    """Remove the temporaries of dead writers below the open folder ``root_fd``.
+
+    A claimed one (:data:`CLAIMED_NAME`) goes once its lock is free, whatever its age; any
+    other one once it is also older than ``older_than_s``.
+
+    Returns how many were removed, and their bytes.
     """
     now = time.time()
     return _sweep(root_fd, now - older_than_s, now - max(older_than_s, UNLOCKED_MIN_AGE_S))
 
 
-def _sweep(dir_fd: int, cutoff: float, unlocked_cutoff: float) -> int:
-    removed = 0
+def _sweep(dir_fd: int, cutoff: float, unlocked_cutoff: float) -> RemovedTemps:
+    removed, freed = 0, 0
     for fd, _, entry in files_below(dir_fd):
         try:
-            if TEMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
-                mtime = entry.stat(follow_symlinks=False).st_mtime
-                if mtime < cutoff and _remove_unclaimed(fd, entry.name, mtime, unlocked_cutoff):
-                    removed += 1
+            if not TEMP_NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            old = st.st_mtime < cutoff or CLAIMED_NAME.match(entry.name) is not None
+            if old and _remove_unclaimed(fd, entry.name, st.st_mtime, unlocked_cutoff):
+                removed, freed = removed + 1, freed + st.st_size
         except FileNotFoundError:
             continue
-    return removed
+    return RemovedTemps(removed, freed)
 
 
 def _remove_unclaimed(dir_fd: int, name: str, mtime: float, unlocked_cutoff: float) -> bool:

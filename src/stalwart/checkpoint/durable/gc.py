@@ -20,10 +20,20 @@ un-commit and before deleting packs, so a step committed or leased meanwhile kee
 Leases hold whatever the grace. Every save holds a lease from before it lists the steps it
 deduplicates against until its manifest is written, so collection also keeps any pack written
 after a live lease was taken (it may belong to that save) and reads in an order that leaves
-no gap: packs are listed first, then leases, then manifests. A pack listed before the leases
-were read was written before then; if its save's lease was gone by then, that save had
-committed, and the manifests read afterwards name the pack. So ``grace_s=0`` is safe while
-stalwart's own saves and loads run; the grace remains for writers that take no lease.
+no gap: packs are listed first, then leases, then manifests, then leases again, and last the
+manifests' listing once more. A pack listed before the leases were read was written before
+then; if its save's lease was gone by then, that save had committed, and the manifests read
+afterwards name the pack. The second read of the leases sees the pack leases that saves took
+while the manifests were read (a save leases the packs it deduplicates against only once it
+has read the manifests naming them, and drops those a step replaced meanwhile no longer
+names: see ``Saver``); the last listing sees a save that took its leases after the first read
+and committed before the second, whose manifest the first read missed: the reads then start
+again. So ``grace_s=0`` is safe while stalwart's own saves and loads run; the grace remains
+for writers that take no lease.
+
+Temporaries of dead writers go too (:mod:`stalwart.storage.temps`): one whose writer claimed
+it goes as soon as its lock is free, whatever its age and the grace, so the pack a killed save
+was writing frees its space at the next collection; their bytes count in ``bytes_freed``.
 
 What a lease is, and when one is live, is :mod:`.lease`'s. :func:`collect_garbage` reads
 lease expiry and pack age from its ``clock`` (``time.time`` unless a test passes a fake one).
@@ -39,21 +49,25 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from stalwart.checkpoint.durable.lease import Clock, read_leases
+from stalwart.checkpoint.durable.lease import Clock, LiveLeases, read_leases
 from stalwart.checkpoint.durable.manifest import Manifest, committed_manifests, manifest_key
 from stalwart.checkpoint.policy import RetentionPolicy, kept_steps
 from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
-from stalwart.storage.base import RemovesStaleTemps, Storage
+from stalwart.storage.base import ObjectInfo, RemovesStaleTemps, Storage
+from stalwart.storage.temps import RemovedTemps
 
-__all__ = ["GCReport", "apply_retention", "collect_garbage"]
+__all__ = ["GCReport", "apply_retention", "collect_garbage", "discard_uncommitted"]
 
 log = logging.getLogger(__name__)
 PACK_PREFIX = "packs/"
 PACK_NAME = re.compile(r"^packs/step-\d{20}-rank\d{5}-[0-9a-f]{12}\.pack$")
 """The names :class:`~stalwart.Checkpointer` gives its packs; gc deletes no other file."""
+READ_ATTEMPTS = 3
+"""Reads of leases and manifests a collection starts before it gives up for this time, when
+saves keep committing while it reads (each commit between two reads starts them again)."""
 
 
 @dataclass
@@ -63,11 +77,12 @@ class GCReport:
     Attributes:
         deleted_steps: steps whose manifests were deleted by retention.
         deleted_packs: pack keys removed.
-        bytes_freed: bytes of the removed packs.
+        bytes_freed: bytes of the removed packs and temporaries.
         kept_packs: packs still referenced, leased, maybe a save's in flight, or too young.
         skipped: files under ``packs/`` whose names stalwart never gives a pack; left alone.
-        temps_removed: temporaries of crashed writes (older than the grace, held by no live
-            writer) removed.
+        temps_removed: temporaries of dead writers removed: held by no live writer, and
+            (unless their writer claimed them) older than the grace.
+        temps_bytes_freed: the part of ``bytes_freed`` those temporaries held.
     """
 
     deleted_steps: list[int] = field(default_factory=list)
@@ -76,18 +91,23 @@ class GCReport:
     kept_packs: int = 0
     skipped: list[str] = field(default_factory=list)
     temps_removed: int = 0
+    temps_bytes_freed: int = 0
 
 
 def _referenced_packs(
-    storage: Storage, manifest: Callable[[int], Manifest] | None = None
+    storage: Storage,
+    manifest: Callable[[int], Manifest] | None = None,
+    listed: dict[int, ObjectInfo] | None = None,
 ) -> set[str]:
-    """Packs named by the manifests on the store now (read through ``manifest`` if given).
+    """Packs named by the manifests on the store now (read through ``manifest`` if given), or
+    by those of ``listed`` (a listing made before the call).
 
     Raises:
         CorruptCheckpointError: a manifest cannot be parsed (its references are unknown).
     """
     referenced: set[str] = set()
-    for step, info in committed_manifests(storage).items():
+    listed = committed_manifests(storage) if listed is None else listed
+    for step, info in listed.items():
         try:
             if manifest is not None:
                 referenced |= manifest(step).packs()
@@ -99,24 +119,40 @@ def _referenced_packs(
     return referenced
 
 
-def _leased_but_deleted(storage: Storage, leased: set[int], clock: Clock) -> bool:
-    """True (and a warning) when a live lease names a step whose manifest is gone.
+def _in_use(storage: Storage, clock: Clock) -> tuple[LiveLeases, set[str]] | None:
+    """The live leases and the packs the manifests name, read in the order that misses no
+    save (module docstring); None (and a warning) when no pack may go this time.
 
-    A writer leases the steps it lists, then reads their manifests and deduplicates against
-    their packs: a step deleted in between (``ckpt rm``) leaves packs that only that writer
-    knows it will reference, so no pack may go until its lease ends. The leases are read
-    again after the manifests, so a writer that listed the step before it was deleted is
-    seen by one of the two reads.
+    A live lease may name a step whose manifest is gone: a writer leases the steps it lists,
+    then reads their manifests and deduplicates against their packs, so a step deleted in
+    between (``ckpt rm``) leaves packs that only that writer knows it will reference, and no
+    pack may go until its lease ends.
+
+    Raises:
+        CorruptCheckpointError: a manifest cannot be parsed.
     """
-    leased = leased | read_leases(storage, clock=clock).steps
-    retired = leased - set(committed_manifests(storage)) if leased else set()
-    if retired:
+    for _ in range(READ_ATTEMPTS):
+        leases = read_leases(storage, remove_expired=True, clock=clock)
+        listed = committed_manifests(storage)
+        referenced = _referenced_packs(storage, listed=listed)
+        leases.add(read_leases(storage, clock=clock))  # pack leases taken meanwhile
+        if committed_manifests(storage) != listed:
+            continue  # a save committed meanwhile: its lease may have come and gone unseen
+        retired = leases.steps - set(listed)
+        if not retired:
+            return leases, referenced
         log.warning(
             "gc deleted no pack: step(s) %s were deleted while a live lease named them (a "
             "save deduplicating against them, or a load); run gc again once it has finished",
             sorted(retired),
         )
-    return bool(retired)
+        return None
+    log.warning(
+        "gc deleted no pack: saves committed while it read the manifests, %d times in a row; "
+        "run gc again",
+        READ_ATTEMPTS,
+    )
+    return None
 
 
 def collect_garbage(
@@ -126,8 +162,9 @@ def collect_garbage(
 
     An unreferenced pack is kept while a live lease names it, while it may belong to a save
     in flight (it was written after a live lease was taken), and while it is younger than
-    ``grace_s``. Temporaries go when older than ``grace_s`` and no live writer holds them.
-    ``clock`` tells which leases expired and how old a pack is.
+    ``grace_s``. Temporaries go once no live writer holds them: at once when their writer
+    claimed them, else once older than ``grace_s``. ``clock`` tells which leases expired and
+    how old a pack is.
 
     Raises:
         CorruptCheckpointError: a manifest cannot be parsed; nothing is deleted, since the
@@ -135,26 +172,24 @@ def collect_garbage(
         UnsafePathError: a folder under the root is a symbolic link; nothing is deleted.
     """
     report = report or GCReport()
-    # This order closes every gap (module docstring): packs, then leases, then manifests.
-    packs = storage.list(PACK_PREFIX)
-    leases = read_leases(storage, remove_expired=True, clock=clock)
+    packs = storage.list(PACK_PREFIX)  # first: see the module docstring
     try:
-        referenced = _referenced_packs(storage)
+        in_use = _in_use(storage, clock)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(
             f"garbage collection stopped without deleting anything: {e}. Find the damaged "
             "step with `stalwart ckpt verify ROOT`, remove it with `stalwart ckpt rm ROOT N`, "
             "then retry"
         ) from e
-    if _leased_but_deleted(storage, leases.steps, clock):
-        packs = []  # which packs those steps used is unknown now; a lease holder may use them
+    leases, referenced = in_use or (LiveLeases(), set())
     now = clock()
     for info in packs:
         if not PACK_NAME.match(info.key):
             report.skipped.append(info.key)
             continue
         if (
-            info.key in referenced
+            in_use is None  # which packs leased steps used is unknown now
+            or info.key in referenced
             or info.key in leases.packs
             or leases.may_own(info)
             or now - info.mtime < grace_s
@@ -172,8 +207,32 @@ def collect_garbage(
             report.skipped[0],
         )
     if isinstance(storage, RemovesStaleTemps):
-        report.temps_removed = int(storage.remove_stale_temps(grace_s))
+        removed = storage.remove_stale_temps(grace_s)
+        report.temps_removed = int(removed)
+        if isinstance(removed, RemovedTemps):
+            report.temps_bytes_freed = removed.bytes_freed
+            report.bytes_freed += removed.bytes_freed
     return report
+
+
+def discard_uncommitted(storage: Storage, packs: Iterable[str]) -> list[str]:
+    """Delete ``packs``, written by a save that failed, unless something names one now.
+
+    The failure may have come after the manifest was written (a flush of the folder that
+    failed after the rename, a commit another rank made before the collective failed): a
+    pack that a manifest or a live lease names stays, and so does every pack when a
+    manifest cannot be read. Returns the keys deleted.
+    """
+    leases = read_leases(storage)
+    try:
+        referenced = _referenced_packs(storage)
+    except CorruptCheckpointError:
+        return []
+    leases.add(read_leases(storage))
+    doomed = sorted({p for p in packs if PACK_NAME.match(p)} - referenced - leases.packs)
+    for key in doomed:
+        storage.delete(key)
+    return doomed
 
 
 def _retention_stopped(step: int, err: Exception) -> None:

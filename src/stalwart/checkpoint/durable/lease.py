@@ -11,6 +11,11 @@ and pid namespace). It is dead, ignored and removed when it has expired, or when
 on this host, in this pid namespace, and that process no longer exists (a killed job does not
 hold retention back for ``lease_s``). Expiry is read from a :data:`Clock`: ``time.time`` by
 default; a test passes a fake one and advances it instead of sleeping until a lease ends.
+
+A read goes ahead without its lease where none can be written: on a read-only store (our own
+gc cannot run there either) and on a full one (a full disk must not lock the user out of
+every checkpoint; a warning, once per store, says that gc may then race the read). A writer's
+lease has no such way out: a save that cannot write its lease cannot write its packs either.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from stalwart.errors import (
     CorruptCheckpointError,
     ObjectNotFoundError,
     StepRetiredError,
+    StorageFullError,
     StoragePermissionError,
     UnsafePathError,
 )
@@ -47,6 +53,7 @@ file is this old: leases are not flushed, so a crash of the host may leave one e
 CLOCK_SLACK_S = 2.0
 """Packs written up to this long before a live lease's file count as written after it
 (file timestamps come from a coarse clock, and from the file server on a network disk)."""
+_WARNED_FULL: set[str] = set()  # stores whose readers were told once that they read unleased
 
 
 def _owner() -> dict[str, Any]:
@@ -116,6 +123,11 @@ class Lease:
             # us either; reading it without a lease is safe from our own GC.
             log.info("read-only store %s: reading without a lease", self.storage.url)
             self.held = False
+        except StorageFullError:
+            if not self.doc["reading"]:
+                raise  # a save: its packs would not fit either
+            self.held = False
+            _warn_full(store.url)
         return self
 
     def check_committed(self, m: Manifest, where: str, *, deep: bool = False) -> None:
@@ -129,6 +141,18 @@ class Lease:
             self.storage.delete(self.key)
         except OSError:  # an expired lease is harmless; GC removes it
             log.warning("could not remove lease %s", self.key, exc_info=True)
+
+
+def _warn_full(url: str) -> None:
+    if url in _WARNED_FULL:
+        return
+    _WARNED_FULL.add(url)
+    log.warning(
+        "%s is full: loads read it without a lease until it has room again, so a gc or "
+        "retention running meanwhile may delete a step being read (that load then fails as "
+        "retired: load another step; never wrong data). Free space to read under leases",
+        url,
+    )
 
 
 def check_committed(store: Storage, m: Manifest, where: str, *, deep: bool = False) -> None:
@@ -177,6 +201,16 @@ class LiveLeases:
     packs: set[str] = field(default_factory=set)
     read_steps: set[int] = field(default_factory=set)  # steps a load or verify is reading
     oldest_unix: float | None = None  # when the oldest live lease was written (its mtime)
+
+    def add(self, other: LiveLeases) -> None:
+        """Count ``other``'s leases too (those of a later read of ``leases/``)."""
+        self.steps |= other.steps
+        self.packs |= other.packs
+        self.read_steps |= other.read_steps
+        if other.oldest_unix is not None and (
+            self.oldest_unix is None or other.oldest_unix < self.oldest_unix
+        ):
+            self.oldest_unix = other.oldest_unix
 
     def may_own(self, pack: ObjectInfo) -> bool:
         """True when ``pack`` was written after a live lease was taken (a save in flight)."""
