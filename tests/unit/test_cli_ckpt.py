@@ -124,6 +124,19 @@ def test_verify_damaged_manifest(app: typer.Typer, root: Path) -> None:
     assert code == 2 and "not a committed checkpoint" in err
 
 
+def test_rm_frees_the_packs_only_that_step_used_at_once(app: typer.Typer, root: Path) -> None:
+    # `ckpt rm` then `ckpt gc` freed nothing for gc's grace (an hour): the step's packs were
+    # committed, no save writes them, so they go as retention's do, and a shared one stays.
+    packs = {p.name for p in (root / "packs").iterdir()}
+    code, out, _ = run(app, "rm", root, 20, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["deleted_packs"] and doc["bytes_freed"] > 0
+    left = {p.name for p in (root / "packs").iterdir()}
+    assert left == packs - {Path(p).name for p in doc["deleted_packs"]} and left
+    code, _, _ = run(app, "verify", root)
+    assert code == 0  # step 10 still whole
+
+
 def test_diff(app: typer.Typer, root: Path, tmp_path: Path) -> None:
     code, out, _ = run(app, "diff", root, 10, 20)
     assert code == 0

@@ -276,18 +276,21 @@ def gc(
 @ckpt_app.command("rm")
 def rm(
     root: str = ROOT,
-    step: int = typer.Argument(..., help="The step to delete (its manifest; packs go at gc)."),
+    step: int = typer.Argument(..., help="The step to delete (its manifest and its own packs)."),
     force: bool = FORCE,
     storage_option: list[str] = OPTS,
     as_json: bool = JSON,
 ) -> None:
-    """Delete one committed step, even one whose manifest is damaged; then run gc."""
+    """Delete one committed step, even one whose manifest is damaged, and the packs only it
+    used (a damaged step's packs go at the next gc, after its grace)."""
     with handled(), open_root(root, storage_option) as ck:
-        ck.delete(step, force=force)
+        r = ck.delete(step, force=force)
+        doc = {"deleted_step": step, "root": ck.url, "deleted_packs": r.deleted_packs}
         finish(
             as_json,
-            {"deleted_step": step, "root": ck.url},
-            f"deleted step {step} from {escape(ck.url)}; run `stalwart ckpt gc` to free space",
+            {**doc, "bytes_freed": r.bytes_freed},
+            f"deleted step {step} from {escape(ck.url)} and {len(r.deleted_packs)} packs only "
+            f"it used, freed {fmt_size(r.bytes_freed)}",
         )
 
 

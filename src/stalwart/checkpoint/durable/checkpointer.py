@@ -27,10 +27,10 @@ from stalwart.checkpoint.durable.async_api import AsyncSaves
 from stalwart.checkpoint.durable.async_save import AsyncSaver, PendingSave, StagedCapture
 from stalwart.checkpoint.durable.commit import SaveRequest
 from stalwart.checkpoint.durable.context import CheckpointContext, short_steps
-from stalwart.checkpoint.durable.gc import GCReport, collect_garbage
+from stalwart.checkpoint.durable.gc import GCReport, collect_garbage, retire
 from stalwart.checkpoint.durable.lease import read_leases
 from stalwart.checkpoint.durable.loading import Loader
-from stalwart.checkpoint.durable.manifest import Manifest, manifest_key
+from stalwart.checkpoint.durable.manifest import Manifest
 from stalwart.checkpoint.durable.plan import LocalItem, local_items
 from stalwart.checkpoint.durable.results import LoadResult, SaveResult
 from stalwart.checkpoint.durable.saver import Saver
@@ -286,8 +286,12 @@ class Checkpointer:
 
     # -- maintenance -------------------------------------------------------------------
 
-    def delete(self, step: int, *, force: bool = False) -> None:
-        """Un-commit ``step`` (its manifest); its unshared packs go at the next gc().
+    def delete(self, step: int, *, force: bool = False) -> GCReport:
+        """Un-commit ``step`` (its manifest) and delete at once the packs only it used.
+
+        Its packs go as retention's do (:func:`~.gc.retire`): those another step or a live
+        lease uses stay; with a damaged manifest (this step's included) none goes now, and
+        the next gc() takes them after its grace. Returns what was deleted and freed.
 
         Works on a step whose manifest is damaged, so that it can be cleared away. A step a
         live reader holds a lease on (a load in progress, here or in another process) is
@@ -310,8 +314,9 @@ class Checkpointer:
                 "delete it once that load finished, or pass force=True (CLI: --force) to "
                 "delete it anyway: the reader then fails instead of finishing its load"
             )
-        store.delete(manifest_key(step))
+        report = retire(store, [step], self.steps(), self._ctx.manifest, asked=True)
         self._ctx.cache.forget(step)
+        return report
 
     def gc(self, *, grace_s: float | None = None) -> GCReport:
         """Apply retention, then delete pack files no checkpoint or lease references."""

@@ -59,7 +59,7 @@ from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, Obj
 from stalwart.storage.base import ObjectInfo, RemovesStaleTemps, Storage
 from stalwart.storage.temps import RemovedTemps
 
-__all__ = ["GCReport", "apply_retention", "collect_garbage", "discard_uncommitted"]
+__all__ = ["GCReport", "apply_retention", "collect_garbage", "discard_uncommitted", "retire"]
 
 log = logging.getLogger(__name__)
 PACK_PREFIX = "packs/"
@@ -273,19 +273,52 @@ def apply_retention(
     doomed = [s for s in steps if s not in keep and s not in leases.steps]
     if not doomed:
         return report
+    report = retire(store, doomed, steps, manifest)
+    log.info(
+        "retention deleted steps %s and %d packs", report.deleted_steps, len(report.deleted_packs)
+    )
+    return report
+
+
+def retire(
+    store: Storage,
+    doomed: list[int],
+    steps: list[int],
+    manifest: Callable[[int], Manifest],
+    *,
+    asked: bool = False,
+) -> GCReport:
+    """Un-commit the ``doomed`` steps (of the committed ``steps``) and delete at once the
+    packs only they used.
+
+    Their packs were committed, so no save in flight is writing them: no grace period. After
+    the un-commit, leases and manifests are read again, so a pack that a step committed
+    meanwhile (another writer's dedup) or a leased step uses is kept. A damaged manifest
+    stops retention before it deletes anything; steps the user ``asked`` to delete go even
+    then (a damaged one is what they clear away), but no pack does: gc's grace takes over.
+    """
+    report = GCReport()
     packs_of: dict[int, set[str]] = {}
+    damaged = False
     for s in steps:
         try:
             packs_of[s] = manifest(s).packs()
         except CheckpointNotFoundError:
             continue  # another process deleted it meanwhile
-        except CorruptCheckpointError as e:  # unknown references: delete nothing
-            _retention_stopped(s, e)
-            return report
+        except CorruptCheckpointError as e:  # unknown references: delete no pack
+            if not asked:
+                _retention_stopped(s, e)
+                return report
+            damaged = True
     for s in doomed:
-        if s in packs_of:
-            store.delete(manifest_key(s))
+        if s in packs_of or asked:
+            try:
+                store.delete(manifest_key(s))
+            except ObjectNotFoundError:
+                continue  # another process deleted it meanwhile
             report.deleted_steps.append(s)
+    if damaged:
+        return report
     # Re-read what is on the store after the un-commit: whoever committed or leased since
     # our first look keeps its packs (a writer leases the steps it reads before using them).
     leases = read_leases(store)
@@ -301,7 +334,4 @@ def apply_retention(
         store.delete(p)
         report.deleted_packs.append(p)
         report.bytes_freed += sizes.get(p, 0)
-    log.info(
-        "retention deleted steps %s and %d packs", report.deleted_steps, len(report.deleted_packs)
-    )
     return report

@@ -131,8 +131,7 @@ class Saver:
             def persist() -> Any:
                 return self._persist(store, plan.writes, pack_key, known, local, windows)
 
-            if g.rank == 0:  # it alone knows that its manifest was not written (see below)
-                held.enter_context(_discarded_on_failure(store, local["packs"]))
+            held.enter_context(_discarded_on_failure(store, local["packs"], g.rank))
             results = g.run(f"saving step {step}", persist)
 
             done = (step, plan.tensors, plan.aliases, skeleton, results, g.world, metadata, t0)
@@ -266,7 +265,7 @@ class Saver:
 
 
 @contextlib.contextmanager
-def _discarded_on_failure(store: Storage, packs: list[str]) -> Iterator[None]:
+def _discarded_on_failure(store: Storage, packs: list[str], rank: int) -> Iterator[None]:
     """Delete ``packs`` (rank 0's, of a save in flight) when the save fails.
 
     Only rank 0 does: it writes the manifest, so when it fails no manifest naming the packs
@@ -276,6 +275,8 @@ def _discarded_on_failure(store: Storage, packs: list[str]) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        if rank != 0:
+            raise
         try:
             discard_uncommitted(store, packs)
         except Exception:  # the save's own error is the one to raise
