@@ -7,7 +7,10 @@ runs unless ``--trust-pickle`` (see :mod:`stalwart.checkpoint.tools.importing`).
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -31,8 +34,8 @@ from stalwart.cli.ckpt_options import (
     parse_storage_options,
     step_of,
 )
-from stalwart.cli.conventions import handled
-from stalwart.errors import ConfigError
+from stalwart.cli.conventions import check_outputs, disk_full, handled
+from stalwart.errors import ConfigError, StalwartError, StorageError, StorageFullError
 
 __all__ = ["export", "import_"]
 
@@ -53,6 +56,7 @@ def export(
         return
     fmt_name = fmt.value if fmt else None
     with handled(), open_root(root, storage_option) as ck:
+        check_outputs({"OUT": out})
         r = export_step(
             ck, out, step=step_of(ck, step), format=fmt_name, overwrite=overwrite, subtree=subtree
         )
@@ -79,9 +83,15 @@ def _export_dcp(
     with handled(), open_root(root, pairs) as ck:
         if subtree is not None:
             raise ConfigError("--subtree is for file formats; --format dcp writes the whole step")
+        if out.exists() and not out.is_dir():
+            raise ConfigError(
+                f"{out} is a file; --format dcp writes a folder: give a folder path for OUT "
+                "(made if missing)"
+            )
+        check_outputs({"OUT": out})
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise ConfigError(f"{out} exists and is not empty; pass --overwrite or another OUT")
-        r = export_dcp(ck, out, step=step_of(ck, step))
+        r = _dcp_written(lambda: export_dcp(ck, out, step=step_of(ck, step)), out)
         doc = {"step": r.step, "tensors": r.tensors, "values": r.values, "path": str(out)}
         finish(
             as_json,
@@ -89,6 +99,54 @@ def _export_dcp(
             f"exported step {r.step} ({r.tensors} tensors, {r.values} values, "
             f"{fmt_size(r.bytes_total)}) to {escape(str(out))} as a DCP checkpoint",
         )
+
+
+def _dcp_written(export: Callable[[], Any], out: Path) -> Any:
+    """``export()``'s result. DCP's failure (its ``CheckpointException`` is a BaseException
+    holding every rank's error) becomes the stalwart error it wraps, or a storage error naming
+    ``out`` (``StorageFullError`` for a full disk), after removing what the export added to
+    ``out``: the folder it created, or the entries it added to an existing one."""
+    before = set(out.iterdir()) if out.is_dir() else None
+    try:
+        return export()
+    except BaseException as e:
+        if before is None:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for added in set(out.iterdir()) - before:
+                if added.is_dir():
+                    shutil.rmtree(added, ignore_errors=True)
+                else:
+                    added.unlink(missing_ok=True)
+        if isinstance(e, (KeyboardInterrupt, SystemExit, StalwartError)):
+            raise
+        raise _dcp_error(e, out, mixed=bool(before)) from e
+
+
+def _dcp_error(e: BaseException, out: Path, *, mixed: bool) -> Exception:
+    """The error to report for DCP's failure ``e`` writing ``out`` (see :func:`_dcp_written`)."""
+    causes, seen = [e], 0
+    while seen < len(causes) < 50:  # the failures of each rank, and what caused them
+        c, seen = causes[seen], seen + 1
+        failures = getattr(c, "failures", None) or {}
+        causes += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        causes += [x for x in (c.__cause__, c.__context__) if x is not None]
+    for c in causes:
+        if isinstance(c, StalwartError):
+            return c  # the checkpoint's own damage (a chunk failing its hash), said as such
+    after = (
+        f"; {out} may now mix the earlier files with new ones: delete it or export again"
+        if mixed
+        else " (the partial export was removed)"
+    )
+    if any(disk_full(c, out.parent) for c in causes):
+        return StorageFullError(
+            f"no space left on the device writing the DCP checkpoint {out}; free space there "
+            f"or export elsewhere{after}"
+        )
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    last = (lines[-1].strip() if lines else type(e).__name__)[:500]
+    return StorageError(f"writing the DCP checkpoint {out} failed ({last}){after}")
 
 
 def import_(

@@ -13,19 +13,26 @@ Exit codes (the same for every command)::
 ``--json`` is a switch on every command (help shows every boolean flag as a bare switch): the
 result goes to stdout as one JSON document instead of tables (progress and messages go to
 stderr), so it can be piped. Files are written by path options (``--out DIR``, ``--json-out
-FILE``, ``--html FILE``).
+FILE``, ``--html FILE``), each through :func:`write_file` or :func:`staged_files`: atomically
+(a file in a staging folder beside it, renamed into place), so a full disk or a crash leaves
+the earlier file whole. :func:`check_outputs` refuses, before any work, an output that would
+replace one of the command's inputs, a file of a checkpoint root, or another output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
 import numbers
+import os
 import re
+import shutil
+import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup, TyperOption
 
-from stalwart.errors import CorruptCheckpointError, StalwartError
+from stalwart.errors import ConfigError, CorruptCheckpointError, StalwartError, StorageFullError
 
 __all__ = [
     "EXIT_FINDING",
@@ -43,13 +50,18 @@ __all__ = [
     "EXIT_USAGE",
     "JSON_HELP",
     "GuardedGroup",
+    "check_outputs",
+    "checkpoint_root_of",
     "cli_hint",
+    "disk_full",
     "emit_json",
     "file_out",
     "folder_out",
     "handled",
     "json_text",
     "plain_switches",
+    "staged_files",
+    "write_file",
 ]
 
 EXIT_OK = 0
@@ -86,19 +98,150 @@ def emit_json(obj: Any) -> None:
 
 def file_out(value: Path | None) -> Path | None:
     """Option callback: an output file the command can write at its end (checked before any
-    work): not a folder, in a folder that exists."""
-    if value is not None and value.is_dir():
+    work): not a folder, in a folder that exists, outside every checkpoint root."""
+    if value is None:
+        return None
+    if value.is_dir():
         raise typer.BadParameter(f"{value} is a folder; give a file name")
-    if value is not None and not value.parent.is_dir():
+    if value.parent.exists() and not value.parent.is_dir():
+        raise typer.BadParameter(f"{value.parent} is a file, not a folder; give a path in a folder")
+    if not value.parent.is_dir():
         raise typer.BadParameter(f"no folder {value.parent}; create it first")
+    _outside_roots(value, typer.BadParameter)
     return value
 
 
 def folder_out(value: Path | None) -> Path | None:
-    """Option callback: an output folder (made if missing), not an existing file."""
+    """Option callback: an output folder (made if missing), not an existing file, not in a
+    checkpoint root."""
     if value is not None and value.exists() and not value.is_dir():
         raise typer.BadParameter(f"{value} is a file; give a folder (made if missing)")
+    if value is not None:
+        _outside_roots(value, typer.BadParameter)
     return value
+
+
+def checkpoint_root_of(path: str | os.PathLike[str]) -> Path | None:
+    """The stalwart checkpoint root ``path`` is or lies in (links followed), else None.
+
+    A root is recognised by its markers (docs/format.md): a ``manifests/`` folder holding a
+    committed step's manifest, or ``manifests/`` beside ``packs/`` (a root before its first
+    commit). A ``manifests/`` folder alone (a Kubernetes repository's, say) is no root.
+    """
+    resolved = Path(path).resolve()
+    for folder in (resolved, *resolved.parents):
+        manifests = folder / "manifests"
+        if manifests.is_dir() and ((folder / "packs").is_dir() or _holds_manifest(manifests)):
+            return folder
+    return None
+
+
+def _holds_manifest(folder: Path) -> bool:
+    from stalwart.checkpoint.durable.manifest import step_from_key  # only where one may be
+
+    with contextlib.suppress(OSError):
+        return any(step_from_key(f"manifests/{p.name}") is not None for p in folder.iterdir())
+    return False
+
+
+def _outside_roots(path: Path, error: Callable[[str], Exception], what: str = "") -> None:
+    root = checkpoint_root_of(path)
+    if root is not None:
+        raise error(
+            f"{what}{path} is inside the checkpoint root {root}; writing there could replace "
+            "or confuse the checkpoint's own files: write it outside the root"
+        )
+
+
+def check_outputs(
+    outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | None] | None = None
+) -> None:
+    """Refuse outputs that would destroy data, before any work: an output (keyed by its
+    option, ``--html``) that is one of the command's ``inputs`` (keyed by how to name it, such
+    as ``--inputs plan.toml``), lies in a checkpoint root, or names the same file as another
+    output. Regenerating an earlier report stays allowed.
+
+    Raises:
+        ConfigError: what is wrong with which option, and what to do (exit 2 in a command).
+    """
+    given = [(opt, p) for opt, p in outputs.items() if p is not None]
+    for i, (opt, out) in enumerate(given):
+        for what, src in (inputs or {}).items():
+            if src is not None and _same(out, src):
+                raise ConfigError(
+                    f"{opt} {out} would replace {what}, which the command reads; give the "
+                    "output another file name"
+                )
+        for earlier, other in given[:i]:
+            if _same(out, other):
+                raise ConfigError(f"{earlier} and {opt} both name {out}; give each its own file")
+        _outside_roots(out, ConfigError, f"{opt} ")
+
+
+def _same(a: Path, b: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()  # one is not there yet: the same path?
+
+
+def write_file(path: Path, data: str | bytes | Callable[[Path], object]) -> Path:
+    """Write one output file of a command atomically (see :func:`staged_files`): ``data`` as
+    text (UTF-8) or bytes, or ``data(tmp)`` writes a file at the path it is given."""
+    with staged_files(path.parent) as staging:
+        tmp = staging / path.name
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        elif isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            data(tmp)
+    return path
+
+
+@contextlib.contextmanager
+def staged_files(folder: Path) -> Iterator[Path]:
+    """A staging folder inside ``folder`` (made if missing) for a command's output files.
+
+    Leaving the block normally fsyncs each file written there and renames it over its
+    namesake in ``folder``; an error removes the staging folder, so the earlier files stay
+    whole and no partial one appears. A full disk (``ENOSPC``, ``EDQUOT``) raises
+    :class:`StorageFullError` naming the files and what to do.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".stalwart-", dir=folder))
+    written = ""
+    try:
+        yield staging
+        for tmp in sorted(staging.iterdir()):
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / tmp.name)
+    except OSError as e:
+        if disk_full(e, folder):
+            with contextlib.suppress(OSError):  # name the files being written
+                written = ", ".join(str(folder / p.name) for p in sorted(staging.iterdir()))
+            raise StorageFullError(
+                f"no space left on the device writing {written or folder}; free space there or "
+                "write the output elsewhere (what was there before is unchanged)"
+            ) from e
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def disk_full(e: BaseException, folder: Path) -> bool:
+    """Whether ``e`` (an ``OSError``) means a full disk: its errno says so, or (a library's
+    I/O error without one, such as pyarrow's) ``folder``'s file system has next to no room."""
+    if not isinstance(e, OSError):
+        return False
+    if e.errno is not None:
+        return e.errno in _FULL
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(folder).free < 1 << 20
+    return False
 
 
 @contextlib.contextmanager
@@ -175,9 +318,9 @@ class GuardedGroup(TyperGroup):
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
-        except Exception as e:
+        except BaseException as e:  # torch's CheckpointException is a BaseException too
             if _control_flow(e):
                 raise
             raise typer.Exit(_report(e, verbose=bool(ctx.params.get("verbose")))) from None
@@ -186,7 +329,7 @@ class GuardedGroup(TyperGroup):
 _CONTROL = {"ClickException", "Exit", "Abort"}
 
 
-def _control_flow(e: Exception) -> bool:
+def _control_flow(e: BaseException) -> bool:
     """Click's and typer's own signals (usage errors, exits, aborts), whichever copy of
     click raised them (typer >= 0.29 vendors its own)."""
     return any(
@@ -195,7 +338,7 @@ def _control_flow(e: Exception) -> bool:
     )
 
 
-def _report(e: Exception, *, verbose: bool) -> int:
+def _report(e: BaseException, *, verbose: bool) -> int:
     """Print ``e`` on stderr the way its kind deserves; return the exit code."""
     err = Console(stderr=True)
     if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):  # a user's error too: its

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from stalwart.cli.conventions import JSON_HELP, emit_json
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out
 from stalwart.demos.resume import REPORT_NAME, run_demo
 from stalwart.errors import ConfigError, MissingDependencyError, require
 
@@ -39,11 +39,13 @@ def _check_extras(sections: dict[str, bool]) -> None:
                 raise MissingDependencyError(f"{e}; or pass --no-{section}") from e.__cause__
 
 
+_Root = Annotated[Path, typer.Option(
+    callback=folder_out, help="Folder for the demo's checkpoints (ROOT/run) and its report."
+)]  # fmt: skip
+
+
 def demo(
-    root: Annotated[
-        Path,
-        typer.Option(help="Folder for the demo's checkpoints (ROOT/run) and its report."),
-    ] = Path("stalwart-demo"),
+    root: _Root = Path("stalwart-demo"),
     steps: Annotated[int, typer.Option(min=2, help="Training steps of the whole run.")] = 300,
     every: Annotated[int, typer.Option(min=1, help="Checkpoint every this many steps.")] = 25,
     fresh: Annotated[

@@ -11,9 +11,10 @@ from __future__ import annotations
 import html
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from stalwart.cli.conventions import write_file
 
 if TYPE_CHECKING:
     from stalwart.checkpoint.tools.diff import DiffReport, TensorDiff
@@ -179,20 +180,10 @@ settled by chunk hashes without reading data. Relative change is
 
 
 def write_diff_html(report: DiffReport, path: str | os.PathLike[str]) -> Path:
-    """Write ``report`` as one self-contained HTML file at ``path`` (atomically).
+    """Write ``report`` as one self-contained HTML file at ``path`` (atomically, by
+    :func:`~stalwart.cli.conventions.write_file`).
 
     Returns:
         The path written.
     """
-    out = Path(path)
-    text = render_diff_html(report)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return write_file(Path(path), render_diff_html(report))

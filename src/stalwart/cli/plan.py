@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +21,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, file_out, handled
+from stalwart.cli.conventions import (
+    JSON_HELP,
+    check_outputs,
+    emit_json,
+    file_out,
+    handled,
+    write_file,
+)
+from stalwart.errors import ConfigError
 
 __all__ = ["plan_command", "register"]
 
@@ -41,8 +50,21 @@ _Accel = Annotated[int | None, typer.Option("--accelerators", min=1, help="Ranks
 _Group = Annotated[
     int | None, typer.Option("--group-size", min=1, help="Ranks per replica (full copy).")
 ]
-_State = Annotated[float | None, typer.Option("--state-gb", help="State per rank, GB.")]
-_Step = Annotated[float | None, typer.Option("--step-s", help="Seconds per training step.")]
+
+
+def _finite(value: float | None) -> float | None:
+    """Option callback: a real, finite number (inf or nan is no size nor time to plan)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number; give a positive number")
+    return value
+
+
+_State = Annotated[
+    float | None, typer.Option("--state-gb", callback=_finite, help="State per rank, GB.")
+]
+_Step = Annotated[
+    float | None, typer.Option("--step-s", callback=_finite, help="Seconds per training step.")
+]
 _Set = Annotated[
     list[str],
     typer.Option("--set", help="Any input: SECTION.FIELD=VALUE (tiers.disk.interval_s=600)."),
@@ -85,6 +107,7 @@ def plan_command(
     from stalwart.plan import plan
 
     with handled():
+        check_outputs({"--plot": plot}, {f"--inputs {inputs}": inputs, f"--costs {costs}": costs})
         options = {"job.accelerators": accelerators, "job.group_size": group_size,
                    "job.state_gb": state_gb, "job.step_s": step_s}  # fmt: skip
         given = _inputs(inputs, costs, fleet, options, set_)
@@ -93,7 +116,7 @@ def plan_command(
         result = plan(given, strategies=chosen, sizes=scale, simulate=simulate,
                       failures=failures, seed=seed)  # fmt: skip
         if plot is not None:
-            result.plot(plot)
+            write_file(plot, result.plot)
     if as_json:
         emit_json(result.to_dict())
         return
@@ -127,7 +150,23 @@ def _inputs(path: Path | None, costs: Path | None, fleet: Preset | None,
         if not sep or not key.strip():
             raise typer.BadParameter(f"--set {item!r}: write SECTION.FIELD=VALUE")
         changes[key.strip()] = _value(value.strip())
+    if "job.group_size" not in changes:
+        _fit_group(given.job.group_size, changes.get("job.accelerators"))
     return given.replace(**changes) if changes else given
+
+
+def _fit_group(group: int, n: Any) -> None:
+    """A job size given without a group size must be a multiple of the one it keeps (Llama
+    3's 128 by default): say which option fixes it, not only which field of Job is wrong."""
+    if not isinstance(n, int) or n < 1 or n % group == 0:
+        return
+    fits = [d for d in range(1, min(group, n - 1) + 1) if n % d == 0]
+    example = f"--group-size {fits[-1]} ({n // fits[-1]} replicas), or " if fits else ""
+    raise ConfigError(
+        f"the replica group size {group} (the default, or --inputs' job.group_size) must divide "
+        f"accelerators ({n}); pass --group-size G dividing {n}, e.g. {example}--group-size {n} "
+        "(no live replica to heal from)"
+    )
 
 
 def _value(text: str) -> Any:

@@ -24,7 +24,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled, json_text
+from stalwart.cli.conventions import (
+    JSON_HELP,
+    emit_json,
+    folder_out,
+    handled,
+    json_text,
+    staged_files,
+)
 from stalwart.cli.pvf import check_criteria, load_spec
 from stalwart.errors import ConfigError, require
 
@@ -270,8 +277,6 @@ def _write(
 
     from stalwart.vulnerability.report import figure_html, write_html
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "protect.json").write_text(json_text(data))
     rows = "".join(
         f"<tr><td>{html.escape(r.name)}</td><td>{r.basis}</td><td>{_runtime(r)}</td>"
         f"<td>{r.false_alarm_rate:.1%}</td><td>{r.cost.get('extra_bytes', 0):.0f}</td>"
@@ -307,12 +312,10 @@ def _write(
         ax.legend(fontsize=7)
         fig.tight_layout()
         sections.append((f"{ref.metric} vs bit-error rate", figure_html(fig)))
-    write_html(
-        out / "report.html",
-        f"Protections on {spec}",
-        sections,
-        {"model": spec, "calibration": split["note"]},
-    )
+    with staged_files(out) as staging:  # neither replaces its earlier file before both exist
+        (staging / "protect.json").write_text(json_text(data))
+        manifest = {"model": spec, "calibration": split["note"]}
+        write_html(staging / "report.html", f"Protections on {spec}", sections, manifest)
 
 
 def register(app: typer.Typer) -> None:

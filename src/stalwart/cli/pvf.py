@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out, handled, staged_files
 from stalwart.errors import ConfigError
 
 __all__ = ["handled", "load_spec", "pvf_command", "register"]
@@ -235,8 +235,11 @@ def _emit(report: Any, spec: str, as_json: bool, out: Path | None) -> None:
     else:
         _print(Console(), report, spec)
     if out is not None:
-        paths = write_outputs(report, out, title=f"PVF of {spec}")
-        Console(stderr=as_json).print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        with staged_files(out) as staging:  # no earlier file is replaced before all exist
+            paths = write_outputs(report, staging, title=f"PVF of {spec}")
+        Console(stderr=as_json).print(
+            f"wrote {', '.join(str(out / p.name) for p in paths.values())}"
+        )
 
 
 def _reference(spec: str, dtype: str) -> Any:

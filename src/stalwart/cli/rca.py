@@ -15,6 +15,7 @@ such as a second statement, a subquery or a file function, exits with 2 and name
 from __future__ import annotations
 
 import enum
+import glob
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stalwart.cli.conventions import JSON_HELP, file_out, handled
+from stalwart.cli.conventions import JSON_HELP, check_outputs, file_out, handled, write_file
 
 __all__ = ["rca", "register"]
 
@@ -104,6 +105,7 @@ def rca(
 ) -> None:
     """Find the attribute combinations that single out failures, or explain a KPI deviation."""
     with handled():
+        check_outputs({"--json-out": json_out, "--html": html_out}, _inputs(data))
         d = _analyse(
             data,
             label,
@@ -126,13 +128,32 @@ def rca(
         )
         if as_json:
             typer.echo(d.to_json())
-        if json_out is not None:
-            d.to_json(str(json_out))
-        if html_out is not None:
-            from stalwart.diagnose import write_html
-
-            write_html(d, html_out)
+        _write(d, json_out, html_out)
     _show(d, Console(stderr=as_json), table=not as_json, html_out=html_out)
+
+
+def _write(d: Any, json_out: Path | None, html_out: Path | None) -> None:
+    """The files asked for, each written atomically."""
+    if json_out is not None:
+        write_file(json_out, d.to_json())
+    if html_out is not None:
+        from stalwart.diagnose.report import render_html
+
+        write_file(html_out, render_html(d, title="stalwart root-cause report"))
+
+
+_READ = (".csv", ".parquet", ".pq", ".parq", ".jsonl")  # in a folder DATA: what may be read
+
+
+def _inputs(data: str) -> dict[str, Path | None]:
+    """The files DATA names, which no output may replace: a file, a glob's matches, the logs
+    in a folder (its Parquet files, or its runs' fleet logs)."""
+    try:  # SQL is no path: one past NAME_MAX raises ENAMETOOLONG
+        paths = [Path(p) for p in glob.glob(data)] if glob.has_magic(data) else [Path(data)]
+        found = [q for p in paths if p.is_dir() for q in p.rglob("*") if q.suffix in _READ]
+        return {f"the log {p}": p for p in [*found, *paths] if p.is_file()}
+    except OSError:
+        return {}
 
 
 def _show(d: Any, out: Console, *, table: bool, html_out: Path | None) -> None:
@@ -188,7 +209,14 @@ def _analyse(
 
     if engine not in ("duckdb", "spark"):
         raise ConfigError(f"--engine {engine!r}: use duckdb or spark")
-    if fleet_runs(data) is not None:
+    runs = fleet_runs(data)
+    if runs == []:
+        raise ConfigError(
+            f"{data} is a folder with nothing to analyse: no runs (folders with a members.jsonl, "
+            "as `stalwart run` writes them) and no Parquet files; give a folder of runs, or a "
+            "CSV/Parquet log file or a glob of them"
+        )
+    if runs is not None:
         if weight is not None or actual is not None or expected is not None or engine != "duckdb":
             raise ConfigError(
                 f"{data} is a folder of runs: it is analysed per fault kind with the duckdb "
@@ -197,9 +225,14 @@ def _analyse(
             )
         return _fleet(data, label, skip_bad_lines, kw)
     kpi = actual is not None or expected is not None
+    if kpi and label is not None:
+        raise ConfigError(
+            "--label and --actual/--expected exclude each other: --label analyses labelled "
+            "events, --actual with --expected explains a KPI's deviation; drop one of them"
+        )
     if kpi and (actual is None or expected is None):
         raise ConfigError("KPI mode needs both --actual and --expected")
-    if kpi == (label is not None):
+    if not kpi and label is None:
         raise ConfigError("give --label (labelled events) or --actual and --expected (a KPI)")
     columns = kw.pop("columns")
     opts = DiagnoseOptions(**kw)

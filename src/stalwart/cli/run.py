@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stalwart.cli.conventions import JSON_HELP, emit_json
+from stalwart.cli.conventions import JSON_HELP, emit_json, folder_out
 
 __all__ = ["register", "run"]
 
@@ -18,7 +18,14 @@ __all__ = ["register", "run"]
 _Script = Annotated[
     Path, typer.Argument(help="The worker script (it builds a stalwart.elastic.Job).")
 ]
-_Args = Annotated[list[str] | None, typer.Argument(help="Arguments for the script.")]
+_Args = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="SCRIPT_ARGS",
+        help="Everything after the script goes to it, options too: give stalwart's options "
+        "before the script.",
+    ),
+]
 _Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Workers to start.")]
 _MinSize = Annotated[
     int, typer.Option("--min-size", min=1, help="Fewest members (replica groups) to train with.")
@@ -36,7 +43,10 @@ _MaxRestarts = Annotated[
     int, typer.Option("--max-restarts", min=0, help="Replacement workers to start at most.")
 ]
 _Events = Annotated[
-    Path | None, typer.Option(help="Folder for the workers' event files (default: a temp folder).")
+    Path | None,
+    typer.Option(
+        callback=folder_out, help="Folder for the workers' event files (default: a temp folder)."
+    ),
 ]
 _Timeout = Annotated[
     float,
@@ -86,6 +96,7 @@ _Json = Annotated[
 
 
 def run(
+    ctx: typer.Context,
     script: _Script,
     args: _Args = None,
     nproc: _Nproc = 1,
@@ -101,7 +112,10 @@ def run(
     exclude_suspect_after: _ExcludeAfter = 0,
     as_json: _Json = False,
 ) -> None:
-    """Start N workers around a coordinator; replace dead ones; survivors never restart."""
+    """Start N workers around a coordinator; replace dead ones; survivors never restart.
+
+    stalwart's options go before the script: everything after it is the script's own.
+    """
     from stalwart.elastic import launch  # torch is imported only when a job runs
 
     result = launch(
@@ -111,7 +125,10 @@ def run(
         stdout=2 if as_json else None, rdzv=rdzv, nnodes=nnodes, group_size=group_size,
         exclude_suspect_after=exclude_suspect_after,
     )  # fmt: skip
+    options = {o for p in ctx.command.params for o in p.opts if o.startswith("-")}
+    misplaced = [a for a in args or [] if a.split("=")[0] in options]
     if as_json:
+        _explain(result, script, misplaced)
         emit_json(summary_json(result))
         raise typer.Exit(result.exit_code)
     console = Console()
@@ -121,8 +138,29 @@ def run(
     if result.fatal:
         Console(stderr=True).print(f"stopped: {result.fatal}", style="red", markup=False,
                                    highlight=False, soft_wrap=True)  # fmt: skip
+    _explain(result, script, misplaced)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+def _explain(result: Any, script: Path, misplaced: list[str]) -> None:
+    """On stderr: why a job whose workers never joined it ended, and which of the script's
+    arguments are the launcher's own options (``misplaced``: they went to the script)."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if result.summary.workers == 0 and result.exit_code and not result.fatal:
+        err.print(
+            f"the workers exited without joining the job: {script} wrote no events. Does it "
+            "build a stalwart.elastic.Job and train in it (docs/elastic.md)? A plain script "
+            "runs with python, not `stalwart run`.",
+            style="red",
+            markup=False,
+        )
+    if misplaced and (result.exit_code or "--json" in misplaced):  # a script's own --timeout
+        err.print(
+            f"note: {' '.join(misplaced)} came after the script and went to it, not to "
+            f"stalwart run; put stalwart's options before {script}",
+            markup=False,
+        )
 
 
 def summary_json(result: Any) -> dict[str, Any]:

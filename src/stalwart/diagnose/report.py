@@ -6,6 +6,8 @@ inline SVG (no network, no external files). The compact fragment a notebook show
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,7 +135,20 @@ def write_html(
     d: Diagnosis | FleetDiagnosis, path: str | Path, *, title: str = "stalwart root-cause report"
 ) -> Path:
     """Write the one-file HTML report of ``d`` (findings, neighbours, examples, a plot; a
-    fleet's with one section per kind of fault) to ``path``, and return it as a ``Path``."""
+    fleet's with one section per kind of fault) to ``path``, and return it as a ``Path``.
+
+    The report is written to a temporary file beside ``path`` and renamed over it, so a full
+    disk or a crash leaves an earlier report whole (``stalwart rca --html`` writes through
+    the command line's own writer, :func:`stalwart.cli.conventions.write_file`)."""
     out = Path(path)
-    out.write_text(render_html(d, title=title), encoding="utf-8")
+    text = render_html(d, title=title)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return out

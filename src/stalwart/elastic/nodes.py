@@ -100,13 +100,18 @@ def rendezvous(address: str, max_nodes: int) -> tuple[RdzvCoordinator | None, St
         for an agent), a store client, and this node's number (0 for the first).
 
     Raises:
-        ConfigError: ``address`` is not ``HOST:PORT``, or the job already has ``max_nodes``
-            live nodes.
+        ConfigError: ``address`` is not ``HOST:PORT`` (a port from 1 to 65535), or the job
+            already has ``max_nodes`` live nodes.
     """
     host, _, port_text = address.rpartition(":")
     if not host or not port_text.isdigit():
         raise ConfigError(f"--rdzv {address!r}: write HOST:PORT (e.g. 10.0.0.1:29400)")
     port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(
+            f"--rdzv {address!r}: port {port} is out of range; give a TCP port from 1 to 65535 "
+            "(e.g. 10.0.0.1:29400)"
+        )
     coord: RdzvCoordinator | None = None
     try:
         coord = RdzvCoordinator(host, port)

@@ -42,16 +42,25 @@ class Strategy(str, enum.Enum):
 
 def _check(owner: str, name: str, value: Any, *, low: float = 0.0, integer: bool = False,
            strict: bool = False, hint: str = "") -> None:  # fmt: skip
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
-    bad = bad or (integer and (not float(value).is_integer() or math.isinf(value)))
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
+    infinite = not bad and not _finite(value)  # inf is no size, rate nor time to plan with
+    bad = bad or infinite or (integer and not float(value).is_integer())
     bad = bad or (value <= low if strict else value < low)
     if bad:
         want = "an integer" if integer else "a number"
         op = ">" if strict else ">="
+        hint = "; ".join(h for h in ("give a finite value" if infinite else "", hint) if h)
         raise ConfigError(
             f"{owner}.{name} must be {want} {op} {low:g}, got {value!r}"
             + (f"; {hint}" if hint else "")
         )
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond every float
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,10 @@ def recommend_intervals(inputs: PlanInputs, strategy: Strategy | str) -> dict[st
             chosen = min(optimal_interval(costs.save_s[name], land[name]), tier.interval_cap_s)
         else:
             chosen = tier.interval_cap_s
-        steps = max(1, round(max(chosen, costs.lag_s[name], step) / step))
+        span = max(chosen, costs.lag_s[name], step) / step
+        if not math.isfinite(span):
+            raise ConfigError(_out_of_range(inputs, f"tier {name}'s interval is {span:g} steps"))
+        steps = max(1, round(span))
         if 0 < faster < steps:  # on the faster tier's grid: one pause serves both
             steps = steps // faster * faster
         out[name], faster = steps * step, steps
@@ -117,8 +120,33 @@ def analytic(inputs: PlanInputs, strategy: Strategy | str, intervals: dict[str, 
     return Estimate(max(ettr, 0.0), lost, down, "first order")
 
 
+def _out_of_range(inputs: PlanInputs, what: str) -> str:
+    """The message for inputs whose derived figures overflow: ``what`` overflowed, and the
+    job's inputs it derives from (with their options) to change."""
+    job = inputs.job
+    return (
+        f"the inputs are out of range: {what} (job.state_gb={job.state_gb:g} GB, --state-gb; "
+        f"job.step_s={job.step_s:g} s, --step-s; job.accelerators={job.accelerators}, "
+        "--accelerators; with the tiers' and network's GB/s and the costs); give realistic values"
+    )
+
+
 def _strategy_plan(inputs: PlanInputs, strategy: Strategy, sim: dict[str, int] | None
                    ) -> StrategyPlan:  # fmt: skip
+    c = RungCosts.of(inputs, strategy)  # a state of 1e308 GB takes forever to save
+    derived = {f"a {t} save": v for t, v in c.save_s.items()} | {"a heal": c.heal_s}
+    derived |= {f"a restore from {t}": v for t, v in c.restore_s.items()}
+    for what, seconds in (derived | {f"a {t} commit": v for t, v in c.lag_s.items()}).items():
+        if not math.isfinite(seconds):
+            raise ConfigError(_out_of_range(inputs, f"{what} takes {seconds:g} s"))
+    try:
+        return _modelled(inputs, strategy, sim)
+    except OverflowError as e:  # a step of 1e300 s: a failure's odds within it overflow
+        raise ConfigError(_out_of_range(inputs, f"a figure overflowed ({e})")) from e
+
+
+def _modelled(inputs: PlanInputs, strategy: Strategy, sim: dict[str, int] | None
+              ) -> StrategyPlan:  # fmt: skip
     intervals = recommend_intervals(inputs, strategy)
     simulated = None
     if sim is not None:

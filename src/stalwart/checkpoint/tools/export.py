@@ -13,9 +13,11 @@ Import lives in :mod:`stalwart.checkpoint.tools.importing`; its names stay impor
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from stalwart.checkpoint.tools.importing import (  # import_file, ImportResult: 
     import_file,
     numpy_to_tensors,
 )
-from stalwart.errors import CheckpointNotFoundError, ConfigError
+from stalwart.errors import CheckpointNotFoundError, ConfigError, StorageFullError
 from stalwart.storage.local import fsync_dir
 from stalwart.tree import flatten, unflatten
 
@@ -145,15 +147,7 @@ def export_step(
     """
     path = Path(out)
     format = format_for(path, format)
-    if path.exists() and not overwrite:
-        raise ConfigError(
-            f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
-            "choose another path"
-        )
-    if path.is_dir():
-        raise ConfigError(f"{path} is a folder; give a file name to export to")
-    if not path.parent.is_dir():
-        raise ConfigError(f"folder {path.parent} does not exist; create it first")
+    _check_out(path, overwrite)
     if step is None:
         step = ckpt.latest_step()
         if step is None:
@@ -165,6 +159,7 @@ def export_step(
     tree = ckpt.load(None, step) if subtree is None else load_subtree(ckpt, step, subtree)
     flat = flatten(tree)
     tensors = unshared({fqn: leaf.tensor for fqn, leaf in flat.leaves.items()})
+    nbytes = sum(t.nbytes for t in tensors.values())
     if format == "safetensors":
         from safetensors.torch import save_file
 
@@ -182,11 +177,26 @@ def export_step(
         user = ckpt.manifest(step).metadata
         if user:
             meta["stalwart.metadata"] = json.dumps(user)
-        _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), nbytes)
     else:
         plain = numpy_to_tensors(tree)
-        _atomic_write(path, lambda tmp: torch.save(plain, tmp))
+        _atomic_write(path, lambda tmp: torch.save(plain, tmp), nbytes)
     return ExportResult(path, step, format, len(tensors), path.stat().st_size)
+
+
+def _check_out(path: Path, overwrite: bool) -> None:
+    """Refuse an ``out`` that exists (unless ``overwrite``), is a folder, or has no folder."""
+    if path.exists() and not overwrite:
+        raise ConfigError(
+            f"{path} already exists; pass overwrite=True (--overwrite) to replace it, or "
+            "choose another path"
+        )
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder; give a file name to export to")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"{path.parent} is a file, not a folder; give a file in a folder")
+    if not path.parent.is_dir():
+        raise ConfigError(f"folder {path.parent} does not exist; create it first")
 
 
 def load_subtree(ckpt: Checkpointer, step: int, subtree: str | None) -> dict[str, torch.Tensor]:
@@ -245,8 +255,13 @@ def model_subtree(tree: Any, subtree: str | None, *, where: str) -> dict[str, to
     )
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp)`` for a temp file next to ``path``, fsync it, rename it onto ``path``."""
+def _atomic_write(path: Path, write: Callable[[Path], None], nbytes: int) -> None:
+    """Run ``write(tmp)`` for a temp file next to ``path``, fsync it, rename it onto ``path``.
+
+    A failure removes the temp file; one that a full disk caused becomes a
+    :class:`StorageFullError` (safetensors and ``torch.save`` report it without an errno, as
+    ``SafetensorError`` or "enforce fail at inline_container.cc", so the folder's free space
+    decides: too little left for the ``nbytes`` of tensors)."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         write(tmp)
@@ -256,8 +271,25 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = isinstance(e, Exception) and _disk_full(e, tmp, nbytes)
         tmp.unlink(missing_ok=True)
+        if full:
+            raise StorageFullError(
+                f"no space left on the device writing {path} ({nbytes:,} bytes of tensors); "
+                f"free space there or export to another disk ({path} is unchanged)"
+            ) from e
         raise
     with contextlib.suppress(OSError):  # some platforms cannot open folders; still atomic
         fsync_dir(str(path.parent))
+
+
+def _disk_full(e: Exception, tmp: Path, nbytes: int) -> bool:
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+        written = tmp.stat().st_size if tmp.exists() else 0
+    except OSError:
+        return False
+    return free < 1 << 20 or free + written < nbytes
