@@ -124,6 +124,17 @@ def test_verify_damaged_manifest(app: typer.Typer, root: Path) -> None:
     assert code == 2 and "not a committed checkpoint" in err
 
 
+def test_damage_in_ls_and_verify_is_told_the_command_lines_way(
+    app: typer.Typer, root: Path
+) -> None:
+    # The damage texts came from the library: "use fallback=True", an argument of a Python
+    # call, in the CLI's ls --json and verify table and JSON.
+    (root / "manifests" / f"step-{10:020d}.json").write_text("{ not json")
+    for args in (("ls", root, "--json"), ("verify", root, "--json"), ("verify", root)):
+        _, out, _ = run(app, *args)
+        assert "fallback=True" not in out and "ckpt verify ROOT" in " ".join(out.split()), args
+
+
 def test_rm_frees_the_packs_only_that_step_used_at_once(app: typer.Typer, root: Path) -> None:
     # `ckpt rm` then `ckpt gc` freed nothing for gc's grace (an hour): the step's packs were
     # committed, no save writes them, so they go as retention's do, and a shared one stays.

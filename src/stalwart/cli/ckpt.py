@@ -43,7 +43,7 @@ from stalwart.cli.ckpt_options import (
     step_of,
 )
 from stalwart.cli.ckpt_transfer import export, import_
-from stalwart.cli.conventions import emit_json, handled
+from stalwart.cli.conventions import cli_hint, emit_json, handled
 from stalwart.cli.diff_html import write_diff_html
 from stalwart.errors import ConfigError, CorruptCheckpointError
 
@@ -59,7 +59,7 @@ def ls(root: str = ROOT, as_json: bool = JSON, storage_option: list[str] = OPTS)
             try:
                 m = ck.manifest(s)
             except CorruptCheckpointError as e:
-                rows.append({"step": s, "damaged": str(e)})
+                rows.append({"step": s, "damaged": cli_hint(str(e))})
                 continue
             logical = sum(t.nbytes for t in m.tensors.values())
             written = int(m.stats.get("bytes_written", 0))
@@ -156,7 +156,7 @@ def verify(
                 reports = [verify_step(ck, one, progress=lambda d, t: progress(one, d, t))]
         ok = all(r.ok for r in reports)
         if as_json:
-            emit_json({"ok": ok, "steps": [r.to_json() for r in reports]})
+            emit_json({"ok": ok, "steps": [_told(r.to_json()) for r in reports]})
         else:
             out = console()
             for r in reports:
@@ -171,7 +171,7 @@ def verify(
                 table.add_column("what is damaged", overflow="fold")
                 for r in reports:
                     for item in r.damaged:
-                        table.add_row(str(r.step), escape(item))
+                        table.add_row(str(r.step), escape(cli_hint(item)))
                 out.print(table)
                 out.print("remove a damaged step with `stalwart ckpt rm ROOT N`, or use another")
         if not ok:
@@ -292,6 +292,11 @@ def rm(
             f"deleted step {step} from {escape(ck.url)} and {len(r.deleted_packs)} packs only "
             f"it used, freed {fmt_size(r.bytes_freed)}",
         )
+
+
+def _told(doc: dict[str, Any]) -> dict[str, Any]:
+    """A verify report's JSON with its damage told the command line's way (:func:`cli_hint`)."""
+    return {**doc, "damaged": [cli_hint(d) for d in doc.get("damaged", [])]}
 
 
 def register(app: typer.Typer) -> None:
