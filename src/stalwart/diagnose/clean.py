@@ -177,12 +177,17 @@ def _profile(
     for p in cols:
         text = f"CAST({identifier(p.name)} AS VARCHAR)"
         textual = not p.numeric and not p.sql_type.upper().startswith(_NOT_TEXT)
-        taken = f"list(DISTINCT {text}) FILTER (WHERE {_collides(text)})" if textual else "NULL"
+        taken = f"bool_or({_collides(text)})" if textual else "NULL"  # streams; lists later
         parts += [f"approx_count_distinct({p.value})", f"count(*) - count({p.value})", taken]
-    row = src.sql(f"SELECT {', '.join(parts)} FROM {{src}}").fetchall()[0]
+    row = list(src.sql(f"SELECT {', '.join(parts)} FROM {{src}}").fetchall()[0])
     totals = [float(v or 0.0) for v in row[: 1 + len(sums)]]
     at = 1 + len(sums)
     distinct = [int(row[at + 3 * i] or 0) for i in range(len(cols))]
+    for i, p in enumerate(cols):  # the rare column holding a label's text: which ones
+        if row[at + 3 * i + 2]:
+            text = f"CAST({identifier(p.name)} AS VARCHAR)"
+            found = f"SELECT list(DISTINCT {text}) FROM {{src}} WHERE {_collides(text)}"
+            row[at + 3 * i + 2] = src.sql(found).fetchall()[0][0]
     near = [i for i, d in enumerate(distinct) if needs_exact(d, int(totals[0]), options)]
     if near:
         counts = ", ".join(f"count(DISTINCT {cols[i].value})" for i in near)

@@ -55,7 +55,12 @@ from dataclasses import dataclass, field
 from stalwart.checkpoint.durable.lease import Clock, LiveLeases, read_leases
 from stalwart.checkpoint.durable.manifest import Manifest, committed_manifests, manifest_key
 from stalwart.checkpoint.policy import RetentionPolicy, kept_steps
-from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
+from stalwart.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from stalwart.storage.base import ObjectInfo, RemovesStaleTemps, Storage
 from stalwart.storage.temps import RemovedTemps
 
@@ -297,9 +302,7 @@ def retire(
     stops retention before it deletes anything; steps the user ``asked`` to delete go even
     then (a damaged one is what they clear away), but no pack does: gc's grace takes over.
     """
-    report = GCReport()
-    packs_of: dict[int, set[str]] = {}
-    damaged = False
+    report, packs_of, damaged = GCReport(), dict[int, set[str]](), False
     for s in steps:
         try:
             packs_of[s] = manifest(s).packs()
@@ -329,7 +332,13 @@ def retire(
     for s in leases.steps:
         kept |= packs_of.get(s, set())
     doomed_packs = set().union(*(packs_of.get(s, set()) for s in report.deleted_steps))
-    sizes = {i.key: i.size for i in store.list(PACK_PREFIX)}
+    try:
+        sizes = {i.key: i.size for i in store.list(PACK_PREFIX)}
+    except StorageError as e:  # a linked packs/ folder: the un-commit stands, packs untouched
+        if not asked:
+            raise
+        log.warning("deleted step(s) %s; their packs are left as they are: %s", doomed, e)
+        return report
     for p in sorted(doomed_packs - kept):
         store.delete(p)
         report.deleted_packs.append(p)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -45,19 +46,32 @@ them, and an ``flock`` lives while any fd of it is open: the child closes them a
 that a restarted trainer does not find its folder held by its dead predecessor's workers."""
 
 
+_CLAIMING = threading.RLock()
+"""Held from a lock's open to its entry in :data:`_HELD` (and from its removal to its close),
+and across a fork: a fork in that gap (a data loader starting while a background snapshot
+claims) would leave the child a copy of the fd it does not know to close. Reentrant: a
+finalizer may close a lock while its thread claims another."""
+
+
 def _release_in_child() -> None:
     for fd in _HELD:
         os.close(fd)
     _HELD.clear()
+    _CLAIMING.release()
 
 
-os.register_at_fork(after_in_child=_release_in_child)
+os.register_at_fork(
+    before=_CLAIMING.acquire,
+    after_in_parent=_CLAIMING.release,
+    after_in_child=_release_in_child,
+)
 
 
 def _close_lock(fd: int) -> None:
-    if fd in _HELD:  # a forked child closed it already
-        _HELD.discard(fd)
-        os.close(fd)
+    with _CLAIMING:
+        if fd in _HELD:  # a forked child closed it already
+            _HELD.discard(fd)
+            os.close(fd)
 
 
 _GRANULE = 1 << 20  # grow mappings in whole MiB to avoid remapping for small changes
@@ -111,12 +125,17 @@ class SnapshotKeeper:
         if self._lock is not None:
             return
         path = self.folder / f"rank{self.rank:05d}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        with _CLAIMING:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                fd = -1
+            else:
+                _HELD.add(fd)
+        if fd < 0:
             raise ConfigError(
                 f"keep_in folder {self.folder} already has a live writer for rank {self.rank} "
                 f"(process {holder} holds {path.name}): two checkpointers would overwrite each "
@@ -125,7 +144,6 @@ class SnapshotKeeper:
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _HELD.add(fd)
         self._lock = weakref.finalize(self, _close_lock, fd)
 
     def close(self) -> None:
