@@ -97,36 +97,6 @@ class CleanPlan:
     """Summed total mass (rows, or weights) of the whole input."""
 
 
-@dataclass(frozen=True)
-class _Profile:
-    """What profiling learnt of one attribute column."""
-
-    name: str
-    sql_type: str
-    distinct: int
-    """Distinct values besides NULL and NaN: exact wherever a decision depends on it."""
-    nulls: int
-    """Rows holding NULL or NaN."""
-    taken: frozenset[str]
-    """The column's values that a label could collide with (``free_label``)."""
-
-    @property
-    def numeric(self) -> bool:
-        return self.sql_type.upper().startswith(_NUMERIC)
-
-    @property
-    def integer(self) -> bool:
-        return self.sql_type.upper().startswith(_INTEGER)
-
-    @property
-    def value(self) -> str:
-        """The column as SQL, a float's NaN read as NULL: both are a missing value."""
-        q = identifier(self.name)
-        if self.sql_type.upper().startswith(_FLOAT):
-            return f"(CASE WHEN {is_nan(q)} THEN NULL ELSE {q} END)"
-        return q
-
-
 def is_nan(x: str) -> str:
     """SQL: whether the number ``x`` is NaN. Not ``isnan``: DuckDB folds that to false where
     a Parquet file's statistics claim no NaN, as PyArrow's do whatever the file holds
@@ -165,6 +135,36 @@ def needs_exact(estimate: int, n_rows: int, options: DiagnoseOptions) -> bool:
         t / _ESTIMATE_ERROR - 2 <= estimate <= t * _ESTIMATE_ERROR + 2
         for t in (*limits, 0.5 * n_rows)
     )
+
+
+@dataclass(frozen=True)
+class _Profile:
+    """What profiling learnt of one attribute column."""
+
+    name: str
+    sql_type: str
+    distinct: int
+    """Distinct values besides NULL and NaN: exact wherever a decision depends on it."""
+    nulls: int
+    """Rows holding NULL or NaN."""
+    taken: frozenset[str]
+    """The column's values that a label could collide with (``free_label``)."""
+
+    @property
+    def numeric(self) -> bool:
+        return self.sql_type.upper().startswith(_NUMERIC)
+
+    @property
+    def integer(self) -> bool:
+        return self.sql_type.upper().startswith(_INTEGER)
+
+    @property
+    def value(self) -> str:
+        """The column as SQL, a float's NaN read as NULL: both are a missing value."""
+        q = identifier(self.name)
+        if self.sql_type.upper().startswith(_FLOAT):
+            return f"(CASE WHEN {is_nan(q)} THEN NULL ELSE {q} END)"
+        return q
 
 
 def _profile(

@@ -55,12 +55,7 @@ from dataclasses import dataclass, field
 from stalwart.checkpoint.durable.lease import Clock, LiveLeases, read_leases
 from stalwart.checkpoint.durable.manifest import Manifest, committed_manifests, manifest_key
 from stalwart.checkpoint.policy import RetentionPolicy, kept_steps
-from stalwart.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ObjectNotFoundError,
-    StorageError,
-)
+from stalwart.errors import CheckpointNotFoundError, CorruptCheckpointError, ObjectNotFoundError
 from stalwart.storage.base import ObjectInfo, RemovesStaleTemps, Storage
 from stalwart.storage.temps import RemovedTemps
 
@@ -334,7 +329,7 @@ def retire(
     doomed_packs = set().union(*(packs_of.get(s, set()) for s in report.deleted_steps))
     try:
         sizes = {i.key: i.size for i in store.list(PACK_PREFIX)}
-    except StorageError as e:  # a linked packs/ folder: the un-commit stands, packs untouched
+    except OSError as e:  # packs/ a link (UnsafePathError): the un-commit stands, packs as is
         if not asked:
             raise
         log.warning("deleted step(s) %s; their packs are left as they are: %s", doomed, e)

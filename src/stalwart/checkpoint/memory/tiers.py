@@ -38,12 +38,7 @@ from stalwart.checkpoint.memory.keeper import SnapshotKeeper
 from stalwart.checkpoint.memory.memory_tier import MemoryTier
 from stalwart.checkpoint.memory.tier_records import RecoveryReport, Tier, TieredSaveResult
 from stalwart.checkpoint.options import CheckpointOptions
-from stalwart.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-)
+from stalwart.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from stalwart.tree import flatten
 
 __all__ = ["RecoveryReport", "Tier", "TieredCheckpointer"]
@@ -336,7 +331,7 @@ class TieredCheckpointer:
             return None
         try:
             source, snap = self.memory.snapshot(step, lost)
-        except CorruptCheckpointError as e:  # raised on every rank alike: all fall back
+        except CheckpointError as e:  # a failed rebuild, raised on every rank alike: all fall back
             attempts.append(("memory", f"step {step}: {e}"))
             return None
         return step, source, lost, snap.restore_into(state)
