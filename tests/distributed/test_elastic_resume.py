@@ -35,7 +35,9 @@ RUN_TIMEOUT_S = 60
 
 def _run(tmp: Path, every: int, *, max_restarts: int = 4) -> subprocess.CompletedProcess[str]:
     chaos = KillSchedule((Kill(worker=0, step=KILL_AT), Kill(worker=1, step=KILL_AT)))
-    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2",
+    # --min-size 2: the two replacements resume together (with 1, the first to import torch
+    # could finish the run alone on a loaded box before the other joined, as it did once)
+    cmd = [sys.executable, "-m", "stalwart", "run", "--nproc", "2", "--min-size", "2",
            "--max-restarts", str(max_restarts), "--events", str(tmp / "events"),
            "--timeout", "10", str(WORKER), "--steps", str(STEPS), "--step-sleep", "0.05",
            "--ckpt", str(tmp / "ckpt"), "--ckpt-every", str(every), "--ckpt-wait",
