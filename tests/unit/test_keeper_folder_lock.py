@@ -66,11 +66,16 @@ def test_a_forked_child_does_not_keep_the_folder_held(tmp_path: Path) -> None:
 
     a = _kept(tmp_path / "shm")
     a.save(1, {"w": torch.ones(4)})
+    started, started_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the worker: lives on past the trainer's close
+        os.write(started_w, b"x")  # the fork's handlers have run by the time fork() returns
         time.sleep(3)
         os._exit(0)
     try:
+        # On a loaded machine the child may not have run at all yet: wait until it has, so
+        # the claim below tests what the child does, not whether it got the CPU in time.
+        assert os.read(started, 1) == b"x"
         a.close()
         b = _kept(tmp_path / "shm")
         b.save(2, {"w": torch.ones(4)})  # raised "already has a live writer"
@@ -78,3 +83,5 @@ def test_a_forked_child_does_not_keep_the_folder_held(tmp_path: Path) -> None:
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        os.close(started)
+        os.close(started_w)
