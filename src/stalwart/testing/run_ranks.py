@@ -1,12 +1,13 @@
 """``run_ranks``: run a function on every rank of a real ``torch.distributed`` world, on CPU.
 
 Distributed code is tested in real processes, not by patching ``torch.distributed``: each rank
-is a fresh ``spawn``-ed interpreter that joins a gloo process group through a ``FileStore`` in a
-temporary folder (no ports, so tests never collide on a busy machine), runs a module-level
-function, and sends its return value (or its traceback) back to the parent. The parent turns
-failures into one :class:`~stalwart.errors.DistributedError` that shows every failing rank's
-traceback, kills the whole world on timeout (saying which ranks did not finish and, where the
-platform allows, where they were stuck), and always reaps its children.
+is a fresh process that joins a gloo process group through a ``FileStore`` in a temporary folder
+(no ports, so tests never collide on a busy machine), runs a module-level function, and sends
+its return value (or its traceback) back to the parent. A forkserver that imported torch
+once forks the ranks: each starts in milliseconds, not in the seconds of ``import torch``.
+The parent turns failures into one :class:`~stalwart.errors.DistributedError` that shows every
+failing rank's traceback, kills the whole world on timeout (saying which ranks did not finish
+and, where the platform allows, where they were stuck), and always reaps its children.
 
 Ranks may be expected to die: ``expect_exit={2: -signal.SIGKILL}`` accepts rank 2 being
 killed (a crash test), and its slot in the result is ``None``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -30,17 +32,19 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from stalwart.errors import ConfigError, DistributedError
 
-__all__ = ["run_ranks"]
+__all__ = ["PRELOAD", "run_ranks"]
 
 log = logging.getLogger(__name__)
 
-_ENV_LOCK = threading.Lock()
+PRELOAD = ("torch", "torch.distributed", "stalwart.checkpoint")
+"""Modules the forkserver imports once, before it forks the first rank (fork copies them)."""
 _KILL_GRACE_S = 5.0  # how long a killed child may take to be reaped
 _STACK_DUMP_WAIT_S = 1.0  # how long hung ranks get to write their stacks before SIGKILL
 _DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only; no stack dumps elsewhere
@@ -58,16 +62,17 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
 
-    Each rank is a new process started with the ``spawn`` method. Before calling ``fn`` it
-    calls ``torch.distributed.init_process_group("gloo", store=FileStore(...), rank=rank,
-    world_size=world_size)`` and ``torch.set_num_threads(1)`` (ranks share the machine's
-    cores); afterwards it destroys the process group. The default process group is therefore
-    ready inside ``fn``, and a CPU ``DeviceMesh("cpu", ...)`` can be built on it.
+    Each rank is forked by a forkserver that imported :data:`PRELOAD` (spawned where there is
+    no forkserver). Before calling ``fn`` it calls ``torch.distributed.init_process_group(
+    "gloo", store=FileStore(...), rank=rank, world_size=world_size)`` and
+    ``torch.set_num_threads(1)`` (ranks share the machine's cores); afterwards it destroys the
+    process group. The default process group is therefore ready inside ``fn``, and a CPU
+    ``DeviceMesh("cpu", ...)`` can be built on it.
 
     ``fn`` and ``args`` are pickled, so ``fn`` must be a module-level function of an importable
     module (not a lambda, a closure or a function defined in a test body) and ``args`` and the
-    return values must be picklable. The children inherit the parent's ``sys.path`` (so test
-    modules that pytest made importable stay importable) and environment.
+    return values must be picklable. The children get the parent's ``sys.path`` (test modules
+    pytest made importable stay so) and ``os.environ`` as they are at the call.
 
     Example::
 
@@ -89,8 +94,8 @@ def run_ranks(
             still running is killed and an error names them (with their stacks on POSIX).
         tmp_dir: folder for the ``FileStore`` file and stack dumps; a fresh temporary folder
             (removed afterwards) when ``None``.
-        env: environment variables set for the children only (on top of the parent's),
-            present before the child imports anything.
+        env: environment variables for the children only, on top of the parent's (not seen
+            by :data:`PRELOAD`'s imports: a variable torch reads at import has no effect).
         expect_exit: ``{rank: exit code}`` for ranks that are expected to die without returning,
             such as ``{2: -signal.SIGKILL}`` for a rank killed by SIGKILL (negative codes are
             signals) or ``{1: 3}`` for ``os._exit(3)``. Their results are ``None``. A listed rank
@@ -117,44 +122,42 @@ def run_ranks(
         raise ConfigError("expect_exit code 0 is a normal return; list only ranks that die")
     name = getattr(fn, "__qualname__", repr(fn))
     try:
-        pickle.dumps((fn, args))
+        job = pickle.dumps((fn, args))
     except Exception as e:
         raise ConfigError(
             f"run_ranks cannot send {name} and its arguments to the ranks ({e}); fn must be a "
             "module-level function of an importable module and the arguments picklable"
         ) from e
 
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    environ = {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}}
+    ctx = _start_context()
     with _work_dir(tmp_dir) as work:
         store_path = str(work / f"filestore-{uuid.uuid4().hex}")
         dumps = [work / f"stacks-{uuid.uuid4().hex[:8]}-rank{r}.txt" for r in range(world_size)]
         procs: list[BaseProcess] = []
         conns: list[Connection] = []
         try:
-            with _child_env(env):
-                for rank in range(world_size):
-                    recv, send = ctx.Pipe(duplex=False)
-                    p = ctx.Process(
-                        target=_child_main,
-                        args=(
-                            fn,
-                            rank,
-                            world_size,
-                            args,
-                            store_path,
-                            pg_timeout_s or timeout_s,
-                            str(dumps[rank]),
-                            send,
-                        ),
-                        name=f"run_ranks-{name}-rank{rank}",
-                        daemon=True,
-                    )
-                    p.start()
-                    send.close()  # the child holds the only writing end now
-                    procs.append(p)
-                    conns.append(recv)
+            for rank in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(
+                    target=_child_main,
+                    args=(
+                        job,
+                        environ,
+                        rank,
+                        world_size,
+                        store_path,
+                        pg_timeout_s or timeout_s,
+                        str(dumps[rank]),
+                        send,
+                    ),
+                    name=f"run_ranks-{name}-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                send.close()  # the child holds the only writing end now
+                procs.append(p)
+                conns.append(recv)
             outcomes = _collect(procs, conns, time.monotonic() + timeout_s)
             hung = [r for r, o in enumerate(outcomes) if o is None]
             lingering = [r for r, o in enumerate(outcomes) if o is not None and procs[r].is_alive()]
@@ -199,23 +202,13 @@ def _work_dir(tmp_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _child_env(env: Mapping[str, str] | None) -> Iterator[None]:
-    """Set ``env`` in ``os.environ`` while children start (spawn copies it at exec time)."""
-    if not env:
-        yield
-        return
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update({str(k): str(v) for k, v in env.items()})
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+def _start_context() -> BaseContext:
+    """The forkserver context with :data:`PRELOAD` (read when the server starts), else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 Outcome = tuple[str, Any]
@@ -347,17 +340,23 @@ def _describe_code(code: int | None) -> str:
 
 
 def _child_main(
-    fn: Callable[..., Any],
+    job: bytes,
+    environ: dict[str, str],
     rank: int,
     world_size: int,
-    args: tuple[Any, ...],
     store_path: str,
     pg_timeout_s: float,
     dump_path: str,
     conn: Connection,
 ) -> None:
-    """Entry point of one rank: join the group, run ``fn``, answer, leave the group."""
+    """Entry point of one rank: join the group, run ``fn``, answer, leave the group.
+
+    ``job``, ``(fn, args)`` pickled, is unpickled (importing ``fn``'s module) once ``environ``
+    is in place. A forked rank's parent is the forkserver, which exits with the test process.
+    """
     _exit_with_parent(os.getppid())
+    os.environ.clear()
+    os.environ.update(environ)
     if _DUMP_SIGNAL is not None:
         dump = open(dump_path, "w")  # noqa: SIM115 - must stay open for the process' lifetime
         faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)
@@ -367,6 +366,7 @@ def _child_main(
     torch.set_num_threads(1)
     outcome: Outcome
     try:
+        fn, args = pickle.loads(job)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             "gloo",
