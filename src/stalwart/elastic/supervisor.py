@@ -38,20 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import stalwart.elastic.protocol as protocol
 from stalwart.elastic.coordinator import Coordinator
 from stalwart.elastic.events import EventKind, EventLog
 from stalwart.elastic.groups import Layout, write_layout
 from stalwart.elastic.heartbeat import HeartbeatWatch
 from stalwart.elastic.nodes import RdzvCoordinator, ask_kill, new_wid, publish_final, worker_views
-from stalwart.elastic.protocol import (
-    ENV_EVENTS,
-    ENV_HANG,
-    ENV_STORE,
-    ENV_STORE_FILE,
-    ENV_WORKER,
-    keys,
-    write_address,
-)
 from stalwart.elastic.recovery import LAUNCHER_LOG
 from stalwart.elastic.roster import Roster
 from stalwart.elastic.sdc import EXIT_EXCLUDED, exclusion_threshold
@@ -95,14 +87,14 @@ class Supervisor:
         self.stdout, self.min_nodes = stdout, min_nodes
         self.coord = coord or Coordinator()
         self.remote: set[int] = set()  # other nodes' workers (see nodes.py)
-        self.beats = HeartbeatWatch(self.coord.store, float(env[ENV_HANG]))
+        self.beats = HeartbeatWatch(self.coord.store, float(env[protocol.ENV_HANG]))
         self.hung: dict[int, float] = {}
         self.stragglers = StragglerWatch(straggler_factor)
         self._stats_at = 0.0
-        self.env[ENV_STORE] = self.coord.address
-        self.store_file = Path(env[ENV_EVENTS]) / STORE_FILE
-        self.env[ENV_STORE_FILE] = str(self.store_file)
-        write_address(self.store_file, self.coord.address)
+        self.env[protocol.ENV_STORE] = self.coord.address
+        self.store_file = Path(env[protocol.ENV_EVENTS]) / STORE_FILE
+        self.env[protocol.ENV_STORE_FILE] = str(self.store_file)
+        protocol.write_address(self.store_file, self.coord.address)
         self.rehost_requested = False
         self.stop_signals: list[int] = []  # SIGTERM, SIGINT the launcher got (drain)
         self.fatal: dict[str, Any] | None = None  # a worker's fatal report (check_fatal)
@@ -113,7 +105,7 @@ class Supervisor:
         self.restarts = 0
         self.final_members: tuple[int, ...] | None = None
         self.t0 = time.monotonic()
-        events = Path(env[ENV_EVENTS])
+        events = Path(env[protocol.ENV_EVENTS])
         self.log = EventLog(events, -1, name=LAUNCHER_LOG)
 
     def spawn(self, replaces: list[int] | None = None) -> None:
@@ -128,7 +120,7 @@ class Supervisor:
             write_layout(self.coord.store, wid, Layout(gid, rank, roster.group_size, slot))
             extra = {"group": gid, "group_rank": rank} if roster.group_size > 1 else {}
             self.log.write(EventKind.SPAWNED, wid=wid, replaces=old, **extra)
-            env = dict(self.env, **{ENV_WORKER: str(wid)})
+            env = dict(self.env, **{protocol.ENV_WORKER: str(wid)})
             self.procs[wid] = subprocess.Popen(self.cmd, env=env, stdout=self.stdout)
 
     def live(self) -> set[int]:
@@ -269,16 +261,17 @@ class Supervisor:
         self.coord = self.beats = None  # type: ignore[assignment]  # drop the old store's server
         self.coord = Coordinator()
         self.coord.epoch = old_epoch
-        self.coord.store.add(keys.NEXT_WID, max(self.procs, default=-1) + 1)  # ids stay unique
-        self.beats = HeartbeatWatch(self.coord.store, float(self.env[ENV_HANG]))
-        self.env[ENV_STORE] = self.coord.address
+        # Worker ids stay unique across the restart.
+        self.coord.store.add(protocol.keys.NEXT_WID, max(self.procs, default=-1) + 1)
+        self.beats = HeartbeatWatch(self.coord.store, float(self.env[protocol.ENV_HANG]))
+        self.env[protocol.ENV_STORE] = self.coord.address
         members = set(old_members) & self.live()
         groups = self.roster.complete(members) if self.roster.group_size > 1 else None
         if groups is not None:
             members = {w for g in groups for w in g}
         if members:
             self.coord.publish(members, groups)
-        write_address(self.store_file, self.coord.address)
+        protocol.write_address(self.store_file, self.coord.address)
         self.rehosts += 1
         log.warning("coordinator re-hosted at %s (%s); epoch %d: members %s",
                     self.coord.address, why, self.coord.epoch, sorted(members))  # fmt: skip
@@ -300,7 +293,7 @@ class Supervisor:
         replicas = self.roster.live_groups(live) if self.roster.group_size > 1 else len(live)
         if not self.excluded or self.final_members is not None or replicas >= self.min_size:
             return False
-        after = exclusion_threshold(Path(self.env[ENV_EVENTS]))
+        after = exclusion_threshold(Path(self.env[protocol.ENV_EVENTS]))
         error = (
             f"worker(s) {self.excluded} excluded after {after} SDC verdict(s) each "
             f"(--exclude-suspect-after {after}) and not replaced: {replicas} replica(s) left, "

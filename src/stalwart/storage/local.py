@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
+import stalwart.storage.direct_io as direct_io
 from stalwart.errors import (
     ConfigError,
     ObjectNotFoundError,
@@ -34,14 +35,6 @@ from stalwart.errors import (
 )
 from stalwart.storage.base import Buffer, ObjectInfo, validate_key
 from stalwart.storage.confine import NOFOLLOW, Folders, link_error, open_folders, refuse_link, walk
-from stalwart.storage.direct_io import (
-    ALIGN,
-    AlignedBufferPool,
-    ReadBufferPool,
-    map_range,
-    read_range,
-    write_stream,
-)
 from stalwart.storage.temps import TEMP_PREFIX, create_claimed, remove_stale
 
 __all__ = ["MAP_READS", "TEMP_PREFIX", "LocalStorage", "fsync_dir"]
@@ -106,8 +99,8 @@ class LocalStorage:
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
-        self._buffers = AlignedBufferPool()
-        self._read_buffers = ReadBufferPool()
+        self._buffers = direct_io.AlignedBufferPool()
+        self._read_buffers = direct_io.ReadBufferPool()
         self._held: dict[str, list[int]] = {}  # key -> [descriptor, holders] (hold_open)
         self._held_lock = threading.Lock()
         if not os.path.isdir(self.root):
@@ -202,7 +195,7 @@ class LocalStorage:
             refuse_link(folders, name, "replace")  # the rename would not follow it; be plain
             fd, tmp = create_claimed(folders.fd, name, _OPEN_FLAGS_WRITE)
             try:
-                total = write_stream(fd, (_byte_view(b) for b in data), self._buffers)
+                total = direct_io.write_stream(fd, (_byte_view(b) for b in data), self._buffers)
                 if sync:
                     os.fsync(fd)
                 os.replace(tmp, name, src_dir_fd=folders.fd, dst_dir_fd=folders.fd)
@@ -257,14 +250,14 @@ class LocalStorage:
             mapped = None
             if MAP_READS:
                 with contextlib.suppress(OSError):  # a filesystem that cannot map: a buffer
-                    mapped = map_range(fd, offset, length)
+                    mapped = direct_io.map_range(fd, offset, length)
             if mapped is not None:
                 view, release = mapped
             else:
-                buf = self._read_buffers.get(length + 2 * ALIGN)
+                buf = self._read_buffers.get(length + 2 * direct_io.ALIGN)
                 release = functools.partial(self._read_buffers.put, buf)
                 try:
-                    view = read_range(fd, False, offset, length, buf).toreadonly()
+                    view = direct_io.read_range(fd, False, offset, length, buf).toreadonly()
                 except OSError as e:
                     release()
                     raise translate_os_error(e, os.path.join(self.root, key), "read") from e
