@@ -16,40 +16,14 @@ from typing import TYPE_CHECKING
 from stalwart.moved import find_moved
 
 if TYPE_CHECKING:
-    from stalwart.checkpoint import (
-        AnyOf,
-        Checkpointer,
-        CheckpointOptions,
-        EveryNSeconds,
-        EveryNSteps,
-        KeepAll,
-        KeepBest,
-        KeepEvery,
-        KeepLast,
-        PreemptionGuard,
-        Tier,
-        TieredCheckpointer,
-        TrainingState,
-    )
+    from stalwart.checkpoint import *  # noqa: F403 - the names of __all__, for type checkers
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AnyOf",
-    "CheckpointOptions",
-    "Checkpointer",
-    "EveryNSeconds",
-    "EveryNSteps",
-    "KeepAll",
-    "KeepBest",
-    "KeepEvery",
-    "KeepLast",
-    "PreemptionGuard",
-    "Tier",
-    "TieredCheckpointer",
-    "TrainingState",
-    "__version__",
-]
+FROM_CHECKPOINT = "stalwart.checkpoint"
+"""Where every public name but ``__version__`` lives: ``__all__`` is that package's
+``__all__`` and ``__version__``, read on first use so that ``import stalwart`` needs no torch
+(one list of names, kept by ``stalwart.checkpoint``)."""
 
 MOVED = {
     **dict.fromkeys(
@@ -75,14 +49,20 @@ def __getattr__(name: str) -> object:
     """The public names, imported on first use so ``import stalwart`` (and
     ``import stalwart.diagnose``, which needs no torch) stays light; ``stalwart.elastic``; and
     the names that left the front door, found where they moved, with a warning."""
-    if name in __all__:  # every public name but __version__ comes from stalwart.checkpoint
-        value = getattr(importlib.import_module("stalwart.checkpoint"), name)
-        globals()[name] = value
-        return value
     if name == "elastic":
         return importlib.import_module("stalwart.elastic")
-    return find_moved("stalwart", MOVED, name, stacklevel=3)
+    if name in MOVED or not (name == "__all__" or name[:1].isupper()):
+        return find_moved("stalwart", MOVED, name, stacklevel=3)  # or AttributeError
+    checkpoint = importlib.import_module(FROM_CHECKPOINT)
+    if name == "__all__":
+        value: object = sorted([*checkpoint.__all__, "__version__"])
+    elif name in checkpoint.__all__:
+        value = getattr(checkpoint, name)
+    else:
+        return find_moved("stalwart", MOVED, name, stacklevel=3)  # AttributeError
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__getattr__("__all__")})  # type: ignore[misc]

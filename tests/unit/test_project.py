@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "notebook": set(),
     "moved": set(),
+    "processes": set(),
     "frames": {"errors"},
     "environment": {"errors"},
     "values": {"errors"},
@@ -53,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
     "vulnerability": {
         "errors",
         "environment",
+        "processes",
         "frames",
         "moved",
         "notebook",
@@ -73,7 +75,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "diagnose": {"errors", "frames", "notebook"},
     "plan": {"errors", "frames"},
-    "testing": {"errors", "tree", "storage", "checkpoint"},
+    "testing": {"errors", "processes", "tree", "storage", "checkpoint"},
     "integrations": _CORE,
     "demos": _CORE | {"testing", "__init__"},
     "cli": _CORE | {"demos", "integrations", "__init__"},
@@ -140,6 +142,19 @@ def test_import_stalwart_loads_no_tools_demos_or_heavy_engines() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import stalwart pulled in: {out.stdout.strip()}"
+
+
+def test_the_front_door_keeps_one_list_of_names_and_imports_torch_only_when_asked() -> None:
+    import stalwart.checkpoint as ckpt_pkg
+
+    assert stalwart.__all__ == [*ckpt_pkg.__all__, "__version__"]
+    code = (
+        "import sys, stalwart; hasattr(stalwart, 'nosuch'); hasattr(stalwart, '__wrapped__'); "
+        "print('torch' in sys.modules); print(len(stalwart.__all__), 'torch' in sys.modules); "
+        "exec('from stalwart import *'); print(Checkpointer.__name__, sorted(dir(stalwart))[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:3] == ["False", "14 True", "Checkpointer AnyOf"]
 
 
 def test_import_of_the_elastic_job_leaves_dtensor_unloaded() -> None:

@@ -9,6 +9,7 @@ on-disk format and ``durable/checkpointer.py`` for the flow.
 
 from __future__ import annotations
 
+from stalwart.checkpoint import results
 from stalwart.checkpoint.durable.checkpointer import Checkpointer
 from stalwart.checkpoint.memory.tiers import Tier, TieredCheckpointer
 from stalwart.checkpoint.options import CheckpointOptions
@@ -46,17 +47,7 @@ MOVED = {
         ("FORMAT_VERSION", "ChunkRef", "Manifest", "ShardEntry", "TensorEntry"),
         "stalwart.checkpoint.format",
     ),
-    **dict.fromkeys(
-        (
-            "CheckpointEvent",
-            "GCReport",
-            "LoadResult",
-            "PendingSave",
-            "RecoveryReport",
-            "SaveResult",
-        ),
-        "stalwart.checkpoint.results",
-    ),
+    **dict.fromkeys(results.__all__, results.__name__),  # every result type, one list of them
     "RetentionPolicy": "stalwart.checkpoint.policy",
     "SavePolicy": "stalwart.checkpoint.policy",
     "guard": "stalwart.checkpoint.durable.async_save",
