@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -32,18 +31,18 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from stalwart.errors import ConfigError, DistributedError
+from stalwart.processes import TORCH, preloaded_context
 
 __all__ = ["PRELOAD", "run_ranks"]
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ("torch", "torch.distributed", "stalwart.checkpoint")
+PRELOAD = (*TORCH, "stalwart.checkpoint")
 """Modules the forkserver imports once, before it forks the first rank (fork copies them)."""
 _KILL_GRACE_S = 5.0  # how long a killed child may take to be reaped
 _STACK_DUMP_WAIT_S = 1.0  # how long hung ranks get to write their stacks before SIGKILL
@@ -130,7 +129,7 @@ def run_ranks(
         ) from e
 
     environ = {**os.environ, **{str(k): str(v) for k, v in (env or {}).items()}}
-    ctx = _start_context()
+    ctx = preloaded_context(PRELOAD)
     with _work_dir(tmp_dir) as work:
         store_path = str(work / f"filestore-{uuid.uuid4().hex}")
         dumps = [work / f"stacks-{uuid.uuid4().hex[:8]}-rank{r}.txt" for r in range(world_size)]
@@ -200,15 +199,6 @@ def _work_dir(tmp_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _start_context() -> BaseContext:
-    """The forkserver context with :data:`PRELOAD` (read when the server starts), else spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
 
 
 Outcome = tuple[str, Any]
