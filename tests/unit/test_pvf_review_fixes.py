@@ -252,6 +252,31 @@ def test_groups_of_several_tensors_weigh_them_by_population(masked_mlp: tuple, b
     assert row.pvf == pytest.approx(expect) and row.low <= row.pvf <= row.high
 
 
+def test_the_per_inference_rate_of_several_tensors_is_weighed_as_the_pvf(
+    masked_mlp: tuple,
+) -> None:
+    # The rate was the plain mean over the group's trials: under stratified sampling a trial in
+    # the 5-element bias counted as much as one in the 20-element weight.
+    model, _, table = masked_mlp
+    truth = {g: np.mean([v for (t, _, _), v in table.items() if t.startswith(g)]) for g in "02"}
+    rates: dict[str, list[float]] = {"0": [], "2": []}
+    covered = dict.fromkeys(rates, 0)
+    seeds = 40
+    for seed in range(seeds):
+        faults = sample_faults(model, 40, per_tensor=True, seed=seed)
+        res = _looked_up(model, faults, table)  # each fault's rate is its outcome, here
+        res.rate["dev>0.05"][::7] = np.nan  # some trials judged no input: left out
+        for r in estimate(res, "layer").rows:
+            rates[r.group].append(r.rate)
+            covered[r.group] += r.rate_low <= truth[r.group] <= r.rate_high
+    for g in rates:
+        assert abs(np.mean(rates[g]) - truth[g]) < 0.02, (g, np.mean(rates[g]), truth[g])
+        assert covered[g] >= 0.85 * seeds, (g, covered[g])
+    faults = sample_faults(model, 40, per_tensor=True, seed=0)
+    row = next(r for r in estimate(_looked_up(model, faults, table), "layer").rows)
+    assert row.rate == pytest.approx(row.pvf)  # rate = outcome: the same weighted mean
+
+
 def test_pvf_by_layer_recombines_its_stratified_rounds(masked_mlp: tuple) -> None:
     model, x, table = masked_mlp
     report = pvf(model, x, "dev>0.05", PVFOptions(by="layer", stop=FixedTrials(400)))
