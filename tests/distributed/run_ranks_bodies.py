@@ -44,6 +44,17 @@ def _stuck_here() -> None:
     time.sleep(600)
 
 
+def say(rank: int, world_size: int, text: str) -> None:
+    print(f"{text} from rank {rank}", flush=True)
+    print(f"{text} on stderr", file=sys.stderr, flush=True)
+
+
+def write_pid_then_sleep(rank: int, world_size: int, folder: str) -> None:
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
 def parent_and_path(rank: int, world_size: int) -> tuple[int, list[str]]:
     return os.getppid(), list(sys.path)
 

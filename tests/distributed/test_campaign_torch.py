@@ -28,6 +28,19 @@ CRITERIA = ["top1", "dev>0.05"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_ranks_import_the_factory_in_the_environment_of_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    faults = cm.mixed_faults(n=8)
+    kw: dict = {"workers": 2, "backend": "torch", "shards": 2, "timeout_s": 180}
+    scale.run_sharded(cm.tiny, faults, tmp_path / "a", ["top1"], **kw)  # the forkserver is up
+    monkeypatch.setenv("STALWART_TEST_MODEL_VARIANT", "b")
+    from . import env_campaign
+
+    res = scale.run_sharded(env_campaign.make, faults, tmp_path / "b", ["top1"], **kw)
+    assert len(res) == len(faults)
+
+
 def test_spawned_world_merges_to_the_one_process_result(tmp_path: Path) -> None:
     faults = cm.mixed_faults()
     ref = run_campaign(*cm.tiny(), faults, CRITERIA)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,56 @@ def test_children_see_the_callers_sys_path_as_it_is_at_the_call(
     monkeypatch.syspath_prepend(str(tmp_path))
     ((_, path),) = run_ranks(bodies.parent_and_path, 1)
     assert str(tmp_path) in path
+
+
+def test_rank_output_reaches_the_capture_of_the_call(capfd: pytest.CaptureFixture[str]) -> None:
+    run_ranks(bodies.sum_ranks, 1, 1)  # the forkserver may have started under another capture
+    capfd.readouterr()
+    run_ranks(bodies.say, 2, "hello")
+    out, err = capfd.readouterr()
+    assert "hello from rank 0" in out and "hello from rank 1" in out
+    assert err.count("hello on stderr") == 2
+
+
+def test_ranks_exit_when_their_caller_is_killed(tmp_path: Path) -> None:
+    # A forked rank's parent is the forkserver, which lives while its ranks do: a rank that
+    # watched its parent outlived a test runner killed by SIGKILL.
+    driver = (
+        "import sys; sys.path[:0] = sys.argv[2:]; "
+        "from stalwart.testing import run_ranks; "
+        "from tests.distributed import run_ranks_bodies as b; "
+        "run_ranks(b.write_pid_then_sleep, 2, sys.argv[1], timeout_s=300)"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-c", driver, str(tmp_path), root])
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "ranks outlived their killed caller"
+
+
+def _wait_for_pids(folder: Path, n: int, proc: subprocess.Popen[bytes]) -> list[int]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = sorted(folder.glob("rank*.pid"))
+        if len(files) == n and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError(f"the ranks did not start (driver exit code {proc.poll()})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; its parent has not reaped it
+        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_an_expected_sigkill_gives_none_in_that_slot() -> None:

@@ -20,6 +20,7 @@ import faulthandler
 import logging
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.errors import ConfigError, DistributedError
-from stalwart.processes import TORCH, preloaded_context
+from stalwart.processes import TORCH, Inherited, preloaded_context
 
 __all__ = ["PRELOAD", "run_ranks"]
 
@@ -142,7 +143,7 @@ def run_ranks(
                     target=_child_main,
                     args=(
                         job,
-                        environ,
+                        Inherited(environ),
                         rank,
                         world_size,
                         store_path,
@@ -331,7 +332,7 @@ def _describe_code(code: int | None) -> str:
 
 def _child_main(
     job: bytes,
-    environ: dict[str, str],
+    inherited: Inherited,
     rank: int,
     world_size: int,
     store_path: str,
@@ -341,12 +342,12 @@ def _child_main(
 ) -> None:
     """Entry point of one rank: join the group, run ``fn``, answer, leave the group.
 
-    ``job``, ``(fn, args)`` pickled, is unpickled (importing ``fn``'s module) once ``environ``
-    is in place. A forked rank's parent is the forkserver, which exits with the test process.
+    ``job``, ``(fn, args)`` pickled, is unpickled (importing ``fn``'s module) once the
+    caller's environment and output are adopted. Every rank passes a barrier before ``fn``:
+    a rank that dies at once must not fail a peer still connecting its gloo mesh.
     """
-    _exit_with_parent(os.getppid())
-    os.environ.clear()
-    os.environ.update(environ)
+    inherited.adopt()
+    _exit_with_caller(conn)
     if _DUMP_SIGNAL is not None:
         dump = open(dump_path, "w")  # noqa: SIM115 - must stay open for the process' lifetime
         faulthandler.register(_DUMP_SIGNAL, file=dump, all_threads=True)
@@ -365,6 +366,7 @@ def _child_main(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        dist.barrier()
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:
         outcome = ("error", traceback.format_exc())
@@ -386,12 +388,20 @@ def _child_main(
         sys.exit(1)
 
 
-def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
-    """Exit when the parent dies (e.g. a test runner killed hard), so no rank is orphaned."""
+def _exit_with_caller(conn: Connection) -> None:
+    """Exit when the caller dies (a test runner killed hard), so no rank is orphaned.
+
+    The caller holds the only reading end of ``conn``: its death closes it, and the writing
+    end polls as an error. (A forked rank's parent is the forkserver, which lives as long as
+    any rank it forked does, so watching the parent would wait forever.)
+    """
+    fd = os.dup(conn.fileno())  # stays valid after the rank closes conn
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
+        poller = select.poll()
+        poller.register(fd, 0)  # only POLLERR / POLLHUP: the reader is gone
+        while not poller.poll():
+            pass
         os._exit(70)
 
-    threading.Thread(target=watch, name="run_ranks-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="run_ranks-caller-watch", daemon=True).start()
