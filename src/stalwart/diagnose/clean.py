@@ -174,8 +174,8 @@ def _profile(
     estimated distinct count needs confirming)."""
     cols = [_Profile(c, src.types.get(c, "VARCHAR"), 0, 0, frozenset()) for c in attributes]
     parts = ["count(*)", *sums]
-    for p in cols:
-        text = f"CAST({identifier(p.name)} AS VARCHAR)"
+    texts = [f"CAST({identifier(p.name)} AS VARCHAR)" for p in cols]
+    for p, text in zip(cols, texts, strict=True):
         textual = not p.numeric and not p.sql_type.upper().startswith(_NOT_TEXT)
         taken = f"bool_or({_collides(text)})" if textual else "NULL"  # streams; lists later
         parts += [f"approx_count_distinct({p.value})", f"count(*) - count({p.value})", taken]
@@ -183,9 +183,8 @@ def _profile(
     totals = [float(v or 0.0) for v in row[: 1 + len(sums)]]
     at = 1 + len(sums)
     distinct = [int(row[at + 3 * i] or 0) for i in range(len(cols))]
-    for i, p in enumerate(cols):  # the rare column holding a label's text: which ones
+    for i, text in enumerate(texts):  # the rare column holding a label's text: which ones
         if row[at + 3 * i + 2]:
-            text = f"CAST({identifier(p.name)} AS VARCHAR)"
             found = f"SELECT list(DISTINCT {text}) FROM {{src}} WHERE {_collides(text)}"
             row[at + 3 * i + 2] = src.sql(found).fetchall()[0][0]
     near = [i for i, d in enumerate(distinct) if needs_exact(d, int(totals[0]), options)]
